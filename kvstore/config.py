@@ -1,0 +1,337 @@
+"""Store configuration: frozen dataclasses, read from dicts, YAML and env.
+
+This is the only module that reads configuration sources. The shape is::
+
+    tiers:
+      - kind: host            # pinned host DRAM (pinned only when CUDA exists)
+        capacity: 2GiB        # ints are bytes; "512MiB", "1.5GB" are parsed
+        high_watermark: 0.9   # evict when usage passes this fraction ...
+        low_watermark: 0.7    # ... down to this one (hysteresis)
+      - kind: device
+        device: cuda:0
+        capacity: 8GiB
+
+The first tier is the fastest; eviction demotes blocks down the list.
+Unknown keys and impossible values raise :class:`~kvstore.errors.ConfigError`
+naming the key (``tiers[1].capacity``).
+
+Environment overrides (applied by :meth:`StoreConfig.load`,
+:meth:`StoreConfig.from_dict` and :meth:`StoreConfig.from_yaml` unless
+``environ={}`` is passed):
+
+- ``KVSTORE_CONFIG=/path/store.yaml`` -- the base file for ``load()``.
+- ``KVSTORE_TIERS='[{"kind": "host", "capacity": "1GiB"}]'`` -- replaces the
+  tier list (YAML or JSON).
+- ``KVSTORE_<KIND>_<FIELD>=value`` -- sets one field of the first tier of
+  that kind, e.g. ``KVSTORE_HOST_CAPACITY=8GiB``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from kvstore.errors import ConfigError
+
+__all__ = [
+    "DeviceTierConfig",
+    "HostTierConfig",
+    "StoreConfig",
+    "TierConfig",
+    "format_size",
+    "parse_size",
+    "tier_config_class",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Bytes in ``value``: an int, or a string like ``"512MiB"`` / ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 1073741824, '512MiB', '2GB')")
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size, e.g. ``'1.50 GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _parse_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _parse_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _parse_optional_bool(value: Any, key: str) -> bool | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "")):
+        return None
+    return _parse_bool(value, key)
+
+
+def _parse_str(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+Parser = Callable[[Any, str], Any]
+
+
+def _opt(default: Any, parser: Parser) -> Any:
+    return field(default=default, metadata={"parse": parser})
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Settings every tier has. Subclasses add their medium's settings."""
+
+    kind: ClassVar[str] = ""
+    capacity: int = _opt(0, parse_size)
+    high_watermark: float = _opt(0.9, _parse_float)
+    low_watermark: float = _opt(0.7, _parse_float)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
+        if self.capacity <= 0:
+            raise ConfigError(f"{path}.capacity: must be > 0 bytes, got {self.capacity}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ConfigError(
+                f"{path}.high_watermark: must be in (0, 1], got {self.high_watermark}"
+            )
+        if not 0.0 <= self.low_watermark < self.high_watermark:
+            raise ConfigError(
+                f"{path}.low_watermark: must be in [0, high_watermark={self.high_watermark}), "
+                f"got {self.low_watermark}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (with ``kind``) that :meth:`StoreConfig.from_dict` reads back."""
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class HostTierConfig(TierConfig):
+    """Host DRAM tier. ``pinned``: page-locked memory (None: when CUDA exists)."""
+
+    kind: ClassVar[str] = "host"
+    capacity: int = _opt(4 * 1024**3, parse_size)
+    pinned: bool | None = _opt(None, _parse_optional_bool)
+
+
+@dataclass(frozen=True)
+class DeviceTierConfig(TierConfig):
+    """Accelerator memory tier (``device`` is any torch device string)."""
+
+    kind: ClassVar[str] = "device"
+    device: str = _opt("cuda:0", _parse_str)
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        import torch  # deferred: config parsing itself needs no torch
+
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError):
+            raise ConfigError(f"{path}.device: {self.device!r} is not a torch device") from None
+
+
+_TIER_CONFIGS: dict[str, type[TierConfig]] = {
+    cls.kind: cls for cls in (HostTierConfig, DeviceTierConfig)
+}
+
+
+def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
+    """The config dataclass of tier ``kind``."""
+    try:
+        return _TIER_CONFIGS[kind]
+    except KeyError:
+        known = ", ".join(sorted(_TIER_CONFIGS))
+        raise ConfigError(f"{path}: unknown tier kind {kind!r}; known kinds: {known}") from None
+
+
+def _build(cls: type[Any], data: Any, path: str) -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, naming bad keys by ``path``."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"{path}.{key}: unknown key; allowed keys: {allowed}")
+        parser = fields[key].metadata.get("parse")
+        kwargs[key] = parser(value, f"{path}.{key}") if parser else value
+    return cls(**kwargs)
+
+
+def _build_tier(data: Any, path: str) -> TierConfig:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with a 'kind', got {type(data).__name__}")
+    if "kind" not in data:
+        raise ConfigError(f"{path}.kind: missing; every tier needs a kind")
+    rest = {k: v for k, v in data.items() if k != "kind"}
+    tier: TierConfig = _build(tier_config_class(data["kind"], f"{path}.kind"), rest, path)
+    tier.validate(path)
+    return tier
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The whole store's configuration: an ordered list of tiers, fastest first."""
+
+    tiers: tuple[TierConfig, ...] = (HostTierConfig(),)
+    _ENV_PREFIX: ClassVar[str] = "KVSTORE_"
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("tiers: at least one tier is required")
+        for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, TierConfig):
+                raise ConfigError(f"tiers[{i}]: expected a TierConfig, got {type(tier).__name__}")
+            tier.validate(f"tiers[{i}]")
+
+    # -- sources ----------------------------------------------------------
+    @classmethod
+    def default(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
+        """The embedded default (one host tier), with env overrides."""
+        return cls._with_env({}, environ)
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """Read a config dict; ``environ`` (default ``os.environ``) overrides it."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
+        return cls._with_env(dict(data), environ)
+
+    @classmethod
+    def from_yaml(
+        cls, path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """Read a YAML file; ``environ`` (default ``os.environ``) overrides it."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {os.fspath(path)!r}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from None
+        return cls.from_dict(data, environ)
+
+    @classmethod
+    def load(
+        cls, source: StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None
+    ) -> StoreConfig:
+        """Resolve a config from whatever a user passed (None: env, then default)."""
+        if isinstance(source, StoreConfig):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if source is not None:
+            return cls.from_yaml(source)
+        path = os.environ.get(cls._ENV_PREFIX + "CONFIG")
+        return cls.from_yaml(path) if path else cls.default()
+
+    @classmethod
+    def _from_plain(cls, data: Mapping[str, Any]) -> StoreConfig:
+        unknown = set(data) - {"tiers"}
+        if unknown:
+            raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed keys: tiers")
+        tiers_data = data.get("tiers", [HostTierConfig().to_dict()])
+        if not isinstance(tiers_data, (list, tuple)):
+            raise ConfigError(f"tiers: expected a list, got {type(tiers_data).__name__}")
+        tiers = tuple(_build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
+        return cls(tiers=tiers)
+
+    @classmethod
+    def _with_env(cls, data: dict[str, Any], environ: Mapping[str, str] | None) -> StoreConfig:
+        env = os.environ if environ is None else environ
+        data = _apply_env(data, env, cls._ENV_PREFIX)
+        return cls._from_plain(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict that :meth:`from_dict` reads back to an equal config."""
+        return {"tiers": [t.to_dict() for t in self.tiers]}
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """Overlay ``KVSTORE_*`` variables on a plain config dict."""
+    names = sorted(k for k in env if k.startswith(prefix) and k != prefix + "CONFIG")
+    if not names:
+        return data
+    data = dict(data)
+    if prefix + "TIERS" in env:
+        try:
+            data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{prefix}TIERS is not valid YAML/JSON: {exc}") from None
+    tiers: list[Any] = [
+        dict(t) if isinstance(t, Mapping) else t for t in data.get("tiers", [{"kind": "host"}])
+    ]
+    for name in names:
+        if name == prefix + "TIERS":
+            continue
+        kind, _, key = name[len(prefix) :].lower().partition("_")
+        if kind not in _TIER_CONFIGS or not key:
+            raise ConfigError(
+                f"{name}: unknown setting; use {prefix}<KIND>_<FIELD> with a kind of "
+                f"{', '.join(sorted(_TIER_CONFIGS))}, or {prefix}TIERS / {prefix}CONFIG"
+            )
+        matches = [t for t in tiers if isinstance(t, dict) and t.get("kind") == kind]
+        if not matches:
+            raise ConfigError(f"{name}: the config has no tier of kind {kind!r} to override")
+        matches[0][key] = env[name]
+    data["tiers"] = tiers
+    return data

@@ -1,0 +1,77 @@
+"""The one exception family of kvstore.
+
+Every error the store raises on purpose is a :class:`KVStoreError`. The few
+subclasses say *what kind* of thing went wrong, so callers can react without
+parsing messages:
+
+- :class:`ConfigError` -- a configuration key or value is wrong (the message
+  names the key, e.g. ``tiers[0].capacity``).
+- :class:`InvalidInputError` -- an argument is wrong: shape, dtype, device,
+  key count, token ids. :class:`LayoutMismatchError` is the special case of
+  KV produced under a different :class:`~kvstore.layout.KVLayout`.
+- :class:`BlockNotFoundError` -- a requested block is not (or no longer)
+  stored. Also a ``KeyError``.
+- :class:`CorruptBlockError` -- bytes read from outside process memory
+  failed verification (bad magic, header or payload checksum, truncation).
+- :class:`TierError` -- a storage medium failed (I/O error, full disk,
+  unreachable server). The store turns these into misses for the caller.
+- :class:`CapacityError` -- no tier could make room (every candidate block
+  is pinned).
+- :class:`ClosedError` -- the store was used after :meth:`KVStore.close`.
+
+Bad input is rejected *before* anything is changed: an operation that raises
+``InvalidInputError`` or ``ConfigError`` leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockNotFoundError",
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptBlockError",
+    "InvalidInputError",
+    "KVStoreError",
+    "LayoutMismatchError",
+    "TierError",
+]
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises deliberately."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration key is unknown or its value is impossible."""
+
+
+class InvalidInputError(KVStoreError, ValueError):
+    """An argument has the wrong shape, dtype, device, length or type."""
+
+
+class LayoutMismatchError(InvalidInputError):
+    """KV data or a block header belongs to a different KV layout."""
+
+
+class BlockNotFoundError(KVStoreError, KeyError):
+    """A block asked for is not stored (or was lost to a failing tier)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class CorruptBlockError(KVStoreError):
+    """Bytes read from outside process memory failed verification."""
+
+
+class TierError(KVStoreError):
+    """A storage medium failed; callers see this as a miss, not as data."""
+
+
+class CapacityError(KVStoreError):
+    """No room could be made: every eviction candidate is pinned."""
+
+
+class ClosedError(KVStoreError):
+    """The store (or a tier) was used after close()."""

@@ -1,0 +1,223 @@
+"""Chunk keys: chained, namespaced, deterministic hashes of token prefixes.
+
+Tokens are cut into chunks of ``block_tokens``; only full chunks get a key.
+The key of chunk ``i`` is::
+
+    key[0] = xxh3_128(seed || tokens[0])
+    key[i] = xxh3_128(key[i-1] || tokens[i])
+
+where ``tokens[i]`` is the little-endian int32 bytes of the chunk and
+``seed`` is the 16-byte fingerprint of a :class:`Namespace` (model id and
+revision, KV layout, dtype, tensor-parallel rank, adapter, user salt). Two
+requests share a key only if they share the whole prefix in the same
+namespace, and the same tokens give the same keys in every process on every
+machine: no ``hash()``, no pickle, no per-process random seed.
+
+Keys are plain 16-byte ``bytes`` (:data:`BlockKey`), cheap to create, to
+hash in dicts and to send anywhere; ``key.hex()`` is the readable form.
+Engines that already have block hashes pass them through
+:func:`engine_keys`, which folds in the namespace so that different models
+never share keys.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NewType
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.errors import InvalidInputError, LayoutMismatchError
+from kvstore.layout import KVLayout
+
+__all__ = [
+    "KEY_BYTES",
+    "BlockKey",
+    "Namespace",
+    "check_keys",
+    "chain_keys",
+    "engine_keys",
+    "format_key",
+    "tokens_to_bytes",
+]
+
+#: A 16-byte chunk key. At run time it is plain ``bytes`` (like vLLM's BlockHash).
+BlockKey = NewType("BlockKey", bytes)
+KEY_BYTES = 16
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two chunks of KV to be interchangeable.
+
+    Args:
+        model: model id and revision, e.g. ``"meta-llama/Llama-3.1-8B@5f0b02c"``.
+        layout: the KV layout (its fingerprint covers geometry and dtype).
+        tp_rank: tensor-parallel rank whose heads the KV holds (None: unsharded).
+        tp_size: tensor-parallel world size (None: unsharded).
+        adapter: LoRA/adapter id, if any.
+        salt: a user salt (e.g. per-tenant isolation).
+    """
+
+    model: str
+    layout: KVLayout
+    tp_rank: int | None = None
+    tp_size: int | None = None
+    adapter: str | None = None
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidInputError(f"namespace model must be a non-empty str, got {self.model!r}")
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidInputError("namespace layout must be a KVLayout")
+        for name in ("tp_rank", "tp_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidInputError(f"namespace {name} must be an int >= 0, got {value!r}")
+        for name in ("adapter", "salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"namespace {name} must be a str, got {value!r}")
+
+    @property
+    def seed(self) -> bytes:
+        """The 16-byte fingerprint that seeds every key chain in this namespace."""
+        return _namespace_seed(self)
+
+    def check_layout(self, layout: KVLayout) -> None:
+        """Raise :class:`LayoutMismatchError` if this namespace is for another layout."""
+        if self.layout.fingerprint != layout.fingerprint:
+            raise LayoutMismatchError(
+                f"namespace {self.model!r} was made for layout {self.layout.describe()}, "
+                f"not {layout.describe()}"
+            )
+
+
+@lru_cache(maxsize=1024)
+def _namespace_seed(ns: Namespace) -> bytes:
+    fields = (
+        "kvstore.ns.v1",
+        ns.model,
+        ns.layout.fingerprint.hex(),
+        str(ns.layout.dtype).removeprefix("torch."),
+        "" if ns.tp_rank is None else str(ns.tp_rank),
+        "" if ns.tp_size is None else str(ns.tp_size),
+        "" if ns.adapter is None else ns.adapter,
+        "" if ns.salt is None else ns.salt,
+    )
+    # Length-prefixed fields: ("ab", "c") and ("a", "bc") must not collide.
+    packed = b"".join(struct.pack("<I", len(f.encode())) + f.encode() for f in fields)
+    return xxhash.xxh3_128_digest(packed)
+
+
+def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes:
+    """Little-endian int32 bytes of ``token_ids`` (list, numpy array or tensor).
+
+    ``limit`` keeps only the first ``limit`` tokens (before conversion, so a
+    long list's unused tail costs nothing).
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise InvalidInputError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+            raise InvalidInputError(f"token_ids must be integers, got {token_ids.dtype}")
+        token_ids = token_ids[:limit].cpu().numpy()
+    elif not isinstance(token_ids, np.ndarray):
+        if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(
+            token_ids, Sequence | Iterable
+        ):
+            raise InvalidInputError(
+                f"token_ids must be a list, numpy array or tensor of ints, "
+                f"got {type(token_ids).__name__}"
+            )
+        seq = token_ids if isinstance(token_ids, Sequence) else list(token_ids)
+        try:
+            token_ids = np.asarray(seq[:limit], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidInputError(f"token_ids must all be ints: {exc}") from None
+    return _array_to_bytes(token_ids[:limit])
+
+
+def _array_to_bytes(arr: np.ndarray) -> bytes:
+    if arr.ndim != 1:
+        raise InvalidInputError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<i4"):
+        if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
+            raise InvalidInputError("token_ids must fit in int32")
+        arr = arr.astype("<i4")
+    return arr.tobytes()
+
+
+def chain_keys(token_bytes: bytes, block_tokens: int, parent: bytes) -> list[BlockKey]:
+    """Chained xxh3-128 keys of the full chunks in ``token_bytes``.
+
+    ``parent`` is the namespace seed for a chain from the start of a prompt,
+    or the key of the chunk just before ``token_bytes`` to continue a chain.
+    """
+    step = block_tokens * 4
+    full = len(token_bytes) - len(token_bytes) % step
+    digest = xxhash.xxh3_128_digest
+    keys: list[BlockKey] = []
+    append = keys.append
+    prev = parent
+    # iter_unpack slices chunks in C; this loop is the whole cost of hashing.
+    for (chunk,) in struct.iter_unpack(f"{step}s", memoryview(token_bytes)[:full]):
+        prev = digest(prev + chunk)
+        append(prev)  # type: ignore[arg-type]
+    return keys
+
+
+def _opaque_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+    raise InvalidInputError(
+        f"engine block hash must be bytes, str or int, got {type(value).__name__}"
+    )
+
+
+def engine_keys(hashes: Iterable[Any], namespace: Namespace) -> list[BlockKey]:
+    """Keys for block hashes an engine computed itself (vLLM, SGLang).
+
+    The engine's hash is folded with the namespace seed so that hashes from
+    different models, layouts or ranks never collide in a shared store.
+    """
+    seed = namespace.seed
+    digest = xxhash.xxh3_128_digest
+    return [BlockKey(digest(seed + b"|engine|" + _opaque_bytes(h))) for h in hashes]
+
+
+def check_keys(keys: Any, what: str = "keys") -> list[BlockKey]:
+    """Validate a sequence of keys; return it as a list of 16-byte bytes."""
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
+        raise InvalidInputError(f"{what} must be a sequence of 16-byte keys")
+    out: list[BlockKey] = []
+    for i, key in enumerate(keys):
+        if type(key) is not bytes:
+            if not isinstance(key, (bytes, bytearray, memoryview)):
+                raise InvalidInputError(
+                    f"{what}[{i}] must be a 16-byte key (bytes), got {type(key).__name__}"
+                )
+            key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise InvalidInputError(f"{what}[{i}] has {len(key)} bytes, keys have {KEY_BYTES}")
+        out.append(BlockKey(key))
+    return out
+
+
+def format_key(key: bytes) -> str:
+    """Readable form of a key (its hex)."""
+    return bytes(key).hex()

@@ -1,0 +1,98 @@
+"""Slab allocation over one preallocated buffer per tier.
+
+Every block of a layout has the same size, so a memory tier is one big
+buffer cut into fixed slots: allocation is popping slot numbers off a free
+stack, with no per-block ``malloc``/``cudaMalloc``/``cudaHostAlloc`` on the
+hot path (pinned allocations cost milliseconds each, which is how peers end
+up leaking or fragmenting pinned memory). Freed slots return to the stack at
+once, so capacity comes back exactly after deletes and evictions.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvstore.errors import CapacityError, ClosedError, InvalidInputError
+
+__all__ = ["SlabAllocator", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (pinned host memory then pays off)."""
+    return bool(torch.cuda.is_available())
+
+
+class SlabAllocator:
+    """``num_slots`` slots of ``slot_nbytes`` bytes in one buffer on ``device``.
+
+    Thread-safe: ``_lock`` (owned here, held only for free-list updates)
+    guards the free stack and the used bitmap. ``alloc`` is all-or-nothing.
+    """
+
+    def __init__(
+        self,
+        slot_nbytes: int,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        pinned: bool = False,
+    ) -> None:
+        if slot_nbytes <= 0 or num_slots <= 0:
+            raise InvalidInputError(
+                f"slab needs slot_nbytes > 0 and num_slots > 0, got {slot_nbytes}, {num_slots}"
+            )
+        self.slot_nbytes = slot_nbytes
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.pinned = bool(pinned and self.device.type == "cpu")
+        self.buffer: torch.Tensor | None = torch.empty(
+            slot_nbytes * num_slots, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+        )
+        # Low slot numbers first: a lightly used tier touches only the start of the buffer.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used = bytearray(num_slots)
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        """Slots not allocated."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Slots allocated."""
+        return self.num_slots - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` slots, or raise :class:`CapacityError` and take none."""
+        with self._lock:
+            if self.buffer is None:
+                raise ClosedError("slab allocator is closed")
+            if n > len(self._free):
+                raise CapacityError(f"need {n} slots, {len(self._free)} of {self.num_slots} free")
+            slots = [self._free.pop() for _ in range(n)]
+            for slot in slots:
+                self._used[slot] = 1
+            return slots
+
+    def free(self, slots: list[int]) -> None:
+        """Return ``slots``; freeing a slot twice is a bug and raises."""
+        with self._lock:
+            for slot in slots:
+                assert self._used[slot], f"slot {slot} freed twice"
+                self._used[slot] = 0
+                self._free.append(slot)
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The bytes of ``slot`` (a uint8 view into the buffer)."""
+        if self.buffer is None:
+            raise ClosedError("slab allocator is closed")
+        start = slot * self.slot_nbytes
+        return self.buffer[start : start + self.slot_nbytes]
+
+    def close(self) -> None:
+        """Release the buffer (pinned memory goes back to the OS now, not at GC)."""
+        with self._lock:
+            self.buffer = None
+            self._free.clear()

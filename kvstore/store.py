@@ -1,0 +1,215 @@
+"""KVStore: the public entry point.
+
+>>> layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=256)
+>>> with KVStore(layout) as store:                      # embedded default config
+...     keys = store.hash_tokens(token_ids, namespace="llama-3-8b@rev")
+...     n = store.lookup(keys)                          # leading chunks stored
+...     store.put(keys, kv)                             # kv: layout.tensor_shape(len(keys))
+...     out = store.get(keys[:n])                       # layout.tensor_shape(n)
+
+Every argument is checked before anything changes: bad input raises an
+:class:`~kvstore.errors.InvalidInputError` (or a subclass) and leaves the
+store as it was. A failing tier shows up as a miss, never as wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ClosedError, InvalidInputError
+from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
+from kvstore.layout import KVLayout
+from kvstore.manager import BlockManager
+from kvstore.tiers import create_tier
+from kvstore.tiers.base import Tier
+
+__all__ = ["KVStore"]
+
+ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+class KVStore:
+    """A tiered, content-addressed store of KV-cache blocks for one layout.
+
+    Args:
+        layout: the KV geometry every block of this store has.
+        config: a :class:`StoreConfig`, a config dict, a YAML path, or None
+            for ``$KVSTORE_CONFIG`` / the embedded default (one host tier).
+
+    Thread-safe: any number of threads may call any method at once.
+    """
+
+    def __init__(self, layout: KVLayout, config: ConfigSource = None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.config = StoreConfig.load(config)
+        tiers: list[Tier] = []
+        try:
+            for tier_config in self.config.tiers:
+                tiers.append(create_tier(tier_config, layout))
+            self._manager = BlockManager(layout, tiers)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        self._namespaces: dict[str, Namespace] = {}
+
+    # -- keys ---------------------------------------------------------------
+    def namespace(self, model: str, **extra: Any) -> Namespace:
+        """A :class:`Namespace` for ``model`` in this store's layout.
+
+        ``extra`` may set ``tp_rank``, ``tp_size``, ``adapter`` and ``salt``.
+        """
+        return Namespace(model=model, layout=self.layout, **extra)
+
+    def _resolve_namespace(self, namespace: str | Namespace) -> Namespace:
+        if isinstance(namespace, Namespace):
+            namespace.check_layout(self.layout)
+            return namespace
+        if isinstance(namespace, str):
+            ns = self._namespaces.get(namespace)
+            if ns is None:
+                ns = self._namespaces.setdefault(namespace, self.namespace(namespace))
+            return ns
+        raise InvalidInputError(
+            f"namespace must be a model id string or a Namespace, got {type(namespace).__name__}"
+        )
+
+    def hash_tokens(
+        self,
+        token_ids: Any,
+        namespace: str | Namespace,
+        parent: bytes | None = None,
+    ) -> list[BlockKey]:
+        """One key per *full* chunk of ``token_ids`` (a trailing partial chunk gets none).
+
+        ``token_ids``: a list, numpy array or 1-D tensor of ints. ``namespace``:
+        a model id (``"llama-3-8b@rev"``) or a :class:`Namespace`. ``parent``:
+        the key of the chunk just before ``token_ids``, to continue a chain
+        (e.g. a new turn appended to a conversation already hashed).
+        """
+        ns = self._resolve_namespace(namespace)
+        if parent is not None:
+            parent = check_keys([parent], "parent")[0]
+        full = None
+        if isinstance(token_ids, (list, tuple)):
+            full = len(token_ids) - len(token_ids) % self.layout.block_tokens
+        data = tokens_to_bytes(token_ids, limit=full)
+        return chain_keys(data, self.layout.block_tokens, ns.seed if parent is None else parent)
+
+    def engine_keys(self, hashes: Iterable[Any], namespace: str | Namespace) -> list[BlockKey]:
+        """Keys for an engine's own block hashes (bytes, str or int), namespaced."""
+        return engine_keys(hashes, self._resolve_namespace(namespace))
+
+    # -- blocks -------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` stored: the prefix hit, in chunks."""
+        return self._manager.lookup(check_keys(keys))
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether ``key`` is stored."""
+        return self._manager.contains(check_keys([key], "key")[0])
+
+    def put(self, keys: Sequence[BlockKey], kv: torch.Tensor) -> int:
+        """Store the KV of ``len(keys)`` chunks; ``kv`` has ``layout.tensor_shape(len(keys))``.
+
+        Returns how many of ``keys`` are stored afterwards (keys already
+        stored count, and are not rewritten). Fewer means the tiers had no
+        room that could be freed (every block pinned).
+        """
+        checked = check_keys(keys)
+        self.layout.check_tensor(kv, len(checked))
+        return self._manager.put(checked, self._chunks(kv, len(checked)))
+
+    def get(self, keys: Sequence[BlockKey], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The KV of ``keys`` as one tensor of ``layout.tensor_shape(len(keys))``.
+
+        Fills ``out`` when given (cpu or cuda), else returns a new CPU tensor.
+        Raises :class:`~kvstore.errors.BlockNotFoundError` if any key is not
+        stored (or every copy of it failed verification).
+        """
+        checked = check_keys(keys)
+        target = self._target(out, len(checked))
+        self._manager.get(checked, self._chunks(target, len(checked)))
+        return target
+
+    def get_prefix(self, keys: Sequence[BlockKey], out: torch.Tensor) -> int:
+        """Load the longest stored prefix of ``keys`` into ``out``; return its length.
+
+        Never raises for a miss: a block that is absent or fails verification
+        ends the prefix. ``out`` past the returned prefix is unspecified.
+        """
+        checked = check_keys(keys)
+        target = self._target(out, len(checked))
+        return self._manager.get(checked, self._chunks(target, len(checked)), prefix=True)
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Delete ``keys`` from every tier; return how many were stored."""
+        return self._manager.delete(check_keys(keys))
+
+    def evict(self, n: int, tier: int = 0) -> list[BlockKey]:
+        """Evict exactly ``n`` unpinned blocks from tier ``tier`` (demoting them), or none."""
+        if not isinstance(n, int) or n < 0:
+            raise InvalidInputError(f"n must be an int >= 0, got {n!r}")
+        if not isinstance(tier, int) or not 0 <= tier < len(self.config.tiers):
+            raise InvalidInputError(f"tier must be in [0, {len(self.config.tiers)}), got {tier!r}")
+        return self._manager.evict(tier, n)
+
+    def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
+        step = self.layout.block_tokens
+        return [kv[:, :, i * step : (i + 1) * step] for i in range(n)]
+
+    def _target(self, out: torch.Tensor | None, n: int) -> torch.Tensor:
+        if out is None:
+            return torch.empty(self.layout.tensor_shape(n), dtype=self.layout.dtype)
+        return self.layout.check_tensor(out, n, what="out")
+
+    # -- state --------------------------------------------------------------
+    @property
+    def manager(self) -> BlockManager:
+        """The block manager (index, tiers, counters)."""
+        return self._manager
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and per-tier usage as a JSON-friendly dict."""
+        counters = self._manager.counters_snapshot()
+        lookups = counters["lookup_blocks_hit"] + counters["lookup_blocks_missed"]
+        write_s, read_s = counters["write_seconds"], counters["read_seconds"]
+        return {
+            "layout": self.layout.describe(),
+            "block_nbytes": self.layout.block_nbytes,
+            "blocks": len(self._manager),
+            "lookup_hit_rate": counters["lookup_blocks_hit"] / lookups if lookups else 0.0,
+            "write_gbps": counters["bytes_written"] / write_s / 1e9 if write_s else 0.0,
+            "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
+            **counters,
+            "tiers": self._manager.tier_usage(),
+        }
+
+    def close(self) -> None:
+        """Finish operations in flight and release every tier. Idempotent."""
+        self._manager.close()
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._manager.closed
+
+    def __enter__(self) -> KVStore:
+        if self.closed:
+            raise ClosedError("the store is closed")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kinds = ",".join(t.kind for t in self.config.tiers)
+        layout = self.layout.fingerprint_hex
+        return f"<KVStore tiers={kinds} blocks={len(self._manager)} layout={layout}>"

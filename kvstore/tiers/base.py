@@ -1,0 +1,109 @@
+"""The tier interface: one medium, whole blocks in and out, no policy.
+
+A tier stores blocks of one :class:`~kvstore.layout.KVLayout` under 16-byte
+keys. It does not decide what to keep: the block manager tells it what to
+put, read and delete, and keeps its own index of which tier holds what.
+
+Blocks cross this interface as tensors of ``layout.block_shape`` (any
+strides, any device): ``put`` copies *from* such views, ``get`` copies
+*into* them, optionally only a range of layers (``layers=(first, last)``
+gives views of shape ``(last - first, *block_shape[1:])``). Batches are
+lists so a tier can pipeline them (one disk round trip or one network round
+trip for the batch, not one per block).
+
+Failures: a batch method returns one bool per key (True: stored / read and
+verified) so that one bad block costs one miss, not the batch. A tier raises
+:class:`~kvstore.errors.TierError` only when the whole medium is unusable.
+It never hands back bytes that failed verification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvstore.config import TierConfig
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+
+__all__ = ["LayerRange", "Tier"]
+
+#: ``(first, last)``: layers ``first <= l < last``; None means all layers.
+LayerRange = tuple[int, int] | None
+
+
+class Tier(ABC):
+    """One storage medium holding blocks of a single layout.
+
+    Subclasses implement the five abstract primitives; the rest has working
+    defaults. Concurrency: every method may be called from many threads at
+    once. The manager never deletes a key while a ``get`` of it is in flight
+    (it pins blocks while reading them).
+    """
+
+    #: The ``kind`` name in the config's tier list.
+    kind: ClassVar[str] = ""
+    #: True if blocks survive the process (the manager re-indexes them on open).
+    persistent: ClassVar[bool] = False
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+
+    # -- sizes --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def capacity_blocks(self) -> int:
+        """How many blocks this tier can hold."""
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where this tier's bytes live, for memory tiers; None otherwise."""
+        return None
+
+    # -- the primitives -----------------------------------------------------
+    @abstractmethod
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Store ``blocks[i]`` under ``keys[i]``; True where stored (or already present)."""
+
+    @abstractmethod
+    def get(
+        self,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: LayerRange = None,
+    ) -> list[bool]:
+        """Copy each stored block (or its ``layers``) into ``outs[i]``; False = miss."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove ``keys``; absent keys are ignored."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` this tier holds."""
+
+    @abstractmethod
+    def stored_keys(self) -> Iterator[BlockKey]:
+        """Every key held now (used to rebuild the index of a persistent tier)."""
+
+    # -- hooks with defaults ------------------------------------------------
+    def view(self, key: BlockKey) -> torch.Tensor | None:
+        """Zero-copy view of a stored block, for memory tiers; None if not possible.
+
+        The view stays valid only while the block is pinned by the manager.
+        """
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Tier-specific counters (I/O errors, bytes on disk, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Release the medium's resources. Idempotent."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} kind={self.kind} capacity_blocks={self.capacity_blocks}>"

@@ -1,0 +1,165 @@
+"""Shared implementation of the memory media (host DRAM, device HBM).
+
+A memory tier is a :class:`~kvstore.memory.SlabAllocator` with one slot per
+block and a map from key to slot. Copies run outside the lock, so many
+threads move blocks at once; ``_lock`` (owned by the tier) guards only the
+map, the reader counts and the allocator calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvstore.config import TierConfig
+from kvstore.errors import CapacityError, ConfigError
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.memory import SlabAllocator
+from kvstore.tiers.base import LayerRange, Tier
+
+__all__ = ["SlabTier"]
+
+
+class SlabTier(Tier):
+    """Blocks in fixed slots of one preallocated buffer on ``device``."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        layout: KVLayout,
+        device: str | torch.device,
+        pinned: bool = False,
+    ) -> None:
+        super().__init__(config, layout)
+        num_slots = config.capacity // layout.block_nbytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"{self.kind} tier capacity {config.capacity} bytes is smaller than one block "
+                f"({layout.block_nbytes} bytes for this layout)"
+            )
+        self._slab = SlabAllocator(layout.block_nbytes, num_slots, device, pinned)
+        assert self._slab.buffer is not None
+        self._blocks = self._slab.buffer.view(layout.dtype).view(num_slots, *layout.block_shape)
+        self._slots: dict[BlockKey, int] = {}
+        # slot -> readers copying out of it; a delete of such a slot is deferred.
+        self._readers: dict[int, int] = {}
+        self._deferred: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._slab.num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self._slab.device
+
+    @property
+    def pinned(self) -> bool:
+        """True when the buffer is page-locked host memory."""
+        return self._slab.pinned
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        with self._lock:
+            new = [i for i, key in enumerate(keys) if key not in self._slots]
+            try:
+                slots = self._slab.alloc(len(new))
+            except CapacityError:
+                slots = self._slab.alloc(min(len(new), self._slab.num_free))
+        done = [True] * len(keys)
+        for i in new[len(slots) :]:
+            done[i] = False
+        for i, slot in zip(new, slots, strict=False):
+            self._blocks[slot].copy_(blocks[i])
+        with self._lock:
+            dupes = []
+            for i, slot in zip(new, slots, strict=False):
+                if keys[i] in self._slots:  # a concurrent put of the same key won
+                    dupes.append(slot)
+                else:
+                    self._slots[keys[i]] = slot
+            self._slab.free(dupes)
+        return done
+
+    def get(
+        self,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: LayerRange = None,
+    ) -> list[bool]:
+        with self._lock:
+            slots = [self._slots.get(key) for key in keys]
+            for slot in slots:
+                if slot is not None:
+                    self._readers[slot] = self._readers.get(slot, 0) + 1
+        try:
+            for slot, out in zip(slots, outs, strict=True):
+                if slot is not None:
+                    src = self._blocks[slot]
+                    out.copy_(src if layers is None else src[layers[0] : layers[1]])
+        finally:
+            self._release([s for s in slots if s is not None])
+        return [slot is not None for slot in slots]
+
+    def _release(self, slots: list[int]) -> None:
+        with self._lock:
+            to_free = []
+            for slot in slots:
+                left = self._readers[slot] - 1
+                if left:
+                    self._readers[slot] = left
+                    continue
+                del self._readers[slot]
+                if slot in self._deferred:
+                    self._deferred.discard(slot)
+                    to_free.append(slot)
+            self._slab.free(to_free)
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            to_free = []
+            for key in keys:
+                slot = self._slots.pop(key, None)
+                if slot is None:
+                    continue
+                if slot in self._readers:
+                    self._deferred.add(slot)
+                else:
+                    to_free.append(slot)
+            self._slab.free(to_free)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            return [key in self._slots for key in keys]
+
+    def stored_keys(self) -> Iterator[BlockKey]:
+        with self._lock:
+            snapshot = list(self._slots)
+        return iter(snapshot)
+
+    def view(self, key: BlockKey) -> torch.Tensor | None:
+        with self._lock:
+            slot = self._slots.get(key)
+        return None if slot is None else self._blocks[slot]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "slots": self._slab.num_slots,
+            "slots_used": self._slab.num_used,
+            "device": str(self.device),
+            "pinned": self.pinned,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self._readers.clear()
+            self._deferred.clear()
+            self._slab.close()
