@@ -10,6 +10,8 @@ once, so capacity comes back exactly after deletes and evictions.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import threading
 
 import torch
@@ -46,9 +48,16 @@ class SlabAllocator:
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.pinned = bool(pinned and self.device.type == "cpu")
-        self.buffer: torch.Tensor | None = torch.empty(
-            slot_nbytes * num_slots, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
-        )
+        self._mmap: mmap.mmap | None = None
+        nbytes = slot_nbytes * num_slots
+        self.buffer: torch.Tensor | None
+        if self.device.type == "cpu" and not self.pinned:
+            self._mmap = _anonymous_hugepage_map(nbytes)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        else:
+            self.buffer = torch.empty(
+                nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned
+            )
         # Low slot numbers first: a lightly used tier touches only the start of the buffer.
         self._free = list(range(num_slots - 1, -1, -1))
         self._used = bytearray(num_slots)
@@ -96,3 +105,23 @@ class SlabAllocator:
         with self._lock:
             self.buffer = None
             self._free.clear()
+            if self._mmap is not None:
+                # Views handed out earlier keep the mapping alive until they die.
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+                self._mmap = None
+
+
+def _anonymous_hugepage_map(nbytes: int) -> mmap.mmap:
+    """Anonymous host memory, backed by transparent huge pages where the kernel allows.
+
+    Huge pages cut first-touch page faults 512-fold and TLB misses on every
+    copy; with THP in ``madvise`` mode (a common default) only an explicit
+    ``MADV_HUGEPAGE`` gets them. Pages are still committed lazily.
+    """
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            region.madvise(advice)
+    return region

@@ -40,22 +40,34 @@ class KVStore:
         layout: the KV geometry every block of this store has.
         config: a :class:`StoreConfig`, a config dict, a YAML path, or None
             for ``$KVSTORE_CONFIG`` / the embedded default (one host tier).
+        tiers: ready-made :class:`~kvstore.tiers.base.Tier` objects, fastest
+            first, used instead of building the config's tiers (custom media,
+            fault injection). The store closes them on :meth:`close`.
 
     Thread-safe: any number of threads may call any method at once.
     """
 
-    def __init__(self, layout: KVLayout, config: ConfigSource = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: ConfigSource = None,
+        *,
+        tiers: Sequence[Tier] | None = None,
+    ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.config = StoreConfig.load(config)
-        tiers: list[Tier] = []
+        built: list[Tier] = list(tiers) if tiers is not None else []
         try:
-            for tier_config in self.config.tiers:
-                tiers.append(create_tier(tier_config, layout))
-            self._manager = BlockManager(layout, tiers)
+            for tier in built:
+                layout.check_same(tier.layout)
+            if tiers is None:
+                for tier_config in self.config.tiers:
+                    built.append(create_tier(tier_config, layout))
+            self._manager = BlockManager(layout, built)
         except BaseException:
-            for tier in tiers:
+            for tier in built:
                 tier.close()
             raise
         self._namespaces: dict[str, Namespace] = {}
@@ -157,8 +169,9 @@ class KVStore:
         """Evict exactly ``n`` unpinned blocks from tier ``tier`` (demoting them), or none."""
         if not isinstance(n, int) or n < 0:
             raise InvalidInputError(f"n must be an int >= 0, got {n!r}")
-        if not isinstance(tier, int) or not 0 <= tier < len(self.config.tiers):
-            raise InvalidInputError(f"tier must be in [0, {len(self.config.tiers)}), got {tier!r}")
+        count = len(self._manager.tiers)
+        if not isinstance(tier, int) or not 0 <= tier < count:
+            raise InvalidInputError(f"tier must be in [0, {count}), got {tier!r}")
         return self._manager.evict(tier, n)
 
     def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -210,6 +223,6 @@ class KVStore:
         self.close()
 
     def __repr__(self) -> str:
-        kinds = ",".join(t.kind for t in self.config.tiers)
+        kinds = ",".join(t.kind for t in self._manager.tiers)
         layout = self.layout.fingerprint_hex
         return f"<KVStore tiers={kinds} blocks={len(self._manager)} layout={layout}>"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -45,9 +45,9 @@ class Tier(ABC):
     """
 
     #: The ``kind`` name in the config's tier list.
-    kind: ClassVar[str] = ""
+    kind: str = ""
     #: True if blocks survive the process (the manager re-indexes them on open).
-    persistent: ClassVar[bool] = False
+    persistent: bool = False
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config

@@ -1,0 +1,139 @@
+"""The ``kvstore`` command: ``demo``, ``stats`` and ``config``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _layout_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV layout (default: Llama-3-8B)")
+    group.add_argument("--layers", type=int, default=32, help="attention layers")
+    group.add_argument("--kv-heads", type=int, default=8, help="KV heads per rank")
+    group.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    group.add_argument("--block-tokens", type=int, default=256, help="tokens per chunk")
+    group.add_argument("--dtype", default="bfloat16", help="KV dtype")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a multi-turn chat workload through the store")
+    demo.add_argument("--sessions", type=int, default=24, help="chat sessions")
+    demo.add_argument("--turns", type=int, default=4, help="turns per session")
+    demo.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt")
+    demo.add_argument("--layers", type=int, default=32, help="model layers (KV size scales)")
+    demo.add_argument("--config", help="store config YAML (default: embedded defaults)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    stats = sub.add_parser("stats", help="open the configured store and print its contents")
+    stats.add_argument("--config", help="store config YAML (default: $KVSTORE_CONFIG / embedded)")
+    stats.add_argument("--json", action="store_true")
+    _layout_args(stats)
+
+    config = sub.add_parser("config", help="print the resolved configuration")
+    config.add_argument("--config", help="store config YAML to check")
+    return parser
+
+
+def _print_demo(report: dict[str, Any]) -> None:
+    from kvstore.config import format_size
+
+    lines = [
+        "",
+        f"kvstore demo: {report['sessions']} sessions x {report['turns']} turns, "
+        f"{report['requests']} requests, KV {report['block_mib']:.0f} MiB per "
+        f"{report['model_layout']['block_tokens']}-token chunk",
+        f"  prefill tokens saved : {report['prefill_tokens_saved']:,} of "
+        f"{report['prompt_tokens']:,} prompt tokens ({report['prefill_saved_fraction']:.1%})",
+        f"  chunk hit rate       : {report['chunk_hit_rate']:.1%}  by turn: "
+        + ", ".join(f"{t}: {h:.1f}" for t, h in report["hit_rate_by_turn"].items())
+        + " chunks/request",
+        f"  verified bit-exact   : {report['chunks_loaded_and_verified']:,} chunks loaded",
+        f"  stored               : {report['chunks_stored']:,} chunks; "
+        f"evictions: {report['evictions']:,}",
+        f"  throughput           : put {report['put_gbps']:.1f} GB/s, "
+        f"get {report['get_gbps']:.1f} GB/s",
+    ]
+    for tier in report["tiers"]:
+        lines.append(
+            f"  tier {tier['kind']:<7}: {tier['blocks']:>5} blocks, "
+            f"{format_size(tier['bytes'])} of {format_size(tier['capacity_bytes'])}, "
+            f"{tier['evictions']} evicted, {tier['demotions']} demoted"
+        )
+    lines.append(f"  wall time            : {report['seconds']:.1f} s")
+    print("\n".join(lines))
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvstore.demo import DemoSettings, ProgressBar, run_demo
+
+    settings = DemoSettings(
+        sessions=args.sessions,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        num_layers=args.layers,
+        seed=args.seed,
+        config=args.config,
+    )
+    report = run_demo(settings, progress=lambda n: ProgressBar(n, "requests"))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_demo(report)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from kvstore.layout import KVLayout
+    from kvstore.store import KVStore
+
+    layout = KVLayout(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_tokens=args.block_tokens,
+        dtype=args.dtype,
+    )
+    with KVStore(layout, args.config) as store:
+        stats = store.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"layout {layout.fingerprint_hex}: {stats['blocks']} blocks stored")
+    for tier in stats["tiers"]:
+        print(f"  {tier['kind']:<7} {tier['blocks']:>8} / {tier['capacity_blocks']} blocks")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from kvstore.config import StoreConfig
+
+    print(yaml.safe_dump(StoreConfig.load(args.config).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstore`` console script."""
+    from kvstore.errors import KVStoreError
+
+    args = _parser().parse_args(argv)
+    handlers = {"demo": _cmd_demo, "stats": _cmd_stats, "config": _cmd_config}
+    try:
+        return handlers[args.command](args)
+    except KVStoreError as exc:
+        print(f"kvstore: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""`kvstore demo`: a multi-turn chat serving workload driven through the store.
+
+Many chat sessions share one system prompt; each turn sends the whole
+conversation so far plus a new user message. For every request the "engine"
+hashes the prompt, looks up the stored prefix, loads it (verifying every
+byte), "prefills" only the chunks that missed, and stores them. The KV has
+the geometry of a real model (Llama-3-8B: 32 layers, 8 KV heads, head_dim
+128, bf16, 256-token chunks = 32 MiB per chunk).
+
+The "prefill" does not run a model: the KV of a chunk is a slice of a random
+pool chosen by the chunk's key, so a load can be checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from kvstore.keys import BlockKey, Namespace
+from kvstore.layout import KVLayout
+from kvstore.store import ConfigSource, KVStore
+
+__all__ = ["DemoSettings", "ProgressBar", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Size of the simulated workload and the model geometry."""
+
+    sessions: int = 24
+    turns: int = 4
+    system_tokens: int = 2048
+    user_tokens: tuple[int, int] = (150, 700)
+    reply_tokens: tuple[int, int] = (80, 300)
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_tokens: int = 256
+    model: str = "meta-llama/Llama-3.1-8B@demo"
+    seed: int = 0
+    config: ConfigSource = None
+
+    def layout(self) -> KVLayout:
+        """The KV layout of the simulated model."""
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_tokens=self.block_tokens,
+            dtype=torch.bfloat16,
+        )
+
+
+class ProgressBar:
+    """A one-line progress bar on a stream (stderr by default)."""
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = time.perf_counter()
+
+    def advance(self, note: str = "") -> None:
+        """Count one step and redraw."""
+        self.done += 1
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        rate = self.done / max(1e-9, time.perf_counter() - self.start)
+        bar = "#" * filled + "." * (width - filled)
+        end = "\n" if self.done >= self.total else ""
+        line = f"\r{self.label} [{bar}] {self.done}/{self.total} {rate:5.1f}/s {note}"
+        self.stream.write(line + end)
+        self.stream.flush()
+
+
+@dataclass
+class _Tally:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cacheable_chunks: int = 0
+    hit_chunks: int = 0
+    verified_chunks: int = 0
+    stored_chunks: int = 0
+    seconds: float = 0.0
+    per_turn_hits: dict[int, list[int]] = field(default_factory=dict)
+
+
+class _Pool:
+    """Random KV from which each chunk's content is cut, chosen by its key."""
+
+    def __init__(self, layout: KVLayout, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.layout = layout
+        self.span = 4 * layout.block_tokens
+        shape = layout.tensor_shape(4)
+        self.kv = torch.randn(shape, generator=gen, dtype=torch.float32).to(layout.dtype)
+
+    def chunk(self, key: BlockKey) -> torch.Tensor:
+        offset = int.from_bytes(key[:4], "little") % (self.span - self.layout.block_tokens)
+        return self.kv[:, :, offset : offset + self.layout.block_tokens]
+
+
+def _request(
+    store: KVStore,
+    pool: _Pool,
+    namespace: Namespace,
+    tokens: list[int],
+    buffer: torch.Tensor,
+    tally: _Tally,
+) -> int:
+    """Serve one request; return the number of chunks that hit."""
+    step = store.layout.block_tokens
+    keys = store.hash_tokens(tokens, namespace)
+    hit = store.lookup(keys)
+    out = buffer[:, :, : len(keys) * step]
+    if hit:
+        hit = store.get_prefix(keys[:hit], out[:, :, : hit * step])
+        for i in range(hit):
+            if not torch.equal(out[:, :, i * step : (i + 1) * step], pool.chunk(keys[i])):
+                raise AssertionError(f"demo: chunk {i} loaded from the store is wrong")
+        tally.verified_chunks += hit
+    for i in range(hit, len(keys)):  # "prefill" what missed
+        out[:, :, i * step : (i + 1) * step].copy_(pool.chunk(keys[i]))
+    if hit < len(keys):
+        tally.stored_chunks += store.put(keys[hit:], out[:, :, hit * step :])
+    tally.requests += 1
+    tally.prompt_tokens += len(tokens)
+    tally.cacheable_chunks += len(keys)
+    tally.hit_chunks += hit
+    return hit
+
+
+def run_demo(
+    settings: DemoSettings, progress: Callable[[int], ProgressBar] | None = None
+) -> dict[str, Any]:
+    """Run the workload; return the report as a dict."""
+    layout = settings.layout()
+    rng = random.Random(settings.seed)
+    vocab = 128_000
+    system = [rng.randrange(vocab) for _ in range(settings.system_tokens)]
+    histories = [list(system) for _ in range(settings.sessions)]
+    pool = _Pool(layout, settings.seed)
+    tally = _Tally()
+    total = settings.sessions * settings.turns
+    bar = progress(total) if progress else None
+    with KVStore(layout, settings.config) as store:
+        namespace = store.namespace(settings.model)
+        longest = settings.system_tokens + settings.turns * (
+            settings.user_tokens[1] + settings.reply_tokens[1]
+        )
+        buffer = torch.empty(
+            layout.tensor_shape(longest // layout.block_tokens + 1), dtype=layout.dtype
+        )
+        start = time.perf_counter()
+        for turn in range(settings.turns):
+            order = list(range(settings.sessions))
+            rng.shuffle(order)
+            for s in order:
+                user = [rng.randrange(vocab) for _ in range(rng.randint(*settings.user_tokens))]
+                prompt = histories[s] + user
+                hit = _request(store, pool, namespace, prompt, buffer, tally)
+                tally.per_turn_hits.setdefault(turn, []).append(hit)
+                reply = [rng.randrange(vocab) for _ in range(rng.randint(*settings.reply_tokens))]
+                histories[s] = prompt + reply
+                if bar:
+                    bar.advance(f"hit {hit} chunks")
+        tally.seconds = time.perf_counter() - start
+        stats = store.stats()
+    return _report(settings, layout, tally, stats)
+
+
+def _report(
+    settings: DemoSettings, layout: KVLayout, tally: _Tally, stats: dict[str, Any]
+) -> dict[str, Any]:
+    saved_tokens = tally.hit_chunks * layout.block_tokens
+    return {
+        "model_layout": layout.describe(),
+        "block_mib": layout.block_nbytes / 2**20,
+        "sessions": settings.sessions,
+        "turns": settings.turns,
+        "requests": tally.requests,
+        "prompt_tokens": tally.prompt_tokens,
+        "prefill_tokens_saved": saved_tokens,
+        "prefill_saved_fraction": saved_tokens / max(1, tally.prompt_tokens),
+        "chunk_hit_rate": tally.hit_chunks / max(1, tally.cacheable_chunks),
+        "hit_rate_by_turn": {
+            str(turn + 1): sum(hits) / max(1, len(hits))
+            for turn, hits in tally.per_turn_hits.items()
+        },
+        "chunks_loaded_and_verified": tally.verified_chunks,
+        "chunks_stored": tally.stored_chunks,
+        "seconds": tally.seconds,
+        "put_gbps": stats["write_gbps"],
+        "get_gbps": stats["read_gbps"],
+        "evictions": sum(t["evictions"] for t in stats["tiers"]),
+        "tiers": [
+            {
+                k: t[k]
+                for k in ("kind", "blocks", "bytes", "capacity_bytes", "evictions", "demotions")
+            }
+            for t in stats["tiers"]
+        ],
+    }

@@ -1,0 +1,10 @@
+"""Test support shipped with kvstore, for our tests and for authors of new tiers.
+
+- :mod:`kvstore.testing.conformance` -- :class:`TierConformance`, the test
+  suite every tier must pass (subclass it in a pytest module).
+- :mod:`kvstore.testing.faults` -- :class:`FaultyTier`, a wrapper that injects
+  errors, misses and delays into a real tier.
+- :mod:`kvstore.testing.data` -- deterministic KV tensors for tests.
+
+Importing :mod:`kvstore.testing.conformance` needs pytest (the ``dev`` extra).
+"""

@@ -1,0 +1,86 @@
+"""Host tier: the conformance suite plus what is specific to host memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.config import HostTierConfig
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout
+from kvstore.testing.conformance import TierConformance
+from kvstore.testing.data import small_layout
+from kvstore.tiers.host import HostTier
+
+
+class TestHostTier(TierConformance):
+    def make_tier(self, layout: KVLayout, capacity_blocks: int) -> HostTier:
+        return HostTier(HostTierConfig(capacity=capacity_blocks * layout.block_nbytes), layout)
+
+
+def test_capacity_rounds_down_to_whole_blocks() -> None:
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=3 * layout.block_nbytes + 17), layout)
+    assert tier.capacity_blocks == 3
+    tier.close()
+
+
+def test_capacity_below_one_block_is_a_config_error() -> None:
+    layout = small_layout()
+    with pytest.raises(ConfigError, match="smaller than one block"):
+        HostTier(HostTierConfig(capacity=layout.block_nbytes - 1), layout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA behaviour")
+def test_pinned_memory_needs_cuda() -> None:
+    layout = small_layout()
+    auto = HostTier(HostTierConfig(capacity=layout.block_nbytes), layout)
+    assert auto.pinned is False  # pinned: null means "only when CUDA exists"
+    auto.close()
+    with pytest.raises(ConfigError, match="pinned"):
+        HostTier(HostTierConfig(capacity=layout.block_nbytes, pinned=True), layout)
+
+
+@pytest.mark.cuda
+def test_pinned_by_default_with_cuda() -> None:
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=4 * layout.block_nbytes), layout)
+    assert tier.pinned
+    assert tier._slab.buffer is not None and tier._slab.buffer.is_pinned()
+    block = torch.randn(layout.block_shape, device="cuda").to(layout.dtype)
+    key = b"g" * 16
+    assert tier.put([key], [block]) == [True]
+    out = torch.empty_like(block)
+    assert tier.get([key], [out]) == [True]
+    assert torch.equal(out, block)
+    tier.close()
+
+
+def test_view_is_zero_copy_of_the_slot() -> None:
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=2 * layout.block_nbytes), layout)
+    key = b"k" * 16
+    block = torch.ones(layout.block_shape, dtype=layout.dtype)
+    tier.put([key], [block])
+    view = tier.view(key)
+    assert view is not None and torch.equal(view, block)
+    assert tier.view(b"x" * 16) is None
+    tier.close()
+
+
+def test_delete_during_read_defers_the_slot_free() -> None:
+    """A slot being copied out is not reused until the copy ends."""
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=1 * layout.block_nbytes), layout)
+    key = b"a" * 16
+    tier.put([key], [torch.ones(layout.block_shape, dtype=layout.dtype)])
+
+    # Simulate an in-flight reader by holding the reader count directly.
+    with tier._lock:
+        slot = tier._slots[key]
+        tier._readers[slot] = 1
+    tier.delete([key])
+    assert tier.put([b"b" * 16], [torch.zeros(layout.block_shape, dtype=layout.dtype)]) == [False]
+    tier._release([slot])
+    assert tier.put([b"b" * 16], [torch.zeros(layout.block_shape, dtype=layout.dtype)]) == [True]
+    tier.close()
