@@ -81,8 +81,13 @@ class Codec(enum.IntEnum):
         """Codec from its name ("raw", "lz4", "shuffle-lz4") or number."""
         if isinstance(name, Codec):
             return name
-        if isinstance(name, int):
-            return cls(name)
+        if isinstance(name, int) and not isinstance(name, bool):
+            try:
+                return cls(name)
+            except ValueError:
+                raise InvalidInputError(f"unknown codec number {name}") from None
+        if not isinstance(name, str):
+            raise InvalidInputError(f"codec must be a name or number, got {name!r}")
         key = name.lower().replace("-", "_").replace("+", "_")
         aliases = {"none": "raw", "shuffle_lz4": "shuffle_lz4", "shuffle": "shuffle_lz4"}
         key = aliases.get(key, key)
@@ -367,7 +372,7 @@ def decode_into(
 
 def _copy_bytes_into(dst: torch.Tensor, src: np.ndarray) -> None:
     """Copy raw element bytes ``src`` into tensor ``dst`` (any strides, any device)."""
-    if dst.device.type == "cpu":
+    if dst.device.type == "cpu" and (dst.stride(-1) == 1 or dst.element_size() == 1):
         # numpy copies into strided views and accepts read-only sources silently.
         target = dst.view(torch.uint8).numpy()
         np.copyto(target, src.reshape(target.shape))

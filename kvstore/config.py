@@ -29,10 +29,12 @@ Environment overrides (applied by :meth:`StoreConfig.load`,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,7 +84,11 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            unit = _UNITS[match.group(2).lower()]
+            exact = Fraction(match.group(1)) * unit  # no float rounding of big sizes
+            if unit == 1 and exact.denominator != 1:
+                raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+            return math.floor(exact)
     raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 1073741824, '512MiB', '2GB')")
 
 
@@ -312,14 +318,17 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dic
     if not names:
         return data
     data = dict(data)
+    source = "tiers"
     if prefix + "TIERS" in env:
+        source = prefix + "TIERS"
         try:
             data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
         except yaml.YAMLError as exc:
             raise ConfigError(f"{prefix}TIERS is not valid YAML/JSON: {exc}") from None
-    tiers: list[Any] = [
-        dict(t) if isinstance(t, Mapping) else t for t in data.get("tiers", [{"kind": "host"}])
-    ]
+    raw = data.get("tiers", [{"kind": "host"}])
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
+    tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]
     for name in names:
         if name == prefix + "TIERS":
             continue

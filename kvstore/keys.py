@@ -80,7 +80,7 @@ class Namespace:
             raise InvalidInputError("namespace layout must be a KVLayout")
         for name in ("tp_rank", "tp_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"namespace {name} must be an int >= 0, got {value!r}")
         for name in ("adapter", "salt"):
             value = getattr(self, name)
@@ -108,13 +108,17 @@ def _namespace_seed(ns: Namespace) -> bytes:
         ns.model,
         ns.layout.fingerprint.hex(),
         str(ns.layout.dtype).removeprefix("torch."),
-        "" if ns.tp_rank is None else str(ns.tp_rank),
-        "" if ns.tp_size is None else str(ns.tp_size),
-        "" if ns.adapter is None else ns.adapter,
-        "" if ns.salt is None else ns.salt,
+        None if ns.tp_rank is None else str(ns.tp_rank),
+        None if ns.tp_size is None else str(ns.tp_size),
+        ns.adapter,
+        ns.salt,
     )
-    # Length-prefixed fields: ("ab", "c") and ("a", "bc") must not collide.
-    packed = b"".join(struct.pack("<I", len(f.encode())) + f.encode() for f in fields)
+    # Length-prefixed fields, so ("ab", "c") and ("a", "bc") differ; an absent
+    # field (None) is encoded apart from an empty string.
+    packed = b"".join(
+        b"\xff\xff\xff\xff" if f is None else struct.pack("<I", len(f.encode())) + f.encode()
+        for f in fields
+    )
     return xxhash.xxh3_128_digest(packed)
 
 
@@ -139,11 +143,41 @@ def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes:
                 f"got {type(token_ids).__name__}"
             )
         seq = token_ids if isinstance(token_ids, Sequence) else list(token_ids)
-        try:
-            token_ids = np.asarray(seq[:limit], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidInputError(f"token_ids must all be ints: {exc}") from None
+        _check_tail(seq, limit)
+        token_ids = _list_to_array(seq[:limit])
     return _array_to_bytes(token_ids[:limit])
+
+
+def _list_to_array(seq: Sequence[Any]) -> np.ndarray:
+    """Convert a list of token ids without letting 1.5 or "7" pass as ints."""
+    try:
+        arr = np.asarray(seq)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"token_ids must all be ints: {exc}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind == "O":  # ints too big for int64, or mixed types
+        bad = next((x for x in seq if not _is_int(x)), None)
+        if bad is not None:
+            raise InvalidInputError(f"token_ids must all be ints, got {bad!r}")
+        raise InvalidInputError("token_ids must fit in int32")
+    if arr.dtype.kind not in "iu":
+        example = next((x for x in seq if not _is_int(x)), seq[0])
+        raise InvalidInputError(f"token_ids must all be ints, got {example!r}")
+    return arr
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_tail(seq: Sequence[Any], limit: int | None) -> None:
+    """Validate the partial chunk after ``limit`` that gets no key but must be token ids."""
+    if limit is None:
+        return
+    for x in seq[limit:]:
+        if not _is_int(x) or not _INT32_MIN <= int(x) <= _INT32_MAX:
+            raise InvalidInputError(f"token_ids must all be int32 ints, got {x!r}")
 
 
 def _array_to_bytes(arr: np.ndarray) -> bytes:
@@ -178,12 +212,13 @@ def chain_keys(token_bytes: bytes, block_tokens: int, parent: bytes) -> list[Blo
 
 
 def _opaque_bytes(value: Any) -> bytes:
+    """The engine hash as bytes, tagged by type so "a", b"a" and 97 stay distinct."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
+        return b"b" + bytes(value)
     if isinstance(value, str):
-        return value.encode()
+        return b"s" + value.encode()
     if isinstance(value, int) and not isinstance(value, bool):
-        return value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        return b"i" + value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
     raise InvalidInputError(
         f"engine block hash must be bytes, str or int, got {type(value).__name__}"
     )

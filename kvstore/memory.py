@@ -75,6 +75,8 @@ class SlabAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` slots, or raise :class:`CapacityError` and take none."""
+        if type(n) is not int or n < 0:
+            raise InvalidInputError(f"slot count must be an int >= 0, got {n!r}")
         with self._lock:
             if self.buffer is None:
                 raise ClosedError("slab allocator is closed")
@@ -86,15 +88,28 @@ class SlabAllocator:
             return slots
 
     def free(self, slots: list[int]) -> None:
-        """Return ``slots``; freeing a slot twice is a bug and raises."""
+        """Return ``slots`` (all or none).
+
+        Freeing a slot that is not allocated (twice, or never) would let two
+        blocks share memory, so it raises :class:`RuntimeError` -- not an
+        ``assert``, which ``python -O`` would remove -- and frees nothing.
+        """
         with self._lock:
+            if len(set(slots)) != len(slots):
+                raise RuntimeError(f"slab: slots {slots} listed twice in one free")
             for slot in slots:
-                assert self._used[slot], f"slot {slot} freed twice"
+                if type(slot) is not int or not 0 <= slot < self.num_slots:
+                    raise RuntimeError(f"slab: slot {slot!r} out of range [0, {self.num_slots})")
+                if not self._used[slot]:
+                    raise RuntimeError(f"slab: slot {slot} freed but not allocated")
+            for slot in slots:
                 self._used[slot] = 0
                 self._free.append(slot)
 
     def view(self, slot: int) -> torch.Tensor:
         """The bytes of ``slot`` (a uint8 view into the buffer)."""
+        if type(slot) is not int or not 0 <= slot < self.num_slots:
+            raise InvalidInputError(f"slot {slot!r} out of range [0, {self.num_slots})")
         if self.buffer is None:
             raise ClosedError("slab allocator is closed")
         start = slot * self.slot_nbytes

@@ -111,6 +111,7 @@ class KVStore:
             parent = check_keys([parent], "parent")[0]
         full = None
         if isinstance(token_ids, (list, tuple)):
+            # Convert only the full chunks; the tail is checked, not converted.
             full = len(token_ids) - len(token_ids) % self.layout.block_tokens
         data = tokens_to_bytes(token_ids, limit=full)
         return chain_keys(data, self.layout.block_tokens, ns.seed if parent is None else parent)

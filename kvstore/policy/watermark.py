@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 __all__ = ["Watermarks"]
 
@@ -24,8 +25,9 @@ class Watermarks:
     @classmethod
     def of(cls, capacity: int, high_fraction: float, low_fraction: float) -> Watermarks:
         """Watermarks from fractions of ``capacity`` (high at least 1 block)."""
-        high = max(1, min(capacity, math.floor(capacity * high_fraction)))
-        low = max(0, min(high - 1, math.floor(capacity * low_fraction)))
+        # Fractions of the decimal text, not binary floats: 100 * 0.57 is 57, not 56.
+        high = max(1, min(capacity, math.floor(capacity * Fraction(str(high_fraction)))))
+        low = max(0, min(high - 1, math.floor(capacity * Fraction(str(low_fraction)))))
         return cls(capacity=capacity, high=high, low=low)
 
     def plan(self, resident: int, incoming: int) -> tuple[int, int]:
