@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a multi-turn chat workload through the store")
-    demo.add_argument("--sessions", type=int, default=24, help="chat sessions")
+    demo.add_argument("--sessions", type=int, default=16, help="chat sessions")
     demo.add_argument("--turns", type=int, default=4, help="turns per session")
     demo.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt")
     demo.add_argument("--layers", type=int, default=32, help="model layers (KV size scales)")
@@ -54,7 +54,7 @@ def _print_demo(report: dict[str, Any]) -> None:
         f"  prefill tokens saved : {report['prefill_tokens_saved']:,} of "
         f"{report['prompt_tokens']:,} prompt tokens ({report['prefill_saved_fraction']:.1%})",
         f"  chunk hit rate       : {report['chunk_hit_rate']:.1%}  by turn: "
-        + ", ".join(f"{t}: {h:.1f}" for t, h in report["hit_rate_by_turn"].items())
+        + ", ".join(f"{t}: {h:.1f}" for t, h in report["hit_chunks_per_request_by_turn"].items())
         + " chunks/request",
         f"  verified bit-exact   : {report['chunks_loaded_and_verified']:,} chunks loaded",
         f"  stored               : {report['chunks_stored']:,} chunks; "

@@ -44,9 +44,13 @@ from kvstore.errors import ConfigError
 
 __all__ = [
     "DeviceTierConfig",
+    "DiskTierConfig",
     "HostTierConfig",
+    "RedisTierConfig",
+    "S3TierConfig",
     "StoreConfig",
     "TierConfig",
+    "default_cache_dir",
     "format_size",
     "parse_size",
     "tier_config_class",
@@ -130,6 +134,42 @@ def _parse_str(value: Any, key: str) -> str:
     return value
 
 
+def _parse_optional_str(value: Any, key: str) -> str | None:
+    return None if value is None else _parse_str(value, key)
+
+
+def _parse_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+
+
+def _parse_optional_float(value: Any, key: str) -> float | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        return None
+    return _parse_float(value, key)
+
+
+def _parse_codec(value: Any, key: str) -> str:
+    name = _parse_str(value, key).lower()
+    if name not in _CODECS:
+        raise ConfigError(f"{key}: unknown codec {value!r}; use one of {', '.join(_CODECS)}")
+    return name
+
+
+_CODECS = ("raw", "lz4", "shuffle-lz4", "auto")
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/kvstore``, else ``~/.cache/kvstore``: the default disk tier path."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvstore")
+
+
 Parser = Callable[[Any, str], Any]
 
 
@@ -191,8 +231,98 @@ class DeviceTierConfig(TierConfig):
             raise ConfigError(f"{path}.device: {self.device!r} is not a torch device") from None
 
 
+def _check_positive(config: Any, path: str, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{path}.{name}: must be > 0, got {getattr(config, name)}")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig(TierConfig):
+    """Local files (NVMe). Blocks survive restarts and are verified on every read."""
+
+    kind: ClassVar[str] = "disk"
+    capacity: int = _opt(32 * 1024**3, parse_size)
+    path: str = field(default_factory=default_cache_dir, metadata={"parse": _parse_str})
+    io_threads: int = _opt(4, _parse_int)
+    o_direct: bool = _opt(False, _parse_bool)
+    fsync: bool = _opt(False, _parse_bool)
+    codec: str = _opt("raw", _parse_codec)
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        _check_positive(self, path, "io_threads")
+
+
+@dataclass(frozen=True)
+class S3TierConfig(TierConfig):
+    """An S3-compatible object store: the shared, bottomless cold tier."""
+
+    kind: ClassVar[str] = "s3"
+    capacity: int = _opt(1024**4, parse_size)
+    bucket: str = _opt("", _parse_str)
+    prefix: str = _opt("kvstore", _parse_str)
+    endpoint_url: str | None = _opt(None, _parse_optional_str)
+    region: str | None = _opt(None, _parse_optional_str)
+    addressing_style: str = _opt("auto", _parse_str)
+    concurrency: int = _opt(16, _parse_int)
+    connect_timeout: float = _opt(2.0, _parse_float)
+    read_timeout: float = _opt(10.0, _parse_float)
+    deadline: float = _opt(30.0, _parse_float)
+    max_attempts: int = _opt(5, _parse_int)
+    multipart_threshold: int = _opt(64 * 1024**2, parse_size)
+    part_size: int = _opt(16 * 1024**2, parse_size)
+    codec: str = _opt("auto", _parse_codec)
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        if not self.bucket:
+            raise ConfigError(f"{path}.bucket: required for an s3 tier")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError(f"{path}.addressing_style: use auto, path or virtual")
+        _check_positive(
+            self,
+            path,
+            "concurrency",
+            "connect_timeout",
+            "read_timeout",
+            "deadline",
+            "max_attempts",
+            "part_size",
+        )
+        if self.part_size < 5 * 1024**2:
+            raise ConfigError(f"{path}.part_size: S3 parts must be >= 5MiB, got {self.part_size}")
+
+
+@dataclass(frozen=True)
+class RedisTierConfig(TierConfig):
+    """Redis (standalone or Cluster): a shared warm tier."""
+
+    kind: ClassVar[str] = "redis"
+    capacity: int = _opt(1024**3, parse_size)
+    url: str = _opt("redis://localhost:6379/0", _parse_str)
+    cluster: bool = _opt(False, _parse_bool)
+    ttl: float | None = _opt(None, _parse_optional_float)
+    key_prefix: str = _opt("kvstore", _parse_str)
+    pool_size: int = _opt(16, _parse_int)
+    socket_timeout: float = _opt(2.0, _parse_float)
+    retry_interval: float = _opt(1.0, _parse_float)
+    codec: str = _opt("raw", _parse_codec)
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"{path}.url: expected redis://, rediss:// or unix://, got {self.url!r}"
+            )
+        if self.ttl is not None and self.ttl <= 0:
+            raise ConfigError(f"{path}.ttl: must be > 0 seconds or null, got {self.ttl}")
+        _check_positive(self, path, "pool_size", "socket_timeout", "retry_interval")
+
+
 _TIER_CONFIGS: dict[str, type[TierConfig]] = {
-    cls.kind: cls for cls in (HostTierConfig, DeviceTierConfig)
+    cls.kind: cls
+    for cls in (HostTierConfig, DeviceTierConfig, DiskTierConfig, S3TierConfig, RedisTierConfig)
 }
 
 

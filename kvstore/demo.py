@@ -33,7 +33,7 @@ __all__ = ["DemoSettings", "ProgressBar", "run_demo"]
 class DemoSettings:
     """Size of the simulated workload and the model geometry."""
 
-    sessions: int = 24
+    sessions: int = 16
     turns: int = 4
     system_tokens: int = 2048
     user_tokens: tuple[int, int] = (150, 700)
@@ -66,14 +66,19 @@ class ProgressBar:
         self.start = time.perf_counter()
 
     def advance(self, note: str = "") -> None:
-        """Count one step and redraw."""
+        """Count one step and redraw (on a terminal; every 10% in a log)."""
         self.done += 1
+        tty = self.stream.isatty()
+        tenth = max(1, self.total // 10)
+        if not tty and self.done % tenth and self.done != self.total:
+            return
         width = 30
         filled = width * self.done // max(1, self.total)
         rate = self.done / max(1e-9, time.perf_counter() - self.start)
         bar = "#" * filled + "." * (width - filled)
-        end = "\n" if self.done >= self.total else ""
-        line = f"\r{self.label} [{bar}] {self.done}/{self.total} {rate:5.1f}/s {note}"
+        end = "\n" if self.done >= self.total or not tty else ""
+        start = "\r" if tty else ""
+        line = f"{start}{self.label} [{bar}] {self.done}/{self.total} {rate:5.1f}/s {note}"
         self.stream.write(line + end)
         self.stream.flush()
 
@@ -188,7 +193,7 @@ def _report(
         "prefill_tokens_saved": saved_tokens,
         "prefill_saved_fraction": saved_tokens / max(1, tally.prompt_tokens),
         "chunk_hit_rate": tally.hit_chunks / max(1, tally.cacheable_chunks),
-        "hit_rate_by_turn": {
+        "hit_chunks_per_request_by_turn": {
             str(turn + 1): sum(hits) / max(1, len(hits))
             for turn, hits in tally.per_turn_hits.items()
         },

@@ -23,8 +23,14 @@ __all__ = ["create_tier", "register_tier", "registered_kinds", "tier_class"]
 _REGISTRY: dict[str, str] = {
     "host": "kvstore.tiers.host:HostTier",
     "device": "kvstore.tiers.device:DeviceTier",
+    "disk": "kvstore.tiers.disk:DiskTier",
+    "s3": "kvstore.tiers.s3:S3Tier",
+    "redis": "kvstore.tiers.redis:RedisTier",
 }
-_INSTALL_HINTS: dict[str, str] = {}
+_INSTALL_HINTS: dict[str, str] = {
+    "s3": "install it with: pip install 'kvstore[s3]'",
+    "redis": "install it with: pip install 'kvstore[redis]'",
+}
 
 
 def register_tier(kind: str, target: str, install_hint: str | None = None) -> None:

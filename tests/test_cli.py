@@ -1,0 +1,64 @@
+"""The kvstore command: demo, stats, config, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_demo_small_run_reports_hits_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--sessions", "3", "--turns", "3", "--layers", "2", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 9
+    # Every request after the first shares the 2048-token system prompt (8 chunks).
+    assert report["prefill_tokens_saved"] >= 8 * 8 * 256
+    assert report["chunks_loaded_and_verified"] == report["prefill_tokens_saved"] // 256
+    assert 0 < report["chunk_hit_rate"] <= 1
+    assert report["tiers"][0]["kind"] == "host"
+
+
+def test_demo_human_report(tmp_path: Path) -> None:
+    result = run_cli("demo", "--sessions", "2", "--turns", "2", "--layers", "1")
+    assert result.returncode == 0, result.stderr
+    assert "prefill tokens saved" in result.stdout
+    assert "tier host" in result.stdout
+    assert "requests [" in result.stderr  # the progress bar
+
+
+def test_config_prints_resolved_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - kind: host\n    capacity: 1GiB\n")
+    result = run_cli("config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "capacity: 1073741824" in result.stdout
+
+
+def test_bad_config_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - kind: host\n    capacity: lots\n")
+    result = run_cli("stats", "--config", str(path), "--layers", "1")
+    assert result.returncode == 2
+    assert "tiers[0].capacity" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_stats_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - kind: host\n    capacity: 64MiB\n")
+    assert main(["stats", "--config", str(path), "--layers", "2", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["blocks"] == 0
+    assert stats["tiers"][0]["capacity_blocks"] == 64 // 2  # 2 MiB blocks at 2 layers
