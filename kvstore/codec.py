@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -51,13 +52,16 @@ __all__ = [
     "VERSION",
     "BlockHeader",
     "Codec",
+    "checksum_pieces",
     "EncodedBlock",
     "choose_codec",
     "decode_block",
     "decode_into",
     "encode_block",
     "header_size",
+    "layer_pieces",
     "parse_header",
+    "verify_layers",
 ]
 
 MAGIC = b"KVSB"
@@ -226,6 +230,55 @@ def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> N
 
 
 # -- payload transforms ---------------------------------------------------
+def layer_pieces(block: torch.Tensor) -> list[list[memoryview]] | None:
+    """Per layer, the bytes of ``block`` (or of a ``(layers, ...)`` slice of one) as
+    writable buffers that alias the tensor: no copy.
+
+    The engine's per-chunk views (``kv[:, :, a:b]``) are not contiguous, but
+    each ``(layer, kv)`` slab of them is, so a layer is ``kv_factor`` pieces.
+    Returns None for tensors that are not on the CPU or not piecewise
+    contiguous; callers then fall back to a contiguous copy.
+    """
+    if block.device.type != "cpu":
+        return None
+    if block.is_contiguous():
+        flat = block.view(torch.uint8).reshape(block.shape[0], -1).numpy()
+        return [[memoryview(row)] for row in flat]
+    pieces: list[list[memoryview]] = []
+    for layer in block:
+        row = []
+        for part in layer:
+            if not part.is_contiguous():
+                return None
+            row.append(memoryview(part.view(torch.uint8).reshape(-1).numpy()))
+        pieces.append(row)
+    return pieces
+
+
+def checksum_pieces(pieces: list[memoryview]) -> int:
+    """xxh3-64 of several buffers as if concatenated (one layer's stored bytes)."""
+    if len(pieces) == 1:
+        return int(xxhash.xxh3_64_intdigest(pieces[0]))
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return int(state.intdigest())
+
+
+def verify_layers(header: BlockHeader, pieces: list[list[memoryview]], first: int = 0) -> None:
+    """Check raw layers ``first, first+1, ...`` held in ``pieces`` against ``header``.
+
+    Used after reading a RAW payload straight into its destination: the
+    caller must not use the destination if this raises :class:`CorruptBlockError`.
+    """
+    if header.codec != Codec.RAW:
+        raise CorruptBlockError("in-place verification needs a raw block")
+    for offset, layer in enumerate(pieces):
+        i = first + offset
+        if checksum_pieces(layer) != header.layer_checksums[i]:
+            raise CorruptBlockError(f"checksum mismatch in layer {i} of block {header.key.hex()}")
+
+
 def _host_bytes(block: torch.Tensor) -> np.ndarray:
     """The block's bytes as a contiguous uint8 numpy array on the host."""
     if block.device.type != "cpu":
@@ -233,17 +286,35 @@ def _host_bytes(block: torch.Tensor) -> np.ndarray:
     return block.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
+_WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
 def _shuffle(data: np.ndarray, itemsize: int) -> bytes:
+    """Group byte ``b`` of every element together (byte planes).
+
+    Shifts on whole little-endian words vectorize well; a transposing copy
+    ran at ~0.5 GB/s here.
+    """
     if itemsize == 1:
         return data.tobytes()
-    return np.ascontiguousarray(data.reshape(-1, itemsize).T).tobytes()
+    words = data.view(_WORDS[itemsize])
+    planes = np.empty((itemsize, words.size), dtype=np.uint8)
+    for b in range(itemsize):
+        np.copyto(planes[b], words >> (8 * b), casting="unsafe")  # keeps the low byte
+    return planes.tobytes()
 
 
 def _unshuffle(data: bytes, itemsize: int) -> np.ndarray:
+    """Inverse of :func:`_shuffle`."""
     arr = np.frombuffer(data, dtype=np.uint8)
     if itemsize == 1:
         return arr
-    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
+    planes = arr.reshape(itemsize, -1)
+    words = planes[0].astype(_WORDS[itemsize])
+    for b in range(1, itemsize):
+        words |= planes[b].astype(_WORDS[itemsize]) << (8 * b)
+    result: np.ndarray = words.view(np.uint8)
+    return result
 
 
 def _compress_layer(layer: np.ndarray, codec: Codec, itemsize: int) -> bytes:
@@ -300,8 +371,9 @@ def encode_block(
 ) -> EncodedBlock:
     """Encode one block (a tensor of ``layout.block_shape``) with ``codec``.
 
-    For RAW the payload is a zero-copy view of ``block`` when it is a
-    contiguous CPU tensor; keep ``block`` unchanged until the bytes are written.
+    For RAW the payload aliases ``block`` (no copy) when it is a CPU tensor
+    that is contiguous per ``(layer, kv)`` -- including the engine's chunk
+    views; keep ``block`` unchanged until the bytes are written.
     """
     if tuple(block.shape) != layout.block_shape or block.dtype != layout.dtype:
         raise LayoutMismatchError(
@@ -309,14 +381,23 @@ def encode_block(
             f"{layout.block_shape} / {layout.dtype}"
         )
     codec = Codec.parse(codec)
-    data = _host_bytes(block)
     step = layout.layer_nbytes
-    layers = [data[i * step : (i + 1) * step] for i in range(layout.num_layers)]
-    if codec == Codec.RAW:
-        stored: list[memoryview] = [data.data]
+    pieces = layer_pieces(block) if codec == Codec.RAW else None
+    if pieces is not None:  # no copy: the payload aliases the caller's tensor
+        stored: list[memoryview] = [piece for layer in pieces for piece in layer]
         sizes = [step] * layout.num_layers
-        sums = [xxhash.xxh3_64_intdigest(layer.data) for layer in layers]
+        sums = [checksum_pieces(layer) for layer in pieces]
+    elif codec == Codec.RAW:
+        data = _host_bytes(block)
+        stored = [data.data]
+        sizes = [step] * layout.num_layers
+        sums = [
+            xxhash.xxh3_64_intdigest(data[i * step : (i + 1) * step].data)
+            for i in range(layout.num_layers)
+        ]
     else:
+        data = _host_bytes(block)
+        layers = [data[i * step : (i + 1) * step] for i in range(layout.num_layers)]
         blobs = [_compress_layer(layer, codec, layout.itemsize) for layer in layers]
         stored = [memoryview(b) for b in blobs]
         sizes = [len(b) for b in blobs]

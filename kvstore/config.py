@@ -320,6 +320,11 @@ class RedisTierConfig(TierConfig):
         _check_positive(self, path, "pool_size", "socket_timeout", "retry_interval")
 
 
+def _default_tiers() -> tuple[TierConfig, ...]:
+    """The embedded default: 4 GiB of host memory over 32 GiB of files in the user's cache."""
+    return (HostTierConfig(), DiskTierConfig())
+
+
 _TIER_CONFIGS: dict[str, type[TierConfig]] = {
     cls.kind: cls
     for cls in (HostTierConfig, DeviceTierConfig, DiskTierConfig, S3TierConfig, RedisTierConfig)
@@ -363,9 +368,13 @@ def _build_tier(data: Any, path: str) -> TierConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """The whole store's configuration: an ordered list of tiers, fastest first."""
+    """The whole store's configuration: an ordered list of tiers, fastest first.
 
-    tiers: tuple[TierConfig, ...] = (HostTierConfig(),)
+    The default is a host tier over a disk tier in ``$XDG_CACHE_HOME/kvstore``
+    (``~/.cache/kvstore``), so a cache outlives the process with no config.
+    """
+
+    tiers: tuple[TierConfig, ...] = field(default_factory=lambda: _default_tiers())
     _ENV_PREFIX: ClassVar[str] = "KVSTORE_"
 
     def __post_init__(self) -> None:
@@ -379,7 +388,7 @@ class StoreConfig:
     # -- sources ----------------------------------------------------------
     @classmethod
     def default(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
-        """The embedded default (one host tier), with env overrides."""
+        """The embedded default (host over disk), with env overrides."""
         return cls._with_env({}, environ)
 
     @classmethod
@@ -425,7 +434,7 @@ class StoreConfig:
         unknown = set(data) - {"tiers"}
         if unknown:
             raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed keys: tiers")
-        tiers_data = data.get("tiers", [HostTierConfig().to_dict()])
+        tiers_data = data.get("tiers", [t.to_dict() for t in _default_tiers()])
         if not isinstance(tiers_data, (list, tuple)):
             raise ConfigError(f"tiers: expected a list, got {type(tiers_data).__name__}")
         tiers = tuple(_build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
@@ -455,7 +464,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dic
             data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
         except yaml.YAMLError as exc:
             raise ConfigError(f"{prefix}TIERS is not valid YAML/JSON: {exc}") from None
-    raw = data.get("tiers", [{"kind": "host"}])
+    raw = data.get("tiers", [{"kind": t.kind} for t in _default_tiers()])
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
     tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]

@@ -3,8 +3,8 @@
 Tokens are cut into chunks of ``block_tokens``; only full chunks get a key.
 The key of chunk ``i`` is::
 
-    key[0] = xxh3_128(seed || tokens[0])
-    key[i] = xxh3_128(key[i-1] || tokens[i])
+    key[0] = xxh3_128(seed,     seed=xxh3_64(tokens[0]))
+    key[i] = xxh3_128(key[i-1], seed=xxh3_64(tokens[i]))
 
 where ``tokens[i]`` is the little-endian int32 bytes of the chunk and
 ``seed`` is the 16-byte fingerprint of a :class:`Namespace` (model id and
@@ -12,6 +12,10 @@ revision, KV layout, dtype, tensor-parallel rank, adapter, user salt). Two
 requests share a key only if they share the whole prefix in the same
 namespace, and the same tokens give the same keys in every process on every
 machine: no ``hash()``, no pickle, no per-process random seed.
+
+The chain state is the full 128-bit key; each chunk enters through its 64-bit
+xxh3 digest as the seed of the next xxh3-128, a shape that lets the whole
+chain run in C (``itertools.accumulate``), with no Python code per chunk.
 
 Keys are plain 16-byte ``bytes`` (:data:`BlockKey`), cheap to create, to
 hash in dicts and to send anywhere; ``key.hex()`` is the readable form.
@@ -22,10 +26,14 @@ never share keys.
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
+from operator import itemgetter
 from typing import Any, NewType
 
 import numpy as np
@@ -144,27 +152,29 @@ def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes:
             )
         seq = token_ids if isinstance(token_ids, Sequence) else list(token_ids)
         _check_tail(seq, limit)
-        token_ids = _list_to_array(seq[:limit])
+        return _list_to_bytes(seq[:limit])
     return _array_to_bytes(token_ids[:limit])
 
 
-def _list_to_array(seq: Sequence[Any]) -> np.ndarray:
-    """Convert a list of token ids without letting 1.5 or "7" pass as ints."""
+def _list_to_bytes(seq: Sequence[Any]) -> bytes:
+    """int32 bytes of a list of token ids; 1.5 or "7" are rejected, not converted.
+
+    ``array.array`` converts in C and is strict about types (it takes ints,
+    including numpy ints and bools, and raises on floats, strings and
+    out-of-range values): the fastest strict path, ~3.5 ms per 128K tokens.
+    """
     try:
-        arr = np.asarray(seq)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"token_ids must all be ints: {exc}") from None
-    if arr.size == 0:
-        return np.zeros(0, dtype="<i4")
-    if arr.dtype.kind == "O":  # ints too big for int64, or mixed types
+        arr = array.array("i", seq)
+    except TypeError:
         bad = next((x for x in seq if not _is_int(x)), None)
-        if bad is not None:
-            raise InvalidInputError(f"token_ids must all be ints, got {bad!r}")
-        raise InvalidInputError("token_ids must fit in int32")
-    if arr.dtype.kind not in "iu":
-        example = next((x for x in seq if not _is_int(x)), seq[0])
-        raise InvalidInputError(f"token_ids must all be ints, got {example!r}")
-    return arr
+        raise InvalidInputError(f"token_ids must all be ints, got {bad!r}") from None
+    except OverflowError:
+        raise InvalidInputError("token_ids must fit in int32") from None
+    if arr.itemsize != 4:  # pragma: no cover - C int is 32-bit on every supported platform
+        return _array_to_bytes(np.asarray(arr, dtype=np.int64))
+    if sys.byteorder == "big":  # pragma: no cover - keys are little-endian everywhere
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def _is_int(value: Any) -> bool:
@@ -193,22 +203,22 @@ def _array_to_bytes(arr: np.ndarray) -> bytes:
 
 
 def chain_keys(token_bytes: bytes, block_tokens: int, parent: bytes) -> list[BlockKey]:
-    """Chained xxh3-128 keys of the full chunks in ``token_bytes``.
+    """Chained keys of the full chunks in ``token_bytes``:
+    ``key[i] = xxh3_128(key[i-1], seed=xxh3_64(chunk[i]))``.
 
     ``parent`` is the namespace seed for a chain from the start of a prompt,
     or the key of the chunk just before ``token_bytes`` to continue a chain.
     """
     step = block_tokens * 4
     full = len(token_bytes) - len(token_bytes) % step
-    digest = xxhash.xxh3_128_digest
-    keys: list[BlockKey] = []
-    append = keys.append
-    prev = parent
-    # iter_unpack slices chunks in C; this loop is the whole cost of hashing.
-    for (chunk,) in struct.iter_unpack(f"{step}s", memoryview(token_bytes)[:full]):
-        prev = digest(prev + chunk)
-        append(prev)  # type: ignore[arg-type]
-    return keys
+    chunks = map(itemgetter(0), struct.iter_unpack(f"{step}s", memoryview(token_bytes)[:full]))
+    # Every step runs in C (map, accumulate, the hashes): no Python bytecode per
+    # chunk. xxh3_128's seed argument carries the chunk's digest into the chain.
+    chain: list[bytes] = list(
+        accumulate(map(xxhash.xxh3_64_intdigest, chunks), xxhash.xxh3_128_digest, initial=parent)
+    )
+    del chain[0]
+    return chain  # type: ignore[return-value]  # BlockKey is bytes at run time
 
 
 def _opaque_bytes(value: Any) -> bytes:

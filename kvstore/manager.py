@@ -152,13 +152,7 @@ class BlockManager:
             if not level.tier.persistent:
                 continue
             for key in level.tier.stored_keys():
-                entry = self._index.get(key)
-                if entry is None:
-                    entry = self._index[key] = _Entry(READY)
-                if not entry.tiers & level.bit:
-                    entry.tiers |= level.bit
-                    level.policy.insert(key)
-                    level.resident += 1
+                self._adopt(key, level.bit)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -169,16 +163,71 @@ class BlockManager:
         """Number of leading ``keys`` that are stored and readable."""
         with self._cond:
             self._check_open()
-            n = 0
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is None or entry.state != READY:
-                    break
-                n += 1
+            n = self._leading(keys)
+        if n < len(keys) and self._discover(keys[n:]):
+            with self._cond:
+                n = self._leading(keys)
+        with self._cond:
             self.counters.lookups += 1
             self.counters.lookup_blocks_hit += n
             self.counters.lookup_blocks_missed += len(keys) - n
-            return n
+        return n
+
+    def _leading(self, keys: Sequence[BlockKey]) -> int:
+        """Leading keys indexed and readable. Called with the lock held."""
+        n = 0
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None or entry.state != READY:
+                break
+            n += 1
+        return n
+
+    def _discover(self, keys: Sequence[BlockKey], batch: int = 16) -> int:
+        """Index the leading ``keys`` that shared tiers hold but the index lacks.
+
+        Other processes may have written them (a reader sharing a disk
+        directory). Probes in small batches and stops at the first key no
+        shared tier has, so a miss costs one batch of existence checks.
+        """
+        shared = [lv for lv in self._levels if lv.tier.shared]
+        adopted = 0
+        for start in range(0, len(keys) if shared else 0, batch):
+            chunk = list(keys[start : start + batch])
+            found = [0] * len(chunk)
+            for level in shared:
+                for i, present in enumerate(self._tier_contains(level, chunk)):
+                    found[i] |= level.bit if present else 0
+            run = next((i for i, bits in enumerate(found) if not bits), len(chunk))
+            with self._cond:
+                for key, bits in zip(chunk[:run], found[:run], strict=True):
+                    self._adopt(key, bits)
+            adopted += run
+            if run < len(chunk):
+                break
+        return adopted
+
+    def _tier_contains(self, level: _Level, keys: list[BlockKey]) -> list[bool]:
+        try:
+            return level.tier.contains(keys)
+        except Exception:
+            log.exception("tier %s failed an existence check", level.tier.kind)
+            with self._cond:
+                self.counters.tier_errors += 1
+            return [False] * len(keys)
+
+    def _adopt(self, key: BlockKey, bits: int) -> None:
+        """Record copies of ``key`` found in the tiers of ``bits``. Called with the lock held."""
+        entry = self._index.get(key)
+        if entry is None:
+            entry = self._index[key] = _Entry(READY)
+        elif entry.state != READY:
+            return
+        for level in self._levels:
+            if bits & level.bit and not entry.tiers & level.bit:
+                entry.tiers |= level.bit
+                level.policy.insert(key)
+                level.resident += 1
 
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and readable."""
@@ -401,21 +450,17 @@ class BlockManager:
         with self._cond:
             self._check_open()
             self.counters.gets += 1
-            entries: list[_Entry] = []
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is None or entry.state != READY:
-                    break
-                entry.pins += 1
-                self._touch(key, entry)
-                entries.append(entry)
-            if not prefix and len(entries) < len(keys):
+            entries = self._pin_leading(keys)
+        if len(entries) < len(keys) and self._discover(keys[len(entries) :]):
+            with self._cond:
+                self._unpin(entries)
+                entries = self._pin_leading(keys)
+        if not prefix and len(entries) < len(keys):
+            with self._cond:
                 self._unpin(entries)
                 self.counters.blocks_missed += len(keys) - len(entries)
-                missing = keys[len(entries)]
-                raise BlockNotFoundError(
-                    f"block {len(entries)} (key {missing.hex()}) is not stored"
-                )
+            missing = keys[len(entries)]
+            raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
         try:
             done = self._read(keys[: len(entries)], entries, outs, layers)
         finally:
@@ -430,6 +475,18 @@ class BlockManager:
                 f"block {n} (key {keys[n].hex()}) failed to load from every tier"
             )
         return n
+
+    def _pin_leading(self, keys: Sequence[BlockKey]) -> list[_Entry]:
+        """Pin (and touch) the leading readable entries. Called with the lock held."""
+        entries: list[_Entry] = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None or entry.state != READY:
+                break
+            entry.pins += 1
+            self._touch(key, entry)
+            entries.append(entry)
+        return entries
 
     def _read(
         self,
@@ -586,11 +643,59 @@ class BlockManager:
         with self._cond:
             return sum(1 for e in self._index.values() if e.pins)
 
+    def flush(self, batch: int = 32) -> int:
+        """Copy every block held only in non-persistent tiers into the first
+        persistent tier; return how many blocks were persisted.
+
+        After ``flush`` (and so after :meth:`close`) every stored block is on a
+        medium that outlives the process, unless no persistent tier had room.
+        """
+        persistent = [lv for lv in self._levels if lv.tier.persistent]
+        if not persistent:
+            return 0
+        mask = sum(lv.bit for lv in persistent)
+        with self._cond:
+            todo = [k for k, e in self._index.items() if e.state == READY and not e.tiers & mask]
+        done = 0
+        for start in range(0, len(todo), batch):
+            done += self._persist(todo[start : start + batch], persistent[0].index, mask)
+        return done
+
+    def _persist(self, keys: list[BlockKey], target: int, mask: int) -> int:
+        """Write ``keys`` (if still memory-only) into tier ``target`` or below."""
+        with self._cond:
+            pinned = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None and entry.state == READY and not entry.tiers & mask:
+                    entry.pins += 1
+                    pinned.append((key, entry))
+        try:
+            moves = []
+            for key, entry in pinned:
+                level = self._levels[(entry.tiers & -entry.tiers).bit_length() - 1]
+                src = self._source(level, key)
+                if src is not None:
+                    moves.append(_Move(key, entry, src))
+            left = self._place(target, moves) if moves else []
+        finally:
+            with self._cond:
+                self._unpin([entry for _, entry in pinned])
+        return len(moves) - len(left)
+
     def close(self) -> None:
-        """Wait for operations in flight, then close every tier. Idempotent."""
+        """Persist what only memory holds, wait for operations in flight, close every tier.
+
+        Idempotent.
+        """
         with self._cond:
             if self._closed:
                 return
+        try:
+            self.flush()
+        except Exception:  # closing must not fail because a tier did
+            log.exception("flush at close failed")
+        with self._cond:
             self._closed = True
             while any(e.pins for e in self._index.values()):
                 self._cond.wait()

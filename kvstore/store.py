@@ -206,8 +206,18 @@ class KVStore:
             "tiers": self._manager.tier_usage(),
         }
 
+    def flush(self) -> int:
+        """Copy blocks that only memory tiers hold into the first persistent tier.
+
+        Returns how many blocks were written. :meth:`close` flushes too.
+        """
+        return self._manager.flush()
+
     def close(self) -> None:
-        """Finish operations in flight and release every tier. Idempotent."""
+        """Flush to persistent tiers, finish operations in flight, release every tier.
+
+        Idempotent.
+        """
         self._manager.close()
 
     @property

@@ -21,13 +21,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _no_kvstore_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests see no KVSTORE_* variables from the outer environment."""
+def _isolated_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Tests see no KVSTORE_* variables, and the default disk tier lives in a temp dir."""
     import os
 
     for name in list(os.environ):
         if name.startswith("KVSTORE_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
 
 
 @pytest.fixture

@@ -14,9 +14,11 @@ import yaml
 
 from kvstore.config import (
     DeviceTierConfig,
+    DiskTierConfig,
     HostTierConfig,
     StoreConfig,
     TierConfig,
+    default_cache_dir,
     format_size,
     parse_size,
     tier_config_class,
@@ -141,11 +143,13 @@ def test_format_size(nbytes, text):
 def test_defaults():
     cfg = from_dict({})
     assert cfg == StoreConfig() == StoreConfig.default(environ={})
-    (tier,) = cfg.tiers
+    tier, disk = cfg.tiers
     assert type(tier) is HostTierConfig and tier.kind == "host"
     assert tier.capacity == 4 * GiB
     assert (tier.high_watermark, tier.low_watermark) == (0.9, 0.7)
     assert tier.pinned is None
+    assert type(disk) is DiskTierConfig and disk.capacity == 32 * GiB
+    assert disk.path == default_cache_dir()
     assert DeviceTierConfig().device == "cuda:0"
     assert TierConfig().capacity == 0
 
@@ -400,7 +404,11 @@ def test_env_overrides_only_the_first_tier_of_a_kind():
 
 
 def test_env_override_of_the_default_tier():
-    assert from_dict({}, KVSTORE_HOST_CAPACITY="1GiB").tiers == (HostTierConfig(capacity=GiB),)
+    assert from_dict({}, KVSTORE_HOST_CAPACITY="1GiB").tiers == (
+        HostTierConfig(capacity=GiB),
+        DiskTierConfig(),
+    )
+    assert from_dict({}, KVSTORE_DISK_PATH="/x").tiers[1] == DiskTierConfig(path="/x")
     assert StoreConfig.default(environ={"KVSTORE_HOST_CAPACITY": "2GiB"}).tiers[0].capacity == (
         2 * GiB
     )

@@ -81,11 +81,18 @@ def test_readme_contract(layout: KVLayout) -> None:
 
 
 def test_embedded_default_config(layout: KVLayout) -> None:
+    kv = random_blocks(layout, 2)
     with KVStore(layout) as store:
-        assert [t.kind for t in store.config.tiers] == ["host"]
+        assert [t.kind for t in store.config.tiers] == ["host", "disk"]
         keys = store.hash_tokens(range(layout.block_tokens * 2), "m")
-        store.put(keys, random_blocks(layout, 2))
+        store.put(keys, kv)
         assert store.lookup(keys) == 2
+        assert [store.manager.where(k) for k in keys] == [[0], [0]]  # in host memory
+    # close() flushed to disk: a new process (here: a new store) finds the blocks.
+    with KVStore(layout) as again:
+        assert again.lookup(keys) == 2
+        assert [again.manager.where(k) for k in keys] == [[1], [1]]
+        assert torch.equal(again.get(keys), kv)
 
 
 def test_put_is_idempotent_and_counts_stored(

@@ -1,4 +1,4 @@
-"""Fault injection around a real tier.
+"""Fault injection around real tiers and real files.
 
 :class:`FaultyTier` forwards every call to a real tier and, as its switches
 say, raises :class:`~kvstore.errors.TierError`, reports per-block failures
@@ -9,6 +9,7 @@ one block); everything else still goes through the real tier.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -20,8 +21,9 @@ import torch
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.files import Buffer, FileOps
 
-__all__ = ["FaultyTier"]
+__all__ = ["FaultyFileOps", "FaultyTier"]
 
 
 class FaultyTier(Tier):
@@ -42,6 +44,7 @@ class FaultyTier(Tier):
         self.inner = inner
         self.kind = inner.kind
         self.persistent = inner.persistent
+        self.shared = inner.shared
         self.down = False
         self.put_error = 0.0
         self.get_error = 0.0
@@ -124,3 +127,52 @@ class FaultyTier(Tier):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultyFileOps(FileOps):
+    """The disk tier's syscalls with errors injected by operation (and path).
+
+    ``fail["preadv"] = errno.EIO`` makes every read fail with EIO; ``only``
+    limits faults to paths containing that substring (reads and writes are
+    matched through the path their descriptor was opened with).
+    ``injected`` counts the faults produced.
+    """
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}
+        self.only: str | None = None
+        self.injected: dict[str, int] = {}
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()  # guards _paths and injected
+
+    def _maybe_fail(self, op: str, path: str) -> None:
+        code = self.fail.get(op)
+        if code is None or (self.only is not None and self.only not in path):
+            return
+        with self._lock:
+            self.injected[op] = self.injected.get(op, 0) + 1
+        raise OSError(code, f"{os.strerror(code)} (injected)", path)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self._maybe_fail("open", path)
+        fd = super().open(path, flags, mode)
+        with self._lock:
+            self._paths[fd] = path
+        return fd
+
+    def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+        self._maybe_fail("pwritev", self._paths.get(fd, ""))
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+        self._maybe_fail("preadv", self._paths.get(fd, ""))
+        return super().preadv(fd, buffers, offset)
+
+    def close(self, fd: int) -> None:
+        with self._lock:
+            self._paths.pop(fd, None)
+        super().close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._maybe_fail("rename", dst)
+        super().rename(src, dst)

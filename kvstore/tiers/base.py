@@ -48,6 +48,9 @@ class Tier(ABC):
     kind: str = ""
     #: True if blocks survive the process (the manager re-indexes them on open).
     persistent: bool = False
+    #: True if other processes may add blocks while we run (the manager asks the
+    #: tier about keys its index lacks before calling them misses).
+    shared: bool = False
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config

@@ -1,0 +1,261 @@
+"""Host DRAM tier put/get throughput through ``KVStore`` vs a raw memcpy of the same bytes.
+
+Geometry: an 8B Llama (32 layers, 8 KV heads, head_dim 128, 256 tokens per
+block, bf16): 32 MiB per block. Each rep moves ``--blocks`` blocks in calls
+of ``--batch-blocks`` (default 16 and 16: one 512 MiB call).
+
+- put: ``store.put(keys, kv)`` with NEW keys every rep (the previous rep's
+  keys are deleted outside the timed region; otherwise put dedups and copies
+  nothing). Freed slots are reused, so the tier's memory is already touched.
+- get: ``store.get(keys, out=buf)`` into a prefaulted ``buf``.
+- baseline: the faster of torch ``dst.copy_(src)`` and ``ctypes.memmove`` on
+  contiguous buffers of the same size, per batch (both are reported).
+- diagnostics (not baselines): ``blockwise_copy`` is ``slot.copy_(chunk)`` per
+  32 MiB block from the same ``kv`` into a slab -- the copies the tier itself
+  makes, without the store around them -- and ``blockwise_memmove`` makes the
+  same per-block copies with ``ctypes.memmove`` per contiguous run. They show
+  whether a shortfall is the store's bookkeeping or the per-block copy calls.
+
+Timing: interleaved rounds (a block of reps of each subject per round,
+order reversed on odd rounds); every figure is a median over reps.
+``--profile`` runs cProfile over extra put and get reps and prints the top
+entries to stderr.
+
+Run: ``python benchmarks/bench_host_tier.py [--json] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import ctypes
+import io
+import itertools
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
+
+from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.config import parse_size
+
+TARGET_RATIO = 0.8
+
+
+def llama8b_layout(num_layers: int = 32) -> KVLayout:
+    """The KV layout of Llama-3-8B (GQA, 8 KV heads), bf16, 256-token blocks."""
+    return KVLayout(
+        num_layers=num_layers,
+        num_kv_heads=8,
+        head_dim=128,
+        block_tokens=256,
+        dtype=torch.bfloat16,
+    )
+
+
+class HostTierBench:
+    """Buffers, store and the timed reps of one configuration."""
+
+    def __init__(self, layout: KVLayout, blocks: int, batch: int, capacity: int) -> None:
+        if blocks % batch:
+            raise SystemExit(f"--blocks ({blocks}) must be a multiple of --batch-blocks ({batch})")
+        slots = capacity // layout.block_nbytes
+        if 2 * blocks > 0.9 * slots:  # get set + put set must stay under the high watermark
+            raise SystemExit(f"--capacity holds {slots} blocks; need > {2 * blocks / 0.9:.0f}")
+        self.layout, self.blocks, self.batch = layout, blocks, batch
+        self.nbytes = blocks * layout.block_nbytes
+        self.nbatches = blocks // batch
+        gen = torch.Generator().manual_seed(0)
+        shape = layout.tensor_shape(batch)
+        # The data to store: one contiguous tensor per call, random (incompressible) bytes.
+        self.kv = [
+            torch.randn(shape, generator=gen, dtype=torch.float32).to(layout.dtype)
+            for _ in range(self.nbatches)
+        ]
+        # Destinations, written once so every page is committed before timing.
+        self.out = [torch.full(shape, 1.0, dtype=layout.dtype) for _ in range(self.nbatches)]
+        self.dst = [torch.full(shape, 1.0, dtype=layout.dtype) for _ in range(self.nbatches)]
+        self.slab = torch.full((batch, *layout.block_shape), 1.0, dtype=layout.dtype)
+        config = StoreConfig.from_dict(
+            {"tiers": [{"kind": "host", "capacity": capacity}]}, environ={}
+        )
+        self.store = KVStore(layout, config)
+        self._counter = itertools.count()
+        self.get_keys = [self._fresh_keys() for _ in range(self.nbatches)]
+        for keys, kv in zip(self.get_keys, self.kv, strict=True):
+            assert self.store.put(keys, kv) == batch
+        self.put_keys: list[list[bytes]] = []
+
+    def _fresh_keys(self) -> list[bytes]:
+        n = next(self._counter)
+        return [n.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(self.batch)]
+
+    # -- reps (each returns the seconds it timed) ----------------------------
+    def put(self) -> float:
+        """Store every batch under new keys (the previous rep's are deleted first, untimed)."""
+        for keys in self.put_keys:
+            self.store.delete(keys)
+        self.put_keys = [self._fresh_keys() for _ in range(self.nbatches)]
+        start = time.perf_counter()
+        for keys, kv in zip(self.put_keys, self.kv, strict=True):
+            self.store.put(keys, kv)
+        elapsed = time.perf_counter() - start
+        return elapsed
+
+    def get(self) -> float:
+        """Load every batch into its prefaulted ``out`` tensor."""
+        start = time.perf_counter()
+        for keys, out in zip(self.get_keys, self.out, strict=True):
+            self.store.get(keys, out=out)
+        return time.perf_counter() - start
+
+    def torch_copy(self) -> None:
+        """Baseline: contiguous ``dst.copy_(src)`` per batch."""
+        for dst, src in zip(self.dst, self.kv, strict=True):
+            dst.copy_(src)
+
+    def memmove(self) -> None:
+        """Baseline: ``ctypes.memmove`` of the same bytes per batch."""
+        for dst, src in zip(self.dst, self.kv, strict=True):
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+
+    def blockwise_copy(self) -> None:
+        """Diagnostic: the tier's own copy pattern, ``slot.copy_(chunk)`` per block."""
+        step = self.layout.block_tokens
+        for kv in self.kv:
+            for i in range(self.batch):
+                self.slab[i].copy_(kv[:, :, i * step : (i + 1) * step])
+
+    def blockwise_memmove(self) -> None:
+        """Diagnostic: the same per-block copies as ``ctypes.memmove`` per contiguous run."""
+        step = self.layout.block_tokens
+        for kv in self.kv:
+            for i in range(self.batch):
+                src = kv[:, :, i * step : (i + 1) * step].flatten(0, 1)  # (layers * kv, ...)
+                dst = self.slab[i].flatten(0, 1)
+                run = src[0].numel() * src.element_size()
+                for j in range(src.shape[0]):
+                    ctypes.memmove(dst[j].data_ptr(), src[j].data_ptr(), run)
+
+    def check(self) -> None:
+        """The store handed back exactly what was put (checked outside any timing)."""
+        for keys, kv, out in zip(self.get_keys, self.kv, self.out, strict=True):
+            out.zero_()
+            self.store.get(keys, out=out)
+            assert torch.equal(out.view(torch.int16), kv.view(torch.int16)), "get returned wrong KV"
+        for keys in self.put_keys:
+            assert self.store.lookup(keys) == self.batch, "put did not store its blocks"
+
+    def close(self) -> None:
+        """Release the store."""
+        self.store.close()
+
+
+def profile(fn: Callable[[], object], reps: int, top: int = 12) -> str:
+    """cProfile ``reps`` calls of ``fn``; the top entries by total time, as text."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table or (``--json``) one JSON object."""
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=None, help="blocks moved per rep (16)")
+    parser.add_argument("--batch-blocks", type=int, default=None, help="blocks per call (16)")
+    parser.add_argument("--layers", type=int, default=32, help="layers per block (32: 32 MiB)")
+    parser.add_argument("--capacity", default="8GiB", help="host tier capacity")
+    parser.add_argument("--reps", type=int, default=3, help="reps per subject per round")
+    parser.add_argument("--profile", action="store_true", help="cProfile put/get to stderr")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
+    )
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    batch = args.batch_blocks or (2 if args.quick else 16)
+    blocks = args.blocks or batch
+    rounds = args.rounds or (2 if args.quick else 12)
+    layout = llama8b_layout(args.layers)
+    log(
+        f"host tier: {blocks} x {layout.block_nbytes / 2**20:.0f} MiB blocks per rep, "
+        f"{batch} per call, {rounds} rounds x {args.reps} reps"
+    )
+    bench = HostTierBench(layout, blocks, batch, parse_size(args.capacity))
+    try:
+        subjects: dict[str, tuple[Rep, int]] = {
+            "put": (bench.put, args.reps),
+            "torch_copy": (timed(bench.torch_copy), args.reps),
+            "get": (bench.get, args.reps),
+            "memmove": (timed(bench.memmove), args.reps),
+            "blockwise_copy": (timed(bench.blockwise_copy), args.reps),
+            "blockwise_memmove": (timed(bench.blockwise_memmove), args.reps),
+        }
+        times = run_rounds(subjects, rounds)
+        bench.check()
+        if args.profile:
+            log(profile(bench.put, 3))
+            log(profile(bench.get, 3))
+        stats = bench.store.stats()
+    finally:
+        bench.close()
+    gbps = {name: bench.nbytes / median(t) / 1e9 for name, t in times.items()}
+    memcpy = max(gbps["torch_copy"], gbps["memmove"])
+    put_ratio, get_ratio = gbps["put"] / memcpy, gbps["get"] / memcpy
+    result: dict[str, Any] = {
+        "benchmark": "host_tier",
+        "put_gbps": gbps["put"],
+        "get_gbps": gbps["get"],
+        "memcpy_gbps": memcpy,
+        "put_ratio": put_ratio,
+        "get_ratio": get_ratio,
+        "torch_copy_gbps": gbps["torch_copy"],
+        "memmove_gbps": gbps["memmove"],
+        "blockwise_copy_gbps": gbps["blockwise_copy"],
+        "blockwise_memmove_gbps": gbps["blockwise_memmove"],
+        "block_mib": layout.block_nbytes / 2**20,
+        "batch_blocks": batch,
+        "blocks_per_rep": blocks,
+        "bytes_per_rep": bench.nbytes,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": {"put": put_ratio >= TARGET_RATIO, "get": get_ratio >= TARGET_RATIO},
+        "reps": {name: len(t) for name, t in times.items()},
+        "tier_pinned": stats["tiers"][0]["pinned"],
+        "environment": environment(),
+    }
+    mt = result["meets_target"]
+    rows: list[list[object]] = [
+        ["what", "GB/s (median)", "ratio to memcpy", "target", "meets"],
+        ["store.put", gbps["put"], put_ratio, ">= 0.8", mt["put"]],
+        ["store.get(out=)", gbps["get"], get_ratio, ">= 0.8", mt["get"]],
+        ["torch copy_ (baseline)", gbps["torch_copy"], gbps["torch_copy"] / memcpy, "", ""],
+        ["ctypes.memmove (baseline)", gbps["memmove"], gbps["memmove"] / memcpy, "", ""],
+        [
+            "per-block copy_ (diagnostic)",
+            gbps["blockwise_copy"],
+            gbps["blockwise_copy"] / memcpy,
+            "",
+            "",
+        ],
+        [
+            "per-block memmove (diagnostic)",
+            gbps["blockwise_memmove"],
+            gbps["blockwise_memmove"] / memcpy,
+            "",
+            "",
+        ],
+    ]
+    emit(result, args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

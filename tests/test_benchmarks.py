@@ -1,0 +1,114 @@
+"""Smoke tests of the benchmark scripts: each runs with ``--quick --json`` and prints one
+JSON object with its documented fields. No timing assertions (the machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run_bench(script: str, *args: str) -> dict[str, Any]:
+    """Run ``benchmarks/<script> --quick --json *args``; return the one JSON object it prints."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout)  # the whole of stdout is exactly one JSON document
+    assert isinstance(result, dict), f"{script} printed {type(result).__name__}, not an object"
+    return result
+
+
+def assert_positive(result: dict[str, Any], *fields: str) -> None:
+    """Each field is present and a finite number > 0."""
+    for name in fields:
+        assert name in result, f"missing field {name!r}"
+        value = result[name]
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (name, value)
+        assert math.isfinite(value) and value > 0, (name, value)
+
+
+def assert_reps(result: dict[str, Any]) -> None:
+    """``reps`` counts the timed reps of every subject, all > 0."""
+    reps = result["reps"]
+    assert isinstance(reps, dict) and reps, reps
+    assert all(isinstance(n, int) and n > 0 for n in reps.values()), reps
+
+
+@pytest.mark.timeout(120)
+def test_bench_hash() -> None:
+    result = run_bench("bench_hash.py", "--scaling")
+    assert result["benchmark"] == "hash"
+    assert_positive(
+        result,
+        "kvstore_tokens_per_s",
+        "vllm_sha256_tokens_per_s",
+        "ratio",
+        "ms_per_128k",
+        "kvstore_list_tokens_per_s",
+        "ratio_list_input",
+        "target_ratio",
+        "target_ms_per_128k",
+        "prefix_lookup_ms_128k",
+    )
+    assert result["target_ratio"] == 30
+    assert result["target_ms_per_128k"] == 0.5
+    assert result["num_keys"] == 512
+    assert set(result["meets_target"]) >= {"ratio", "ms_per_128k"}
+    assert all(isinstance(v, bool) for v in result["meets_target"].values())
+    assert isinstance(result["prefix_lookup_meets_target"], bool)
+    points = result["prefix_lookup_scaling"]
+    assert points and all(p["hash_and_lookup_ms"] > 0 and p["stored_blocks"] > 0 for p in points)
+    assert_reps(result)
+
+
+@pytest.mark.timeout(120)
+def test_bench_host_tier() -> None:
+    result = run_bench("bench_host_tier.py")
+    assert result["benchmark"] == "host_tier"
+    assert_positive(
+        result,
+        "put_ratio",
+        "get_ratio",
+        "memcpy_gbps",
+        "put_gbps",
+        "get_gbps",
+        "torch_copy_gbps",
+        "memmove_gbps",
+        "blockwise_copy_gbps",
+        "block_mib",
+        "batch_blocks",
+    )
+    assert result["block_mib"] == 32
+    assert result["memcpy_gbps"] == max(result["torch_copy_gbps"], result["memmove_gbps"])
+    assert set(result["meets_target"]) == {"put", "get"}
+    assert_reps(result)
+
+
+@pytest.mark.timeout(120)
+def test_bench_codec() -> None:
+    result = run_bench("bench_codec.py")
+    assert result["benchmark"] == "codec"
+    rows = result["results"]
+    assert isinstance(rows, list)
+    cases = {(r["dtype"], r["distribution"], r["codec"]) for r in rows}
+    assert len(cases) == len(rows) == 3 * 2 * 3
+    assert {r["codec"] for r in rows} == {"RAW", "LZ4", "SHUFFLE_LZ4"}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp8_e4m3"}
+    for row in rows:
+        assert_positive(row, "ratio", "encode_gbps", "decode_gbps", "block_mib", "reps")
+        assert row["choose_codec"] in {"RAW", "LZ4", "SHUFFLE_LZ4"}
+        if row["codec"] == "RAW":
+            assert 1.0 <= row["ratio"] < 1.01  # raw bytes plus a header
