@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt")
     demo.add_argument("--layers", type=int, default=32, help="model layers (KV size scales)")
     demo.add_argument("--config", help="store config YAML (default: embedded defaults)")
+    demo.add_argument(
+        "--cache-dir",
+        help="disk tier directory (default: a scratch directory removed at the end; "
+        "name one to keep the cache and see a second run hit from disk)",
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -68,7 +73,18 @@ def _print_demo(report: dict[str, Any]) -> None:
             f"{format_size(tier['bytes'])} of {format_size(tier['capacity_bytes'])}, "
             f"{tier['evictions']} evicted, {tier['demotions']} demoted"
         )
-    lines.append(f"  wall time            : {report['seconds']:.1f} s")
+    lines.append(f"  serving wall time    : {report['seconds']:.1f} s")
+    flush = report["close_flush_seconds"]
+    lines.append(f"  close() flush        : {flush:.1f} s (memory-only blocks to disk)")
+    restart = report["after_restart"]
+    lines.append(
+        f"  after a restart      : store reopened in {restart['open_seconds']:.2f} s with "
+        f"{restart['blocks_on_disk']} blocks on disk; each session's last prompt finds "
+        f"{restart['last_prompt_chunks_found']} of {restart['last_prompt_chunks']} chunks; "
+        f"{restart['sessions_verified_from_disk']} sessions verified from disk"
+    )
+    if report["disk_path"]:
+        lines.append(f"  disk tier            : {report['disk_path']}")
     print("\n".join(lines))
 
 
@@ -82,6 +98,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         num_layers=args.layers,
         seed=args.seed,
         config=args.config,
+        cache_dir=args.cache_dir,
     )
     report = run_demo(settings, progress=lambda n: ProgressBar(n, "requests"))
     if args.json:

@@ -13,8 +13,10 @@ pool chosen by the chunk's key, so a load can be checked bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
+from kvstore.config import DiskTierConfig, StoreConfig
 from kvstore.keys import BlockKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ConfigSource, KVStore
@@ -45,6 +48,7 @@ class DemoSettings:
     model: str = "meta-llama/Llama-3.1-8B@demo"
     seed: int = 0
     config: ConfigSource = None
+    cache_dir: str | None = None
 
     def layout(self) -> KVLayout:
         """The KV layout of the simulated model."""
@@ -140,20 +144,65 @@ def _request(
     return hit
 
 
+def _demo_config(settings: DemoSettings, scratch: str) -> StoreConfig:
+    """The config to run: the user's, else the embedded default with its disk
+    tier in ``cache_dir`` -- or in a scratch directory, so a demo leaves no
+    gigabytes behind in the user's real cache."""
+    if settings.config is not None:
+        return StoreConfig.load(settings.config)
+    base = StoreConfig.default()
+    path = settings.cache_dir or scratch
+    tiers = tuple(
+        dataclasses.replace(t, path=path) if isinstance(t, DiskTierConfig) else t
+        for t in base.tiers
+    )
+    return StoreConfig(tiers=tiers)
+
+
 def run_demo(
     settings: DemoSettings, progress: Callable[[int], ProgressBar] | None = None
 ) -> dict[str, Any]:
-    """Run the workload; return the report as a dict."""
-    layout = settings.layout()
+    """Run the workload, then reopen the store as a restarted server would; return the report."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as scratch:
+        config = _demo_config(settings, scratch)
+        report = _serve(settings, config, progress)
+        report["after_restart"] = _restart(settings, config)
+        report["disk_path"] = next(
+            (t.path for t in config.tiers if isinstance(t, DiskTierConfig)), None
+        )
+    return report
+
+
+def _histories(settings: DemoSettings) -> list[tuple[list[int], list[list[int]]]]:
+    """Per session: the prompt of each turn (deterministic from the seed)."""
     rng = random.Random(settings.seed)
     vocab = 128_000
     system = [rng.randrange(vocab) for _ in range(settings.system_tokens)]
-    histories = [list(system) for _ in range(settings.sessions)]
+    sessions: list[tuple[list[int], list[list[int]]]] = []
+    for _ in range(settings.sessions):
+        history, prompts = list(system), []
+        for _ in range(settings.turns):
+            prompt = history + [
+                rng.randrange(vocab) for _ in range(rng.randint(*settings.user_tokens))
+            ]
+            prompts.append(prompt)
+            reply = [rng.randrange(vocab) for _ in range(rng.randint(*settings.reply_tokens))]
+            history = prompt + reply
+        sessions.append((system, prompts))
+    return sessions
+
+
+def _serve(
+    settings: DemoSettings, config: StoreConfig, progress: Callable[[int], ProgressBar] | None
+) -> dict[str, Any]:
+    layout = settings.layout()
+    rng = random.Random(settings.seed + 1)
+    sessions = _histories(settings)
     pool = _Pool(layout, settings.seed)
     tally = _Tally()
     total = settings.sessions * settings.turns
     bar = progress(total) if progress else None
-    with KVStore(layout, settings.config) as store:
+    with KVStore(layout, config) as store:
         namespace = store.namespace(settings.model)
         longest = settings.system_tokens + settings.turns * (
             settings.user_tokens[1] + settings.reply_tokens[1]
@@ -164,19 +213,45 @@ def run_demo(
         start = time.perf_counter()
         for turn in range(settings.turns):
             order = list(range(settings.sessions))
-            rng.shuffle(order)
+            rng.shuffle(order)  # sessions interleave, as on a real server
             for s in order:
-                user = [rng.randrange(vocab) for _ in range(rng.randint(*settings.user_tokens))]
-                prompt = histories[s] + user
-                hit = _request(store, pool, namespace, prompt, buffer, tally)
+                hit = _request(store, pool, namespace, sessions[s][1][turn], buffer, tally)
                 tally.per_turn_hits.setdefault(turn, []).append(hit)
-                reply = [rng.randrange(vocab) for _ in range(rng.randint(*settings.reply_tokens))]
-                histories[s] = prompt + reply
                 if bar:
                     bar.advance(f"hit {hit} chunks")
         tally.seconds = time.perf_counter() - start
         stats = store.stats()
-    return _report(settings, layout, tally, stats)
+        flush_start = time.perf_counter()
+    report = _report(settings, layout, tally, stats)
+    report["close_flush_seconds"] = time.perf_counter() - flush_start
+    return report
+
+
+def _restart(settings: DemoSettings, config: StoreConfig) -> dict[str, Any]:
+    """Reopen the store (a new process would do the same) and replay each
+    session's last prompt: its whole history is found again, on disk."""
+    layout = settings.layout()
+    pool = _Pool(layout, settings.seed)
+    start = time.perf_counter()
+    with KVStore(layout, config) as store:
+        opened = time.perf_counter() - start
+        namespace = store.namespace(settings.model)
+        found = total = verified = 0
+        for _, prompts in _histories(settings):
+            keys = store.hash_tokens(prompts[-1], namespace)
+            hit = store.lookup(keys)
+            found, total = found + hit, total + len(keys)
+            if hit:
+                out = store.get(keys[:1])  # load the first chunk back from disk and check it
+                verified += int(torch.equal(out, pool.chunk(keys[0])))
+        blocks = store.stats()["blocks"]
+    return {
+        "open_seconds": opened,
+        "blocks_on_disk": blocks,
+        "last_prompt_chunks_found": found,
+        "last_prompt_chunks": total,
+        "sessions_verified_from_disk": verified,
+    }
 
 
 def _report(

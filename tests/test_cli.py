@@ -27,7 +27,25 @@ def test_demo_small_run_reports_hits_and_verifies(capsys: pytest.CaptureFixture[
     assert report["prefill_tokens_saved"] >= 8 * 8 * 256
     assert report["chunks_loaded_and_verified"] == report["prefill_tokens_saved"] // 256
     assert 0 < report["chunk_hit_rate"] <= 1
-    assert report["tiers"][0]["kind"] == "host"
+    assert [t["kind"] for t in report["tiers"]] == ["host", "disk"]
+    restart = report["after_restart"]  # reopened: everything is found again on disk
+    assert restart["blocks_on_disk"] == report["chunks_stored"]
+    assert restart["last_prompt_chunks_found"] == restart["last_prompt_chunks"] > 0
+    assert restart["sessions_verified_from_disk"] == 3
+
+
+def test_demo_with_a_cache_dir_hits_from_disk_on_the_second_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["demo", "--sessions", "2", "--turns", "1", "--layers", "1", "--json"]
+    assert main([*args, "--cache-dir", str(tmp_path)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main([*args, "--cache-dir", str(tmp_path)]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["disk_path"] == second["disk_path"] == str(tmp_path)
+    assert second["chunk_hit_rate"] == 1.0  # every chunk came back from the first run's disk
+    assert second["chunks_stored"] == 0
+    assert list(tmp_path.rglob("*.kvb"))
 
 
 def test_demo_human_report(tmp_path: Path) -> None:
