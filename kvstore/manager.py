@@ -118,7 +118,6 @@ class BlockManager:
         self,
         layout: KVLayout,
         tiers: Sequence[Tier],
-        policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not tiers:
@@ -131,7 +130,7 @@ class BlockManager:
                 marks=Watermarks.of(
                     tier.capacity_blocks, tier.config.high_watermark, tier.config.low_watermark
                 ),
-                policy=make_policy(policy, clock),
+                policy=make_policy(tier.config.policy, tier.capacity_blocks, clock),
             )
             for i, tier in enumerate(tiers)
         ]

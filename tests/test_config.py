@@ -225,6 +225,7 @@ def test_to_dict_round_trip():
         "capacity": 3 * GiB,
         "high_watermark": 0.9,
         "low_watermark": 0.5,
+        "policy": "lru",
         "device": "cuda:1",
     }
     assert plain["tiers"][1]["kind"] == "host" and plain["tiers"][1]["pinned"] is True

@@ -7,8 +7,22 @@
 
 from __future__ import annotations
 
-from kvstore.policy.base import Clock, EvictionPolicy, make_policy, register_policy
+from kvstore.policy.base import (
+    Clock,
+    EvictionPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
+)
 from kvstore.policy.lru import LRUPolicy
 from kvstore.policy.watermark import Watermarks
 
-__all__ = ["Clock", "EvictionPolicy", "LRUPolicy", "Watermarks", "make_policy", "register_policy"]
+__all__ = [
+    "Clock",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "Watermarks",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]

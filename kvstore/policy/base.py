@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 
-__all__ = ["Clock", "EvictionPolicy", "make_policy", "register_policy"]
+__all__ = ["Clock", "EvictionPolicy", "make_policy", "policy_names", "register_policy"]
 
 Clock = Callable[[], float]
 
@@ -27,7 +27,8 @@ class EvictionPolicy(ABC):
 
     name: str = ""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
+    def __init__(self, capacity: int = 0, clock: Clock = time.monotonic) -> None:
+        self.capacity = capacity  # blocks the tier holds (policies that size queues use it)
         self.clock = clock
 
     @abstractmethod
@@ -44,7 +45,14 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def candidates(self) -> Iterator[BlockKey]:
-        """Keys in eviction order, first to go first. Do not mutate while iterating."""
+        """Keys in eviction order, first to go first.
+
+        The manager skips candidates it may not evict (pinned ones) and calls
+        :meth:`remove` for those it evicts, after the iteration. A policy may
+        update its own state while the iterator runs (S3-FIFO moves a block
+        with hits to its main queue instead of yielding it); the manager
+        calls no other method of the policy until the iteration ends.
+        """
 
     @abstractmethod
     def __len__(self) -> int:
@@ -64,12 +72,16 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     return cls
 
 
-def make_policy(name: str, clock: Clock = time.monotonic) -> EvictionPolicy:
-    """A new policy instance by name (``"lru"``, ...)."""
+def policy_names() -> list[str]:
+    """Names of the registered eviction policies."""
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str, capacity: int = 0, clock: Clock = time.monotonic) -> EvictionPolicy:
+    """A new policy instance by name (``"lru"``, ...) for a tier of ``capacity`` blocks."""
     try:
         cls = _POLICIES[name]
     except KeyError:
-        raise ConfigError(
-            f"unknown eviction policy {name!r}; known: {', '.join(sorted(_POLICIES))}"
-        ) from None
-    return cls(clock)
+        known = ", ".join(policy_names())
+        raise ConfigError(f"unknown eviction policy {name!r}; known: {known}") from None
+    return cls(capacity, clock)

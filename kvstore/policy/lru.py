@@ -18,8 +18,8 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
-        super().__init__(clock)
+    def __init__(self, capacity: int = 0, clock: Clock = time.monotonic) -> None:
+        super().__init__(capacity, clock)
         self._order: OrderedDict[BlockKey, None] = OrderedDict()
 
     def insert(self, key: BlockKey) -> None:
