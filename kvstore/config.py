@@ -185,6 +185,7 @@ class TierConfig:
     capacity: int = _opt(0, parse_size)
     high_watermark: float = _opt(0.9, _parse_float)
     low_watermark: float = _opt(0.7, _parse_float)
+    policy: str = _opt("lru", _parse_str)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
@@ -198,6 +199,13 @@ class TierConfig:
             raise ConfigError(
                 f"{path}.low_watermark: must be in [0, high_watermark={self.high_watermark}), "
                 f"got {self.low_watermark}"
+            )
+        from kvstore.policy import policy_names  # deferred: policies import the key types
+
+        if self.policy not in policy_names():
+            raise ConfigError(
+                f"{path}.policy: unknown eviction policy {self.policy!r}; "
+                f"known: {', '.join(policy_names())}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -273,6 +281,7 @@ class S3TierConfig(TierConfig):
     multipart_threshold: int = _opt(64 * 1024**2, parse_size)
     part_size: int = _opt(16 * 1024**2, parse_size)
     codec: str = _opt("auto", _parse_codec)
+    retry_interval: float = _opt(1.0, _parse_float)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -289,6 +298,7 @@ class S3TierConfig(TierConfig):
             "deadline",
             "max_attempts",
             "part_size",
+            "retry_interval",
         )
         if self.part_size < 5 * 1024**2:
             raise ConfigError(f"{path}.part_size: S3 parts must be >= 5MiB, got {self.part_size}")

@@ -13,9 +13,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
-from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:  # keys import torch; policies need only the type
+    from kvstore.keys import BlockKey
 
 __all__ = ["Clock", "EvictionPolicy", "make_policy", "policy_names", "register_policy"]
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvstore.keys import BlockKey
 from kvstore.policy.base import Clock, EvictionPolicy, register_policy
+
+if TYPE_CHECKING:  # keys import torch; policies need only the type
+    from kvstore.keys import BlockKey
 
 __all__ = ["LRUPolicy"]
 
