@@ -43,9 +43,12 @@ import yaml
 from kvstore.errors import ConfigError
 
 __all__ = [
+    "PREFETCH_POLICIES",
     "DeviceTierConfig",
     "DiskTierConfig",
     "HostTierConfig",
+    "PrefetchConfig",
+    "ReplicationConfig",
     "RedisTierConfig",
     "S3TierConfig",
     "StoreConfig",
@@ -186,6 +189,9 @@ class TierConfig:
     high_watermark: float = _opt(0.9, _parse_float)
     low_watermark: float = _opt(0.7, _parse_float)
     policy: str = _opt("lru", _parse_str)
+    write_policy: str = _opt("write_back", _parse_str)
+    promote_after: int = _opt(0, _parse_int)
+    admit_after: int = _opt(0, _parse_int)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
@@ -200,6 +206,14 @@ class TierConfig:
                 f"{path}.low_watermark: must be in [0, high_watermark={self.high_watermark}), "
                 f"got {self.low_watermark}"
             )
+        if self.write_policy not in ("write_back", "write_through"):
+            raise ConfigError(
+                f"{path}.write_policy: use write_back (copy down on eviction) or "
+                f"write_through (copy down on every put), got {self.write_policy!r}"
+            )
+        for name in ("promote_after", "admit_after"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
         from kvstore.policy import policy_names  # deferred: policies import the key types
 
         if self.policy not in policy_names():
@@ -219,6 +233,7 @@ class HostTierConfig(TierConfig):
 
     kind: ClassVar[str] = "host"
     capacity: int = _opt(4 * 1024**3, parse_size)
+    promote_after: int = _opt(2, _parse_int)
     pinned: bool | None = _opt(None, _parse_optional_bool)
 
 
@@ -228,6 +243,7 @@ class DeviceTierConfig(TierConfig):
 
     kind: ClassVar[str] = "device"
     device: str = _opt("cuda:0", _parse_str)
+    promote_after: int = _opt(2, _parse_int)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -377,6 +393,67 @@ def _build_tier(data: Any, path: str) -> TierConfig:
 
 
 @dataclass(frozen=True)
+class ReplicationConfig:
+    """Hot-block replication: blocks read often get a copy in the fastest tier.
+
+    Heat is a decayed access count: +1 per access, halved every
+    ``half_life_s``. A block at ``hot_threshold`` or above is copied into the
+    first tier (up to ``max_copies`` copies in all) and is not evicted there
+    while it stays hot; cooled extra copies are the first to go.
+    """
+
+    enabled: bool = _opt(True, _parse_bool)
+    hot_threshold: int = _opt(8, _parse_int)
+    half_life_s: float = _opt(300.0, _parse_float)
+    max_copies: int = _opt(2, _parse_int)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for impossible values."""
+        _check_positive(self, path, "hot_threshold", "half_life_s", "max_copies")
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Background, layer-by-layer loads (``KVStore.prefetch``).
+
+    ``policy`` decides what :meth:`PrefetchHandle.result` waits for, as in
+    SGLang: ``best_effort`` takes what has arrived, ``wait_complete`` waits for
+    everything, ``timeout`` waits up to ``timeout_base_s +
+    timeout_per_1k_tokens_s * tokens / 1000`` (at most ``timeout_max_s``).
+    """
+
+    policy: str = _opt("wait_complete", _parse_str)
+    timeout_base_s: float = _opt(2.0, _parse_float)
+    timeout_per_1k_tokens_s: float = _opt(0.1, _parse_float)
+    timeout_max_s: float = _opt(30.0, _parse_float)
+    threads: int = _opt(2, _parse_int)
+    layers_per_step: int = _opt(1, _parse_int)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for impossible values."""
+        if self.policy not in PREFETCH_POLICIES:
+            known = ", ".join(PREFETCH_POLICIES)
+            raise ConfigError(
+                f"{path}.policy: unknown prefetch policy {self.policy!r}; use {known}"
+            )
+        _check_positive(self, path, "timeout_base_s", "timeout_max_s", "threads", "layers_per_step")
+        if self.timeout_per_1k_tokens_s < 0:
+            raise ConfigError(f"{path}.timeout_per_1k_tokens_s: must be >= 0")
+
+    def deadline_s(self, num_tokens: int) -> float:
+        """Seconds the ``timeout`` policy waits for a prefix of ``num_tokens``."""
+        grown = self.timeout_base_s + self.timeout_per_1k_tokens_s * num_tokens / 1000
+        return min(self.timeout_max_s, grown)
+
+
+_SECTIONS: dict[str, type[Any]] = {"replication": ReplicationConfig, "prefetch": PrefetchConfig}
+_SCALARS: dict[str, Parser] = {"lease_s": _parse_float, "mover_threads": _parse_int}
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The whole store's configuration: an ordered list of tiers, fastest first.
 
@@ -385,6 +462,12 @@ class StoreConfig:
     """
 
     tiers: tuple[TierConfig, ...] = field(default_factory=lambda: _default_tiers())
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    #: Seconds a lease pins blocks (prefetches, layerwise writes) unless renewed or released.
+    lease_s: float = 30.0
+    #: Threads moving blocks between tiers in the background.
+    mover_threads: int = 2
     _ENV_PREFIX: ClassVar[str] = "KVSTORE_"
 
     def __post_init__(self) -> None:
@@ -394,6 +477,9 @@ class StoreConfig:
             if not isinstance(tier, TierConfig):
                 raise ConfigError(f"tiers[{i}]: expected a TierConfig, got {type(tier).__name__}")
             tier.validate(f"tiers[{i}]")
+        self.replication.validate("replication")
+        self.prefetch.validate("prefetch")
+        _check_positive(self, "config", "lease_s", "mover_threads")
 
     # -- sources ----------------------------------------------------------
     @classmethod
@@ -441,14 +527,24 @@ class StoreConfig:
 
     @classmethod
     def _from_plain(cls, data: Mapping[str, Any]) -> StoreConfig:
-        unknown = set(data) - {"tiers"}
+        allowed = {"tiers", *_SECTIONS, *_SCALARS}
+        unknown = set(data) - allowed
         if unknown:
-            raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed keys: tiers")
+            names = ", ".join(sorted(allowed))
+            raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed keys: {names}")
         tiers_data = data.get("tiers", [t.to_dict() for t in _default_tiers()])
         if not isinstance(tiers_data, (list, tuple)):
             raise ConfigError(f"tiers: expected a list, got {type(tiers_data).__name__}")
-        tiers = tuple(_build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
-        return cls(tiers=tiers)
+        kwargs: dict[str, Any] = {
+            "tiers": tuple(_build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
+        }
+        for name, section in _SECTIONS.items():
+            if name in data:
+                kwargs[name] = _build(section, data[name] or {}, name)
+        for name, parser in _SCALARS.items():
+            if name in data:
+                kwargs[name] = parser(data[name], name)
+        return cls(**kwargs)
 
     @classmethod
     def _with_env(cls, data: dict[str, Any], environ: Mapping[str, str] | None) -> StoreConfig:
@@ -458,7 +554,13 @@ class StoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict that :meth:`from_dict` reads back to an equal config."""
-        return {"tiers": [t.to_dict() for t in self.tiers]}
+        return {
+            "tiers": [t.to_dict() for t in self.tiers],
+            "replication": dataclasses.asdict(self.replication),
+            "prefetch": dataclasses.asdict(self.prefetch),
+            "lease_s": self.lease_s,
+            "mover_threads": self.mover_threads,
+        }
 
 
 def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dict[str, Any]:
@@ -479,17 +581,33 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dic
         raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
     tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]
     for name in names:
-        if name == prefix + "TIERS":
-            continue
-        kind, _, key = name[len(prefix) :].lower().partition("_")
-        if kind not in _TIER_CONFIGS or not key:
-            raise ConfigError(
-                f"{name}: unknown setting; use {prefix}<KIND>_<FIELD> with a kind of "
-                f"{', '.join(sorted(_TIER_CONFIGS))}, or {prefix}TIERS / {prefix}CONFIG"
-            )
-        matches = [t for t in tiers if isinstance(t, dict) and t.get("kind") == kind]
-        if not matches:
-            raise ConfigError(f"{name}: the config has no tier of kind {kind!r} to override")
-        matches[0][key] = env[name]
+        if name != prefix + "TIERS":
+            _apply_one(data, tiers, name, env[name], prefix)
     data["tiers"] = tiers
     return data
+
+
+def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, prefix: str) -> None:
+    """Apply one variable: a top-level scalar, a section field, or a tier field."""
+    setting = name[len(prefix) :].lower()
+    if setting in _SCALARS:
+        data[setting] = value
+        return
+    head, _, key = setting.partition("_")
+    if head in _SECTIONS and key:
+        section = data.get(head) or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{head}: expected a mapping, got {type(section).__name__}")
+        data[head] = {**section, key: value}
+        return
+    if head not in _TIER_CONFIGS or not key:
+        kinds = ", ".join(sorted(_TIER_CONFIGS))
+        raise ConfigError(
+            f"{name}: unknown setting; use {prefix}<KIND>_<FIELD> with a kind of {kinds}, "
+            f"{prefix}<SECTION>_<FIELD> with a section of {', '.join(sorted(_SECTIONS))}, "
+            f"{prefix}LEASE_S, {prefix}MOVER_THREADS, or {prefix}TIERS / {prefix}CONFIG"
+        )
+    matches = [t for t in tiers if isinstance(t, dict) and t.get("kind") == head]
+    if not matches:
+        raise ConfigError(f"{name}: the config has no tier of kind {head!r} to override")
+    matches[0][key] = value

@@ -201,6 +201,27 @@ class KVLayout:
             )
         return kv
 
+    def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """Shape of one layer of ``num_blocks`` blocks: ``tensor_shape(n)[1:]``."""
+        return self.tensor_shape(num_blocks)[1:]
+
+    def check_layer(self, kv_layer: Any, num_blocks: int, what: str = "kv_layer") -> torch.Tensor:
+        """Check ``kv_layer`` is one layer of ``num_blocks`` blocks (:meth:`layer_shape`)."""
+        if not isinstance(kv_layer, torch.Tensor):
+            raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(kv_layer).__name__}")
+        if kv_layer.device.type not in ("cpu", "cuda"):
+            raise InvalidInputError(f"{what} is on device {kv_layer.device}; use cpu or cuda")
+        if kv_layer.dtype != self.dtype:
+            got, want = _dtype_name(kv_layer.dtype), _dtype_name(self.dtype)
+            raise LayoutMismatchError(f"{what} has dtype {got}, layout expects {want}")
+        expected = self.layer_shape(num_blocks)
+        if tuple(kv_layer.shape) != expected:
+            raise LayoutMismatchError(
+                f"{what} has shape {tuple(kv_layer.shape)}, expected {expected} "
+                f"(kv, {num_blocks} blocks x {self.block_tokens} tokens, heads, head_dim)"
+            )
+        return kv_layer
+
     def check_same(self, other: KVLayout) -> None:
         """Raise :class:`LayoutMismatchError` unless ``other`` equals this layout."""
         if other.fingerprint != self.fingerprint:

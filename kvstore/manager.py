@@ -1,21 +1,25 @@
 """The block manager: the index, pins, placement, eviction and demotion.
 
 The manager knows, for every stored key, which tiers hold a copy (a bit per
-tier), how many operations pin it, and whether it is being written, readable,
-or being deleted. Tiers only move bytes; every decision is made here.
+tier), how many operations pin it, how hot it is, and whether it is being
+written, readable, or being deleted. Tiers only move bytes; every decision is
+made here (with the rules of :mod:`kvstore.policy.placement`).
 
 Lock ownership: ``_cond`` (a :class:`threading.Condition`) is owned by the
-manager and guards ``_index``, every :class:`_Level`'s ``resident`` count and
-eviction policy, and the counters. Tier I/O never runs while it is held:
-an operation pins its blocks under the lock, copies with the lock released,
-and unpins under the lock. A copy is only freed when its block has no pins
-other than the freeing operation's own (the freer waits on ``_cond``), so a
-block being read or written is never evicted or deleted under a reader.
+manager and guards ``_index``, every :class:`~kvstore.index.Level`'s
+``resident`` count and eviction policy, the leases, the pending layerwise
+writes and the counters. Tier I/O never runs while it is held: an operation
+pins its blocks under the lock, copies with the lock released, and unpins
+under the lock. A copy is only freed when its block has no pins other than
+the freeing operation's own (the freer waits on ``_cond``), so a block being
+read or written is never evicted or deleted under a reader.
 
-Placement: a new block goes to the first tier that has (or can make) room;
-making room evicts the policy's candidates down to the low watermark,
-demoting each to the next tier unless it already has a copy further down.
-``evict(n)`` frees exactly ``n`` blocks or none.
+Placement: a new block goes to the first tier that admits it and has (or can
+make) room. Making room evicts just what is needed, synchronously; bringing
+a tier that passed its high watermark down to its low one happens in the
+background (:mod:`kvstore.mover`), as do write-through copies and promotions.
+Eviction demotes a block to the next tier unless it already has a copy
+further down. ``evict(n)`` frees exactly ``n`` blocks or none.
 """
 
 from __future__ import annotations
@@ -24,134 +28,64 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError
+from kvstore.config import StoreConfig
+from kvstore.discovery import adopt_persistent, discover
+from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError, TierError
+from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Level, ManagerCounters, Move
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.policy import EvictionPolicy, Watermarks, make_policy
+from kvstore.leases import Lease, LeaseTable
+from kvstore.mover import Mover
+from kvstore.moves import Migrations
+from kvstore.policy import Watermarks, make_policy
+from kvstore.policy.placement import Placement, TierRules
+from kvstore.prefetch import LayerWrites, Prefetcher, PrefetchHandle
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["BlockManager", "ManagerCounters"]
 
 log = logging.getLogger(__name__)
 
-WRITING, READY, DELETING = 0, 1, 2
-
-
-class _Entry:
-    """Index entry of one key. Mutated only under the manager's lock."""
-
-    __slots__ = ("leaving", "pins", "state", "tiers")
-
-    def __init__(self, state: int, pins: int = 0, tiers: int = 0) -> None:
-        self.state = state
-        self.pins = pins
-        self.tiers = tiers  # bit i: tier i holds a copy
-        self.leaving = 0  # bit i: an evictor already took this copy out of tier i's count
-
-
-@dataclass
-class _Level:
-    """The manager's bookkeeping for one tier."""
-
-    index: int
-    tier: Tier
-    marks: Watermarks
-    policy: EvictionPolicy
-    # Copies held, plus room reserved for writes in flight, minus copies an
-    # evictor is already moving out (their entries have this level's bit in
-    # ``leaving``). Planning uses it; ``len(policy)`` is the exact count held.
-    resident: int = 0
-
-    @property
-    def bit(self) -> int:
-        return 1 << self.index
-
-
-@dataclass
-class _Move:
-    """A block on its way into a tier: its key, entry and source tensor."""
-
-    key: BlockKey
-    entry: _Entry
-    src: torch.Tensor
-
-
-@dataclass
-class ManagerCounters:
-    """Cumulative counters (guarded by the manager's lock)."""
-
-    lookups: int = 0
-    lookup_blocks_hit: int = 0
-    lookup_blocks_missed: int = 0
-    puts: int = 0
-    blocks_stored: int = 0
-    blocks_already_present: int = 0
-    blocks_not_stored: int = 0
-    gets: int = 0
-    blocks_read: int = 0
-    blocks_missed: int = 0
-    blocks_deleted: int = 0
-    evictions: list[int] = field(default_factory=list)
-    demotions: list[int] = field(default_factory=list)
-    blocks_dropped: int = 0
-    copies_lost: int = 0
-    tier_errors: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-
-    def snapshot(self) -> dict[str, Any]:
-        """A plain-dict copy."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+Victims = list[tuple[BlockKey, Entry]]
 
 
 class BlockManager:
-    """Index and movement of blocks across an ordered list of tiers."""
+    """Index and movement of blocks across an ordered list of tiers (fastest first)."""
 
     def __init__(
         self,
         layout: KVLayout,
         tiers: Sequence[Tier],
+        config: StoreConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not tiers:
             raise ValueError("a block manager needs at least one tier")
         self.layout = layout
-        self._levels = [
-            _Level(
-                index=i,
-                tier=tier,
-                marks=Watermarks.of(
-                    tier.capacity_blocks, tier.config.high_watermark, tier.config.low_watermark
-                ),
-                policy=make_policy(tier.config.policy, tier.capacity_blocks, clock),
-            )
-            for i, tier in enumerate(tiers)
-        ]
-        self._index: dict[BlockKey, _Entry] = {}
+        self.config = config or StoreConfig(tiers=tuple(t.config for t in tiers))
+        self.clock = clock
+        self.placement = Placement([TierRules.of(t.config) for t in tiers], self.config.replication)
+        self.heat = HeatClock(self.config.replication.half_life_s, clock)
+        self._levels = [_level(i, tier, clock) for i, tier in enumerate(tiers)]
+        self._persistent = sum(lv.bit for lv in self._levels if lv.tier.persistent)
+        self._index: dict[BlockKey, Entry] = {}
         self._cond = threading.Condition(threading.Lock())
+        self._leases = LeaseTable(clock)
         self._closed = False
-        self.counters = ManagerCounters(evictions=[0] * len(tiers), demotions=[0] * len(tiers))
-        self._adopt_persistent()
+        self._mover = Mover(self.config.mover_threads)
+        self._moves = Migrations(self)
+        self._layer_writes = LayerWrites(self)
+        self._prefetcher = Prefetcher(self, self.config.prefetch)
+        self.counters = ManagerCounters.for_tiers(len(tiers))
+        adopt_persistent(self)
 
     @property
     def tiers(self) -> list[Tier]:
         """The tiers, fastest first."""
         return [level.tier for level in self._levels]
-
-    def _adopt_persistent(self) -> None:
-        """Index the blocks a persistent tier already holds (a restart)."""
-        for level in self._levels:
-            if not level.tier.persistent:
-                continue
-            for key in level.tier.stored_keys():
-                self._adopt(key, level.bit)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -163,7 +97,7 @@ class BlockManager:
         with self._cond:
             self._check_open()
             n = self._leading(keys)
-        if n < len(keys) and self._discover(keys[n:]):
+        if n < len(keys) and discover(self, keys[n:]):
             with self._cond:
                 n = self._leading(keys)
         with self._cond:
@@ -182,52 +116,6 @@ class BlockManager:
             n += 1
         return n
 
-    def _discover(self, keys: Sequence[BlockKey], batch: int = 16) -> int:
-        """Index the leading ``keys`` that shared tiers hold but the index lacks.
-
-        Other processes may have written them (a reader sharing a disk
-        directory). Probes in small batches and stops at the first key no
-        shared tier has, so a miss costs one batch of existence checks.
-        """
-        shared = [lv for lv in self._levels if lv.tier.shared]
-        adopted = 0
-        for start in range(0, len(keys) if shared else 0, batch):
-            chunk = list(keys[start : start + batch])
-            found = [0] * len(chunk)
-            for level in shared:
-                for i, present in enumerate(self._tier_contains(level, chunk)):
-                    found[i] |= level.bit if present else 0
-            run = next((i for i, bits in enumerate(found) if not bits), len(chunk))
-            with self._cond:
-                for key, bits in zip(chunk[:run], found[:run], strict=True):
-                    self._adopt(key, bits)
-            adopted += run
-            if run < len(chunk):
-                break
-        return adopted
-
-    def _tier_contains(self, level: _Level, keys: list[BlockKey]) -> list[bool]:
-        try:
-            return level.tier.contains(keys)
-        except Exception:
-            log.exception("tier %s failed an existence check", level.tier.kind)
-            with self._cond:
-                self.counters.tier_errors += 1
-            return [False] * len(keys)
-
-    def _adopt(self, key: BlockKey, bits: int) -> None:
-        """Record copies of ``key`` found in the tiers of ``bits``. Called with the lock held."""
-        entry = self._index.get(key)
-        if entry is None:
-            entry = self._index[key] = _Entry(READY)
-        elif entry.state != READY:
-            return
-        for level in self._levels:
-            if bits & level.bit and not entry.tiers & level.bit:
-                entry.tiers |= level.bit
-                level.policy.insert(key)
-                level.resident += 1
-
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and readable."""
         with self._cond:
@@ -243,6 +131,12 @@ class BlockManager:
                 return []
             return [lv.index for lv in self._levels if entry.tiers & lv.bit]
 
+    def heat_of(self, key: BlockKey) -> int:
+        """The decayed access count of ``key`` (0 if not stored)."""
+        with self._cond:
+            entry = self._index.get(key)
+            return 0 if entry is None else self.heat.heat(entry)
+
     def __len__(self) -> int:
         with self._cond:
             return sum(1 for e in self._index.values() if e.state == READY)
@@ -254,7 +148,7 @@ class BlockManager:
         Keys already stored are not written again (same key, same content).
         Blocks that fit in no tier are not stored.
         """
-        fresh: list[_Move] = []
+        fresh: list[Move] = []
         present = 0
         with self._cond:
             self._check_open()
@@ -266,84 +160,108 @@ class BlockManager:
                 seen.add(key)
                 entry = self._index.get(key)
                 if entry is None:
-                    entry = self._index[key] = _Entry(WRITING, pins=1)
-                    fresh.append(_Move(key, entry, block))
+                    entry = self._index[key] = Entry(WRITING, pins=1)
+                    self.heat.touch(entry)
+                    fresh.append(Move(key, entry, block))
                 elif entry.state == READY:
                     present += 1
                     self._touch(key, entry)
                 # WRITING: a concurrent put of the same content; DELETING: the delete wins.
         left = self._place(0, fresh) if fresh else []
         with self._cond:
-            for move in fresh:
-                move.entry.pins -= 1
-            for move in left:
-                if self._index.get(move.key) is move.entry:
-                    del self._index[move.key]
+            self._unpin([m.entry for m in fresh])
+            self._drop_unwritten(left)
             self.counters.blocks_stored += len(fresh) - len(left)
             self.counters.blocks_already_present += present
             self.counters.blocks_not_stored += len(left)
-            self._cond.notify_all()
         return present + len(fresh) - len(left)
 
-    def _place(self, start: int, moves: list[_Move]) -> list[_Move]:
-        """Write ``moves`` into the first tiers from ``start`` with room; return the rest."""
+    def _drop_unwritten(self, moves: list[Move]) -> None:
+        """Forget new entries that no tier took. Called with the lock held."""
+        for move in moves:
+            if move.entry.state == WRITING and self._index.get(move.key) is move.entry:
+                del self._index[move.key]
+
+    def _place(self, start: int, moves: list[Move], stop: int | None = None) -> list[Move]:
+        """Write ``moves`` into the first tiers from ``start`` that admit them and
+        have room; return the moves no tier took, in their original order."""
         pending = moves
-        for level in self._levels[start:]:
+        for level in self._levels[start:stop]:
             if not pending:
                 break
             with self._cond:
-                grant, victims = self._reserve(level, len(pending))
+                admitted = self._admitted(level, pending)
+                grant, victims = self._reserve(level, len(admitted)) if admitted else (0, [])
             if victims:
-                self._evict_victims(level, victims)
-            batch, pending = pending[:grant], pending[grant:]
-            if not batch:
-                continue
-            done = self._write(level, batch)
-            with self._cond:
-                for move, ok in zip(batch, done, strict=True):
-                    if ok:
-                        move.entry.tiers |= level.bit
-                        if move.entry.state == WRITING:
-                            move.entry.state = READY
-                        level.policy.insert(move.key)
-                    else:
-                        level.resident -= 1
-            pending = [m for m, ok in zip(batch, done, strict=True) if not ok] + pending
+                self._moves.evict_victims(level, victims)
+            batch = admitted[:grant]
+            if batch:
+                placed = self._commit_writes(level, batch, self._write(level, batch))
+                pending = [m for m in pending if id(m) not in placed]
         return pending
 
-    def _reserve(self, level: _Level, n: int) -> tuple[int, list[tuple[BlockKey, _Entry]]]:
-        """Reserve room for up to ``n`` blocks in ``level``; pick (and pin) victims.
+    def _admitted(self, level: Level, moves: list[Move]) -> list[Move]:
+        """The moves ``level``'s admission rule lets in. Called with the lock held."""
+        admitted = [m for m in moves if self.placement.admits(level.index, self.heat.heat(m.entry))]
+        self.counters.admission_rejects[level.index] += len(moves) - len(admitted)
+        return admitted
 
-        Returns how many blocks were granted room and the victims that must be
-        evicted first. Called with the lock held.
+    def _commit_writes(self, level: Level, batch: list[Move], done: list[bool]) -> set[int]:
+        """Publish the copies a tier wrote; release the room of the others.
+
+        Returns the ids of the moves that landed.
         """
-        must, want = level.marks.plan(level.resident, n)
-        victims = self._pick_victims(level, want) if want else []
+        landed: list[Move] = []
+        with self._cond:
+            for move, ok in zip(batch, done, strict=True):
+                if not ok:
+                    level.resident -= 1
+                    continue
+                move.entry.tiers |= level.bit
+                if move.entry.state == WRITING:
+                    move.entry.state = READY
+                level.policy.insert(move.key)
+                landed.append(move)
+        target = self.placement.write_through_target(level.index)
+        if landed and target is not None:
+            self._moves.copy_down_later([m.key for m in landed], level.index, target)
+        return {id(m) for m in landed}
+
+    def _reserve(self, level: Level, n: int) -> tuple[int, Victims]:
+        """Reserve room for up to ``n`` blocks in ``level``; pick (and pin) the victims
+        that must go first. Called with the lock held.
+
+        Only the room needed now is freed on the caller's path; if the tier
+        passes its high watermark, a background job brings it down to the low one.
+        """
+        must, _ = level.marks.plan(level.resident, n)
+        victims = self._moves.pick_victims(level, must) if must else []
         grant = n if len(victims) >= must else n - (must - len(victims))
         for _, entry in victims:
             entry.pins += 1
             entry.leaving |= level.bit
         level.resident += grant - len(victims)
+        if level.resident > level.marks.high:
+            self._moves.evict_down_later(level)
         return grant, victims
 
-    def _pick_victims(self, level: _Level, n: int) -> list[tuple[BlockKey, _Entry]]:
-        victims: list[tuple[BlockKey, _Entry]] = []
-        for key in level.policy.candidates():
-            if len(victims) >= n:
-                break
-            entry = self._index.get(key)
-            if entry is not None and entry.pins == 0 and entry.state == READY:
-                victims.append((key, entry))
-        return victims
+    def _tier_failed(self, level: Level, what: str, count: int, exc: Exception) -> None:
+        """Count a tier call that raised; a dead medium is expected, a bug is not."""
+        if isinstance(exc, TierError):
+            log.warning(
+                "tier %s unavailable (%s of %d blocks): %s", level.tier.kind, what, count, exc
+            )
+        else:
+            log.error("tier %s failed to %s %d blocks", level.tier.kind, what, count, exc_info=exc)
+        with self._cond:
+            self.counters.tier_errors += 1
 
-    def _write(self, level: _Level, batch: list[_Move]) -> list[bool]:
+    def _write(self, level: Level, batch: list[Move]) -> list[bool]:
         start = time.perf_counter()
         try:
             done = level.tier.put([m.key for m in batch], [m.src for m in batch])
-        except Exception:  # a failing tier is a miss, never a crash
-            log.exception("tier %s failed to store %d blocks", level.tier.kind, len(batch))
-            with self._cond:
-                self.counters.tier_errors += 1
+        except Exception as exc:  # a failing tier is a miss, never a crash
+            self._tier_failed(level, "store", len(batch), exc)
             return [False] * len(batch)
         elapsed = time.perf_counter() - start
         with self._cond:
@@ -361,7 +279,7 @@ class BlockManager:
         level = self._levels[tier_index]
         with self._cond:
             self._check_open()
-            victims = self._pick_victims(level, n)
+            victims = self._moves.pick_victims(level, n)
             if len(victims) < n:
                 raise CapacityError(
                     f"cannot evict {n} blocks from tier {tier_index} ({level.tier.kind}): "
@@ -371,65 +289,16 @@ class BlockManager:
                 entry.pins += 1
                 entry.leaving |= level.bit
             level.resident -= n
-        self._evict_victims(level, victims)
+        self._moves.evict_victims(level, victims)
         return [key for key, _ in victims]
 
-    def _evict_victims(self, level: _Level, victims: list[tuple[BlockKey, _Entry]]) -> None:
-        """Demote (or drop) pinned ``victims`` out of ``level`` and unpin them.
-
-        The caller already took the victims out of ``level.resident``.
-        """
-        below = ~((level.bit << 1) - 1)
-        moves = [
-            _Move(key, entry, src)
-            for key, entry in victims
-            if not entry.tiers & below and (src := self._source(level, key)) is not None
-        ]
-        placed = set()
-        if moves and level.index + 1 < len(self._levels):
-            left = {id(m) for m in self._place(level.index + 1, moves)}
-            placed = {m.key for m in moves if id(m) not in left}
-        with self._cond:
-            for key, entry in victims:
-                while entry.pins > 1:  # readers of this copy finish first
-                    self._cond.wait()
-                self._forget_copy(level, key, entry)
-                if key in placed:
-                    self.counters.demotions[level.index] += 1
-                if not entry.tiers:
-                    entry.state = DELETING
-            self.counters.evictions[level.index] += len(victims)
-        self._tier_delete(level, [key for key, _ in victims])
-        with self._cond:
-            for key, entry in victims:
-                entry.pins -= 1
-                if not entry.tiers and self._index.get(key) is entry:
-                    del self._index[key]
-                    self.counters.blocks_dropped += 1
-            self._cond.notify_all()
-
-    def _source(self, level: _Level, key: BlockKey) -> torch.Tensor | None:
-        """The bytes of ``key`` in ``level`` as a tensor (zero-copy where possible)."""
-        view = level.tier.view(key)
-        if view is not None:
-            return view
-        staging = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-        try:
-            ok = level.tier.get([key], [staging])[0]
-        except Exception:
-            log.exception("tier %s failed to read a block for demotion", level.tier.kind)
-            ok = False
-        return staging if ok else None
-
-    def _tier_delete(self, level: _Level, keys: list[BlockKey]) -> None:
+    def _tier_delete(self, level: Level, keys: list[BlockKey]) -> None:
         if not keys:
             return
         try:
             level.tier.delete(keys)
-        except Exception:
-            log.exception("tier %s failed to delete %d blocks", level.tier.kind, len(keys))
-            with self._cond:
-                self.counters.tier_errors += 1
+        except Exception as exc:
+            self._tier_failed(level, "delete", len(keys), exc)
 
     # -- get ----------------------------------------------------------------
     def get(
@@ -446,11 +315,30 @@ class BlockManager:
         longest loadable prefix is loaded and its length returned; ``outs``
         past it hold unspecified data.
         """
+        entries = self._pin_for_read(keys, prefix)
+        try:
+            done = self.read(keys[: len(entries)], entries, outs, layers)
+        finally:
+            with self._cond:
+                self._unpin(entries)
+        n = next((i for i, ok in enumerate(done) if not ok), len(done))
+        with self._cond:
+            self.counters.blocks_read += n
+            self.counters.blocks_missed += len(keys) - n
+        self._moves.promote_later(list(keys[:n]), entries[:n])
+        if not prefix and n < len(keys):
+            raise BlockNotFoundError(
+                f"block {n} (key {keys[n].hex()}) failed to load from every tier"
+            )
+        return n
+
+    def _pin_for_read(self, keys: Sequence[BlockKey], prefix: bool) -> list[Entry]:
+        """Pin the leading readable entries (asking shared tiers about missing ones)."""
         with self._cond:
             self._check_open()
             self.counters.gets += 1
             entries = self._pin_leading(keys)
-        if len(entries) < len(keys) and self._discover(keys[len(entries) :]):
+        if len(entries) < len(keys) and discover(self, keys[len(entries) :]):
             with self._cond:
                 self._unpin(entries)
                 entries = self._pin_leading(keys)
@@ -460,24 +348,11 @@ class BlockManager:
                 self.counters.blocks_missed += len(keys) - len(entries)
             missing = keys[len(entries)]
             raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
-        try:
-            done = self._read(keys[: len(entries)], entries, outs, layers)
-        finally:
-            with self._cond:
-                self._unpin(entries)
-        n = next((i for i, ok in enumerate(done) if not ok), len(done))
-        with self._cond:
-            self.counters.blocks_read += n
-            self.counters.blocks_missed += len(keys) - n
-        if not prefix and n < len(keys):
-            raise BlockNotFoundError(
-                f"block {n} (key {keys[n].hex()}) failed to load from every tier"
-            )
-        return n
+        return entries
 
-    def _pin_leading(self, keys: Sequence[BlockKey]) -> list[_Entry]:
+    def _pin_leading(self, keys: Sequence[BlockKey]) -> list[Entry]:
         """Pin (and touch) the leading readable entries. Called with the lock held."""
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         for key in keys:
             entry = self._index.get(key)
             if entry is None or entry.state != READY:
@@ -487,14 +362,14 @@ class BlockManager:
             entries.append(entry)
         return entries
 
-    def _read(
+    def read(
         self,
         keys: Sequence[BlockKey],
-        entries: list[_Entry],
+        entries: list[Entry],
         outs: Sequence[torch.Tensor],
         layers: LayerRange,
     ) -> list[bool]:
-        """Read each pinned entry from its fastest copy, falling back to slower ones."""
+        """Read each *pinned* entry from its fastest copy, falling back to slower ones."""
         done = [False] * len(entries)
         tried = [0] * len(entries)
         pending = list(range(len(entries)))
@@ -508,29 +383,28 @@ class BlockManager:
                         groups.setdefault(lvl, []).append(i)
             pending = []
             for lvl, idxs in groups.items():
-                ok = self._tier_get(
-                    self._levels[lvl], [keys[i] for i in idxs], [outs[i] for i in idxs], layers
-                )
-                for i, good in zip(idxs, ok, strict=True):
-                    tried[i] |= 1 << lvl
-                    if good:
+                level = self._levels[lvl]
+                ok = self._tier_get(level, [keys[i] for i in idxs], [outs[i] for i in idxs], layers)
+                for n, i in enumerate(idxs):
+                    tried[i] |= level.bit
+                    if ok is not None and ok[n]:
                         done[i] = True
-                    else:
-                        self._lose_copy(self._levels[lvl], keys[i], entries[i])
-                        pending.append(i)
+                        continue
+                    if ok is not None:  # the tier answered: it has no good copy
+                        self._lose_copy(level, keys[i], entries[i])
+                    pending.append(i)  # (a dead medium keeps its copies in the books)
         return done
 
     def _tier_get(
-        self, level: _Level, keys: list[BlockKey], outs: list[torch.Tensor], layers: LayerRange
-    ) -> list[bool]:
+        self, level: Level, keys: list[BlockKey], outs: list[torch.Tensor], layers: LayerRange
+    ) -> list[bool] | None:
+        """Read from one tier; None when the medium is unavailable (it raised)."""
         start = time.perf_counter()
         try:
             ok = level.tier.get(keys, outs, layers)
-        except Exception:
-            log.exception("tier %s failed to read %d blocks", level.tier.kind, len(keys))
-            with self._cond:
-                self.counters.tier_errors += 1
-            return [False] * len(keys)
+        except Exception as exc:
+            self._tier_failed(level, "read", len(keys), exc)
+            return None
         elapsed = time.perf_counter() - start
         nbytes = self.layout.block_nbytes
         if layers is not None:
@@ -540,7 +414,7 @@ class BlockManager:
             self.counters.read_seconds += elapsed
         return ok
 
-    def _lose_copy(self, level: _Level, key: BlockKey, entry: _Entry) -> None:
+    def _lose_copy(self, level: Level, key: BlockKey, entry: Entry) -> None:
         """A tier failed to produce ``key``: forget that copy (and the block if it was the last)."""
         with self._cond:
             if not self._forget_copy(level, key, entry):
@@ -557,14 +431,14 @@ class BlockManager:
         """Delete ``keys`` from every tier; return how many were stored."""
         with self._cond:
             self._check_open()
-            targets: list[tuple[BlockKey, _Entry]] = []
+            targets: Victims = []
             for key in dict.fromkeys(keys):
                 entry = self._index.get(key)
                 if entry is not None and entry.state == READY:
                     entry.state = DELETING
                     targets.append((key, entry))
-            while any(entry.pins for _, entry in targets):
-                self._cond.wait()
+            for _, entry in targets:
+                self._wait_pins(entry, 0)
             groups: dict[int, list[BlockKey]] = {}
             for key, entry in targets:
                 for level in self._levels:
@@ -580,8 +454,60 @@ class BlockManager:
             self._cond.notify_all()
         return len(targets)
 
+    # -- leases -------------------------------------------------------------
+    def pin(self, keys: Sequence[BlockKey], duration: float | None = None) -> Lease:
+        """Pin the leading stored ``keys`` under a lease of ``duration`` seconds
+        (``config.lease_s`` by default); ``len(lease.entries)`` is how many."""
+        with self._cond:
+            self._check_open()
+            self._reap_leases()
+            entries = self._pin_leading(keys)
+            return self._leases.add(entries, duration or self.config.lease_s)
+
+    def renew(self, lease: Lease, duration: float | None = None) -> bool:
+        """Extend a lease; False if it already ended (released or expired)."""
+        with self._cond:
+            return self._leases.renew(lease, duration or self.config.lease_s)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease (idempotent)."""
+        with self._cond:
+            self._unpin(self._leases.release(lease))
+
+    def _reap_leases(self) -> None:
+        """End expired leases and abandoned layerwise writes. Called with the lock held."""
+        for lease in self._leases.expired():
+            self.counters.leases_expired += 1
+            self._unpin(lease.entries)
+        self._layer_writes._reap()
+
+    # -- layer by layer -----------------------------------------------------
+    def prefetch(
+        self, keys: Sequence[BlockKey], views: list[torch.Tensor], order: str, step: int
+    ) -> PrefetchHandle:
+        """Start loading the stored prefix of ``keys`` into block ``views`` (see prefetch.py)."""
+        with self._cond:
+            self._check_open()
+        if len(views) < len(keys):
+            raise ValueError("one view per key")
+        discover(self, keys)  # blocks other processes wrote count as stored
+        return self._prefetcher.start(keys, views, order, step)
+
+    def write_layer(
+        self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]
+    ) -> int:
+        """Write one layer of each block; return how many blocks this completed."""
+        return self._layer_writes.write(keys, layer, srcs)
+
+    def _wait_pins(self, entry: Entry, allowed: int) -> None:
+        """Wait (lock held, released while waiting) until ``entry`` has ``allowed`` pins."""
+        while entry.pins > allowed:
+            self._reap_leases()
+            if entry.pins > allowed:
+                self._cond.wait(timeout=0.05)  # wakes for lease expiry as well as unpins
+
     # -- helpers ------------------------------------------------------------
-    def _forget_copy(self, level: _Level, key: BlockKey, entry: _Entry) -> bool:
+    def _forget_copy(self, level: Level, key: BlockKey, entry: Entry) -> bool:
         """Drop ``level``'s copy of ``key`` from the books; False if it had none.
 
         The one place a tier bit is cleared, so the residency count stays
@@ -598,39 +524,16 @@ class BlockManager:
             level.resident -= 1
         return True
 
-    def _touch(self, key: BlockKey, entry: _Entry) -> None:
+    def _touch(self, key: BlockKey, entry: Entry) -> None:
+        self.heat.touch(entry)
         for level in self._levels:
             if entry.tiers & level.bit:
                 level.policy.touch(key)
 
-    def _unpin(self, entries: list[_Entry]) -> None:
+    def _unpin(self, entries: list[Entry]) -> None:
         for entry in entries:
             entry.pins -= 1
         self._cond.notify_all()
-
-    def tier_usage(self) -> list[dict[str, Any]]:
-        """Per tier: kind, blocks held, capacity and watermarks (in blocks)."""
-        with self._cond:
-            return [
-                {
-                    "kind": lv.tier.kind,
-                    "blocks": len(lv.policy),
-                    "capacity_blocks": lv.marks.capacity,
-                    "high_watermark_blocks": lv.marks.high,
-                    "low_watermark_blocks": lv.marks.low,
-                    "bytes": len(lv.policy) * self.layout.block_nbytes,
-                    "capacity_bytes": lv.marks.capacity * self.layout.block_nbytes,
-                    "evictions": self.counters.evictions[lv.index],
-                    "demotions": self.counters.demotions[lv.index],
-                    **lv.tier.stats(),
-                }
-                for lv in self._levels
-            ]
-
-    def counters_snapshot(self) -> dict[str, Any]:
-        """A consistent copy of the counters."""
-        with self._cond:
-            return self.counters.snapshot()
 
     @property
     def closed(self) -> bool:
@@ -640,53 +543,26 @@ class BlockManager:
     def pinned_blocks(self) -> int:
         """Blocks pinned right now (for tests and leak checks)."""
         with self._cond:
+            self._reap_leases()
             return sum(1 for e in self._index.values() if e.pins)
 
-    def flush(self, batch: int = 32) -> int:
-        """Copy every block held only in non-persistent tiers into the first
-        persistent tier; return how many blocks were persisted.
+    def flush(self) -> int:
+        """Finish background moves, then copy every block that only memory tiers
+        hold into the first persistent tier; return how many were written.
 
         After ``flush`` (and so after :meth:`close`) every stored block is on a
-        medium that outlives the process, unless no persistent tier had room.
+        medium that outlives the process, unless no persistent tier had room
+        or admitted it.
         """
-        persistent = [lv for lv in self._levels if lv.tier.persistent]
-        if not persistent:
-            return 0
-        mask = sum(lv.bit for lv in persistent)
-        with self._cond:
-            todo = [k for k, e in self._index.items() if e.state == READY and not e.tiers & mask]
-        done = 0
-        for start in range(0, len(todo), batch):
-            done += self._persist(todo[start : start + batch], persistent[0].index, mask)
-        return done
+        return self._moves.flush()
 
-    def _persist(self, keys: list[BlockKey], target: int, mask: int) -> int:
-        """Write ``keys`` (if still memory-only) into tier ``target`` or below."""
-        with self._cond:
-            pinned = []
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is not None and entry.state == READY and not entry.tiers & mask:
-                    entry.pins += 1
-                    pinned.append((key, entry))
-        try:
-            moves = []
-            for key, entry in pinned:
-                level = self._levels[(entry.tiers & -entry.tiers).bit_length() - 1]
-                src = self._source(level, key)
-                if src is not None:
-                    moves.append(_Move(key, entry, src))
-            left = self._place(target, moves) if moves else []
-        finally:
-            with self._cond:
-                self._unpin([entry for _, entry in pinned])
-        return len(moves) - len(left)
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for background moves (write-through, promotions, evictions) to finish."""
+        return self._mover.drain(timeout)
 
     def close(self) -> None:
-        """Persist what only memory holds, wait for operations in flight, close every tier.
-
-        Idempotent.
-        """
+        """Finish background moves, persist what only memory holds, end every
+        lease, wait for operations in flight, close every tier. Idempotent."""
         with self._cond:
             if self._closed:
                 return
@@ -694,8 +570,13 @@ class BlockManager:
             self.flush()
         except Exception:  # closing must not fail because a tier did
             log.exception("flush at close failed")
+        self._prefetcher.close()
+        self._mover.close()
         with self._cond:
             self._closed = True
+            self._layer_writes.abort_all()
+            for lease in self._leases.expired_all():
+                self._unpin(lease.entries)
             while any(e.pins for e in self._index.values()):
                 self._cond.wait()
         for level in self._levels:
@@ -703,3 +584,15 @@ class BlockManager:
                 level.tier.close()
             except Exception:
                 log.exception("tier %s failed to close", level.tier.kind)
+
+
+def _level(index: int, tier: Tier, clock: Callable[[], float]) -> Level:
+    config = tier.config
+    capacity = tier.capacity_blocks
+    return Level(
+        index=index,
+        tier=tier,
+        marks=Watermarks.of(capacity, config.high_watermark, config.low_watermark),
+        policy=make_policy(config.policy, capacity, clock),
+        rules=TierRules.of(config),
+    )

@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 
+from kvstore import stats as report
 from kvstore.config import StoreConfig
 from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
+from kvstore.leases import Pin
 from kvstore.manager import BlockManager
+from kvstore.prefetch import PrefetchHandle
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 
@@ -65,7 +68,7 @@ class KVStore:
             if tiers is None:
                 for tier_config in self.config.tiers:
                     built.append(create_tier(tier_config, layout))
-            self._manager = BlockManager(layout, built)
+            self._manager = BlockManager(layout, built, self.config)
         except BaseException:
             for tier in built:
                 tier.close()
@@ -175,6 +178,72 @@ class KVStore:
             raise InvalidInputError(f"tier must be in [0, {count}), got {tier!r}")
         return self._manager.evict(tier, n)
 
+    # -- layer by layer, in the background -----------------------------------
+    def prefetch(
+        self,
+        keys: Sequence[BlockKey],
+        out: torch.Tensor | None = None,
+        *,
+        order: str = "layer",
+        layers_per_step: int | None = None,
+    ) -> PrefetchHandle:
+        """Start loading the stored prefix of ``keys`` into ``out`` in the background.
+
+        ``out`` (cpu or cuda; a new CPU tensor if None) has
+        ``layout.tensor_shape(len(keys))`` and is ``handle.out``. With
+        ``order="layer"`` every block's layer ``i`` arrives before any layer
+        ``i+1`` (``handle.wait_layer(i)``); with ``order="block"`` whole
+        blocks arrive in order (``handle.blocks_ready``). ``handle.result()``
+        applies the configured policy (best_effort, wait_complete, timeout).
+        """
+        if order not in ("layer", "block"):
+            raise InvalidInputError(f"order must be 'layer' or 'block', got {order!r}")
+        step = (
+            layers_per_step if layers_per_step is not None else self.config.prefetch.layers_per_step
+        )
+        if order == "block":
+            step = max(1, step)
+        if not isinstance(step, int) or step < 1:
+            raise InvalidInputError(f"layers_per_step must be an int >= 1, got {step!r}")
+        checked = check_keys(keys)
+        target = self._target(out, len(checked))
+        handle = self._manager.prefetch(checked, self._chunks(target, len(checked)), order, step)
+        handle.out = target
+        return handle
+
+    def put_layer(self, keys: Sequence[BlockKey], layer: int, kv_layer: torch.Tensor) -> int:
+        """Store layer ``layer`` of ``len(keys)`` blocks, as prefill produces it.
+
+        ``kv_layer`` has shape ``(kv_factor, n * block_tokens, num_kv_heads,
+        head_dim)``. A block becomes visible to :meth:`lookup` when all its
+        layers have arrived; returns how many blocks this call completed.
+        Keys already stored are skipped. An unfinished block is dropped
+        after ``lease_s`` without a new layer.
+        """
+        checked = check_keys(keys)
+        layout = self.layout
+        if not isinstance(layer, int) or not 0 <= layer < layout.num_layers:
+            raise InvalidInputError(f"layer must be in [0, {layout.num_layers}), got {layer!r}")
+        layout.check_layer(kv_layer, len(checked))
+        step = layout.block_tokens
+        srcs = [kv_layer[:, i * step : (i + 1) * step] for i in range(len(checked))]
+        return self._manager.write_layer(checked, layer, srcs)
+
+    def pin(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Pin:
+        """Pin the stored prefix of ``keys`` against eviction and deletion.
+
+        The pin is a lease: it ends on ``release()`` or after ``lease_s``
+        seconds (``config.lease_s`` by default), so a forgotten pin cannot hold
+        memory forever. Use it as a context manager.
+        """
+        if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
+            raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
+        return Pin(self._manager, self._manager.pin(check_keys(keys), lease_s))
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until background moves (write-through, promotion, eviction) finish."""
+        return self._manager.drain(timeout)
+
     def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
         step = self.layout.block_tokens
         return [kv[:, :, i * step : (i + 1) * step] for i in range(n)]
@@ -192,7 +261,7 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters and per-tier usage as a JSON-friendly dict."""
-        counters = self._manager.counters_snapshot()
+        counters = report.counters(self._manager)
         lookups = counters["lookup_blocks_hit"] + counters["lookup_blocks_missed"]
         write_s, read_s = counters["write_seconds"], counters["read_seconds"]
         return {
@@ -203,7 +272,7 @@ class KVStore:
             "write_gbps": counters["bytes_written"] / write_s / 1e9 if write_s else 0.0,
             "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
             **counters,
-            "tiers": self._manager.tier_usage(),
+            "tiers": report.tier_usage(self._manager),
         }
 
     def flush(self) -> int:

@@ -226,6 +226,9 @@ def test_to_dict_round_trip():
         "high_watermark": 0.9,
         "low_watermark": 0.5,
         "policy": "lru",
+        "write_policy": "write_back",
+        "promote_after": 2,
+        "admit_after": 0,
         "device": "cuda:1",
     }
     assert plain["tiers"][1]["kind"] == "host" and plain["tiers"][1]["pinned"] is True
@@ -552,3 +555,51 @@ def test_imports_are_light():
         "import kvstore.config": [],
         "host config": [],
     }
+
+
+def test_sections_and_scalars():
+    cfg = from_dict(
+        {
+            "replication": {"hot_threshold": 3, "half_life_s": 10},
+            "prefetch": {"policy": "timeout", "timeout_base_s": 1.5},
+            "lease_s": 5,
+            "mover_threads": 3,
+        }
+    )
+    assert cfg.replication.hot_threshold == 3 and cfg.replication.half_life_s == 10.0
+    assert cfg.prefetch.policy == "timeout" and cfg.prefetch.deadline_s(10_000) == 2.5
+    assert cfg.prefetch.deadline_s(10**9) == cfg.prefetch.timeout_max_s
+    assert (cfg.lease_s, cfg.mover_threads) == (5.0, 3)
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"replication": {"hot": 1}}, "replication.hot"),
+        ({"replication": {"max_copies": 0}}, "replication.max_copies"),
+        ({"prefetch": {"policy": "eager"}}, "prefetch.policy"),
+        ({"prefetch": {"threads": 0}}, "prefetch.threads"),
+        ({"lease_s": -1}, "lease_s"),
+        ({"tiers": [{"kind": "host", "write_policy": "sometimes"}]}, "tiers[0].write_policy"),
+        ({"tiers": [{"kind": "host", "promote_after": -1}]}, "tiers[0].promote_after"),
+        ({"tiers": [{"kind": "host", "policy": "mru"}]}, "tiers[0].policy"),
+    ],
+)
+def test_bad_section_values_name_the_key(data, path):
+    with pytest.raises(ConfigError, match=re.escape(path)):
+        from_dict(data)
+
+
+def test_env_overrides_sections_and_scalars():
+    env = {
+        "KVSTORE_REPLICATION_HOT_THRESHOLD": "5",
+        "KVSTORE_PREFETCH_POLICY": "best_effort",
+        "KVSTORE_LEASE_S": "2.5",
+        "KVSTORE_HOST_WRITE_POLICY": "write_through",
+    }
+    cfg = StoreConfig.default(environ=env)
+    assert cfg.replication.hot_threshold == 5
+    assert cfg.prefetch.policy == "best_effort"
+    assert cfg.lease_s == 2.5
+    assert cfg.tiers[0].write_policy == "write_through"

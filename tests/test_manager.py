@@ -52,7 +52,11 @@ class GatedTier(HostTier):
     """A host tier whose get() waits at a gate: holds pins open deterministically."""
 
     def __init__(self, layout: KVLayout, blocks: int) -> None:
-        super().__init__(HostTierConfig(capacity=blocks * layout.block_nbytes), layout)
+        # High watermark 1.0: a full tier does not evict in the background by itself.
+        config = HostTierConfig(
+            capacity=blocks * layout.block_nbytes, high_watermark=1.0, low_watermark=0.5
+        )
+        super().__init__(config, layout)
         self.entered = threading.Event()
         self.gate = threading.Event()
 
@@ -76,6 +80,7 @@ def test_watermark_hysteresis_evicts_down_to_low(layout: KVLayout) -> None:
         assert manager.put([key], [block]) == 1
     assert manager.counters.evictions == [0]
     assert manager.put(keys[9:], blocks[9:]) == 1  # passes the high mark (9 blocks)
+    manager.drain()  # the hysteresis eviction runs in the background, off the put's path
     assert manager.counters.evictions == [5]  # 10 after the put -> down to low (5)
     assert len(manager) == 5
     assert manager.lookup(keys[5:]) == 5  # the newest survived
@@ -88,9 +93,11 @@ def test_lru_keeps_recently_read_blocks(layout: KVLayout) -> None:
     keys, blocks = make_keys(5), chunks(layout, 5)
     manager.put(keys[:4], blocks[:4])
     read(manager, keys[:1])  # key 0 becomes most recently used
-    # Passing the high mark (4) evicts down to the low mark (3): the two LRU blocks go.
+    # A full tier frees just the room the put needs, on the put's path: the LRU block.
     manager.put(keys[4:], blocks[4:])
-    assert [manager.contains(k) for k in keys] == [True, False, False, True, True]
+    assert [manager.contains(k) for k in keys] == [True, False, True, True, True]
+    manager.drain()  # at the high mark (4), not past it: no background eviction
+    assert len(manager) == 4
     manager.close()
 
 
@@ -228,6 +235,23 @@ def test_tier_down_gives_misses_and_prefix_reads(layout: KVLayout) -> None:
     assert manager.counters.tier_errors >= 2
     faulty.down = False
     assert manager.put(keys, blocks) == 3
+    manager.close()
+
+
+def test_a_dead_medium_keeps_its_copies_for_when_it_is_back(layout: KVLayout) -> None:
+    faulty = FaultyTier(host(layout, 8))
+    manager = BlockManager(layout, [faulty])
+    keys, blocks = make_keys(3), chunks(layout, 3)
+    manager.put(keys, blocks)
+    faulty.down = True  # the medium raises TierError: unreachable, not empty
+    outs = [torch.zeros(layout.block_shape, dtype=layout.dtype) for _ in keys]
+    assert manager.get(keys, outs, prefix=True) == 0
+    assert manager.counters.copies_lost == 0
+    assert manager.lookup(keys) == 3  # the books still know where the blocks are
+    faulty.down = False
+    assert manager.get(keys, outs) == 3  # and they are readable again, without a re-put
+    for out, block in zip(outs, blocks, strict=True):
+        assert torch.equal(out, block)
     manager.close()
 
 

@@ -72,6 +72,7 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
     assert reads[0] > 100  # the test really read data
 
     manager = store.manager
+    assert store.drain(timeout=30)  # background evictions and promotions finish
     assert manager.pinned_blocks() == 0
     usage = store.stats()["tiers"]
     for level, tier_usage in zip(manager._levels, usage, strict=True):

@@ -101,6 +101,24 @@ class Tier(ABC):
         """
         return None
 
+    def reserve(self, keys: Sequence[BlockKey]) -> list[torch.Tensor | None]:
+        """Two-step store, step 1: room for ``keys``, as writable block views to fill
+        (e.g. layer by layer as prefill produces them); None where the tier cannot
+        hand out its memory -- the default, for media that are not memory.
+
+        Reserved keys are invisible until :meth:`commit`. ``reserve``,
+        ``commit`` and ``abort`` must be cheap bookkeeping: the manager calls
+        them with its lock held.
+        """
+        return [None] * len(keys)
+
+    def commit(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Two-step store, step 2: publish reserved, now filled, ``keys``."""
+        return [False] * len(keys)
+
+    def abort(self, keys: Sequence[BlockKey]) -> None:
+        """Give back the room reserved for ``keys`` (nothing to do by default)."""
+
     def stats(self) -> dict[str, Any]:
         """Tier-specific counters (I/O errors, bytes on disk, ...)."""
         return {}

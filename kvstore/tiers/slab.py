@@ -45,6 +45,7 @@ class SlabTier(Tier):
         assert self._slab.buffer is not None
         self._blocks = self._slab.buffer.view(layout.dtype).view(num_slots, *layout.block_shape)
         self._slots: dict[BlockKey, int] = {}
+        self._reserved: dict[BlockKey, int] = {}  # two-step stores not yet committed
         # slot -> readers copying out of it; a delete of such a slot is deferred.
         self._readers: dict[int, int] = {}
         self._deferred: set[int] = set()
@@ -135,6 +136,32 @@ class SlabTier(Tier):
                     to_free.append(slot)
             self._slab.free(to_free)
 
+    def reserve(self, keys: Sequence[BlockKey]) -> list[torch.Tensor | None]:
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(keys) if k not in self._reserved]
+            slots = self._slab.alloc(min(len(wanted), self._slab.num_free))
+            self._reserved.update(zip(wanted, slots, strict=False))
+            return [self._blocks[self._reserved[k]] if k in self._reserved else None for k in keys]
+
+    def commit(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            done = []
+            for key in keys:
+                slot = self._reserved.pop(key, None)
+                if slot is None:
+                    done.append(key in self._slots)
+                    continue
+                if key in self._slots:  # stored meanwhile by a plain put: keep one copy
+                    self._slab.free([slot])
+                else:
+                    self._slots[key] = slot
+                done.append(True)
+            return done
+
+    def abort(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            self._slab.free([s for k in keys if (s := self._reserved.pop(k, None)) is not None])
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             return [key in self._slots for key in keys]
@@ -160,6 +187,7 @@ class SlabTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
+            self._reserved.clear()
             self._readers.clear()
             self._deferred.clear()
             self._slab.close()

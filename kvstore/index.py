@@ -1,0 +1,153 @@
+"""The block manager's index: entries, per-tier levels, moves, heat and counters.
+
+Plain data with no locking of its own: everything here is read and written
+under the block manager's lock (see :mod:`kvstore.manager`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore.keys import BlockKey
+from kvstore.policy import EvictionPolicy, Watermarks
+from kvstore.policy.placement import TierRules
+from kvstore.tiers.base import Tier
+
+__all__ = [
+    "DELETING",
+    "READY",
+    "WRITING",
+    "Entry",
+    "HeatClock",
+    "Level",
+    "ManagerCounters",
+    "Move",
+]
+
+WRITING, READY, DELETING = 0, 1, 2
+HEAT_CAP = 255  # small ints are shared objects in CPython: heat costs no memory per entry
+
+
+class Entry:
+    """Index entry of one key."""
+
+    __slots__ = ("epoch", "heat", "leaving", "pins", "state", "tiers")
+
+    def __init__(self, state: int, pins: int = 0, tiers: int = 0) -> None:
+        self.state = state
+        self.pins = pins
+        self.tiers = tiers  # bit i: tier i holds a copy
+        self.leaving = 0  # bit i: an evictor already took this copy out of tier i's count
+        self.heat = 0  # decayed access count, see HeatClock
+        self.epoch = 0
+
+
+class HeatClock:
+    """Decay of access counts: heat halves every ``half_life_s`` seconds.
+
+    Heat is kept as a small int plus the epoch (number of half-lives since the
+    clock started) it was last updated in, so an entry costs two references to
+    shared int objects rather than two floats.
+    """
+
+    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.half_life_s = half_life_s
+        self.clock = clock
+        self._start = clock()
+        self._epoch = 0
+
+    def now(self) -> int:
+        """The current epoch (the same int object while it does not change)."""
+        epoch = int((self.clock() - self._start) / self.half_life_s)
+        if epoch != self._epoch:
+            self._epoch = epoch
+        return self._epoch
+
+    def heat(self, entry: Entry) -> int:
+        """``entry``'s heat decayed to now (without updating it)."""
+        elapsed = self.now() - entry.epoch
+        return entry.heat >> elapsed if elapsed < 64 else 0
+
+    def touch(self, entry: Entry) -> int:
+        """Count one access; return the new heat."""
+        heat = min(HEAT_CAP, self.heat(entry) + 1)
+        entry.heat, entry.epoch = heat, self._epoch
+        return heat
+
+
+@dataclass
+class Level:
+    """The manager's bookkeeping for one tier."""
+
+    index: int
+    tier: Tier
+    marks: Watermarks
+    policy: EvictionPolicy
+    rules: TierRules
+    # Copies held, plus room reserved for writes in flight, minus copies an
+    # evictor is already moving out (their entries have this level's bit in
+    # ``leaving``). Planning uses it; ``len(policy)`` is the exact count held.
+    resident: int = 0
+
+    @property
+    def bit(self) -> int:
+        """This tier's bit in :attr:`Entry.tiers`."""
+        return 1 << self.index
+
+
+@dataclass
+class Move:
+    """A block on its way into a tier: its key, entry and source tensor."""
+
+    key: BlockKey
+    entry: Entry
+    src: torch.Tensor
+
+
+@dataclass
+class ManagerCounters:
+    """Cumulative counters."""
+
+    lookups: int = 0
+    lookup_blocks_hit: int = 0
+    lookup_blocks_missed: int = 0
+    puts: int = 0
+    blocks_stored: int = 0
+    blocks_already_present: int = 0
+    blocks_not_stored: int = 0
+    gets: int = 0
+    blocks_read: int = 0
+    blocks_missed: int = 0
+    blocks_deleted: int = 0
+    evictions: list[int] = field(default_factory=list)
+    demotions: list[int] = field(default_factory=list)
+    promotions: list[int] = field(default_factory=list)
+    write_through_copies: list[int] = field(default_factory=list)
+    admission_rejects: list[int] = field(default_factory=list)
+    blocks_dropped: int = 0
+    copies_lost: int = 0
+    tier_errors: int = 0
+    leases_expired: int = 0
+    layer_writes_expired: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+    @classmethod
+    def for_tiers(cls, count: int) -> ManagerCounters:
+        """Counters with one slot per tier in the per-tier lists."""
+        counters = cls()
+        for name in ("evictions", "demotions", "promotions", "write_through_copies"):
+            setattr(counters, name, [0] * count)
+        counters.admission_rejects = [0] * count
+        return counters
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-dict copy."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}

@@ -1,0 +1,139 @@
+"""Leases: pins that expire.
+
+A pin keeps a block from being evicted or deleted while someone uses it. A
+pin held by code that dies or forgets it (a prefetch nobody waits for, a
+layerwise write the engine abandoned, a remote reader that disconnected)
+would keep the block -- and its memory -- forever; peers leak pinned memory
+exactly this way. So long-lived pins are leases: they end when released, or
+when they expire, whichever comes first, and expiries are counted.
+
+Not thread-safe: the block manager calls the table under its own lock, and
+does the unpinning itself.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore.index import Entry
+
+if TYPE_CHECKING:
+    from kvstore.manager import BlockManager
+
+__all__ = ["Lease", "LeaseTable", "Pin"]
+
+
+@dataclass(eq=False)
+class Lease:
+    """A set of pinned entries, held until ``expiry`` (clock seconds)."""
+
+    id: int
+    entries: list[Entry]
+    expiry: float
+    released: bool = field(default=False)
+
+
+class LeaseTable:
+    """Live leases, with their expiries in a heap."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._live: dict[int, Lease] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+
+    def add(self, entries: list[Entry], duration: float) -> Lease:
+        """Record a lease on ``entries`` (already pinned by the caller)."""
+        lease = Lease(next(self._ids), entries, self.clock() + duration)
+        self._live[lease.id] = lease
+        heapq.heappush(self._heap, (lease.expiry, lease.id))
+        return lease
+
+    def renew(self, lease: Lease, duration: float) -> bool:
+        """Extend a live lease to ``duration`` from now; False if it already ended."""
+        if lease.released:
+            return False
+        lease.expiry = self.clock() + duration
+        heapq.heappush(self._heap, (lease.expiry, lease.id))
+        return True
+
+    def release(self, lease: Lease) -> list[Entry]:
+        """End ``lease``; return the entries to unpin (empty if it had already ended)."""
+        if lease.released:
+            return []
+        lease.released = True
+        self._live.pop(lease.id, None)
+        return lease.entries
+
+    def expired(self) -> list[Lease]:
+        """End and return every lease whose expiry has passed."""
+        now = self.clock()
+        ended = []
+        while self._heap and self._heap[0][0] <= now:
+            expiry, lease_id = heapq.heappop(self._heap)
+            lease = self._live.get(lease_id)
+            if lease is not None and lease.expiry == expiry:  # not renewed since
+                lease.released = True
+                del self._live[lease_id]
+                ended.append(lease)
+        return ended
+
+    def expired_all(self) -> list[Lease]:
+        """End and return every live lease (at close)."""
+        ended = list(self._live.values())
+        for lease in ended:
+            lease.released = True
+        self._live.clear()
+        self._heap.clear()
+        return ended
+
+    def next_expiry(self) -> float | None:
+        """Clock time of the next expiry, or None."""
+        while self._heap and self._heap[0][1] not in self._live:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class Pin:
+    """A lease as users hold it: ``with store.pin(keys) as pin: ...``.
+
+    ``count`` leading keys are pinned (those stored when pinned): they are
+    not evicted or deleted until :meth:`release`, or until the lease expires
+    (``lease_s``; :meth:`renew` extends it).
+    """
+
+    def __init__(self, manager: BlockManager, lease: Lease) -> None:
+        self._manager = manager
+        self._lease = lease
+
+    @property
+    def count(self) -> int:
+        """How many leading keys are pinned."""
+        return len(self._lease.entries)
+
+    @property
+    def active(self) -> bool:
+        """False once released or expired."""
+        return not self._lease.released
+
+    def renew(self, seconds: float | None = None) -> bool:
+        """Extend the lease; False if it already ended."""
+        return self._manager.renew(self._lease, seconds)
+
+    def release(self) -> None:
+        """Unpin now (idempotent)."""
+        self._manager.release(self._lease)
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,233 @@
+"""Background moves of the block manager: write-through, promotion, eviction, flush.
+
+Each move is a job on the manager's :class:`~kvstore.mover.Mover` threads, so
+the engine's put and get return without waiting for it. A job pins what it
+moves (so nothing frees the source under it), copies with the manager's lock
+released, and publishes the new copy through the manager's placement path --
+the same path a put takes, with the same admission, room-making and demotion.
+
+This is the manager's own machinery split out by concern; it uses the
+manager's internals freely.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.index import DELETING, READY, Entry, Level, Move
+from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from kvstore.manager import BlockManager
+
+__all__ = ["Migrations"]
+
+Victims = list[tuple[BlockKey, Entry]]
+
+log = logging.getLogger(__name__)
+
+
+class Migrations:
+    """Schedules and runs the moves that keep blocks in the right tiers."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.m = manager
+
+    # -- scheduling (callable with or without the manager's lock) ----------------
+    def evict_down_later(self, level: Level) -> None:
+        """Bring ``level`` from above its high watermark down to its low one, in the background."""
+        self.m._mover.submit(lambda: self._evict_down(level), key=("evict", level.index))
+
+    def copy_down_later(self, keys: list[BlockKey], source: int, target: int) -> None:
+        """Write-through: copy ``keys`` from tier ``source`` into tier ``target`` (or below)."""
+        self.m._mover.submit(lambda: self._copy_down(keys, source, target))
+
+    def promote_later(self, keys: list[BlockKey], entries: list[Entry]) -> None:
+        """After a read, copy blocks served from slow tiers up where the rules say so."""
+        m = self.m
+        jobs: list[tuple[BlockKey, int]] = []
+        with m._cond:
+            for key, entry in zip(keys, entries, strict=True):
+                if not entry.tiers or entry.state != READY:
+                    continue
+                fastest = (entry.tiers & -entry.tiers).bit_length() - 1
+                copies = bin(entry.tiers & ~m._persistent).count("1")
+                target = m.placement.promotion_target(fastest, m.heat.heat(entry), copies)
+                if target is not None:
+                    jobs.append((key, target))
+        for key, target in jobs:
+            m._mover.submit(functools.partial(self._copy_up, key, target), key=("up", key))
+
+    # -- eviction ---------------------------------------------------------------
+    def pick_victims(self, level: Level, n: int) -> Victims:
+        """Up to ``n`` unpinned readable blocks of ``level`` to evict. Called with the lock held.
+
+        In the policy's order, but cooled extra copies (blocks with a copy
+        further down) go first and hot blocks last, looking a bounded distance
+        ahead for the cheaper ones.
+        """
+        m = self.m
+        m._reap_leases()
+        if n <= 0:
+            return []
+        below = ~((level.bit << 1) - 1)
+        ranked: tuple[Victims, Victims, Victims] = ([], [], [])
+        horizon = 4 * n + 64
+        for seen, key in enumerate(level.policy.candidates()):
+            entry = m._index.get(key)
+            if entry is not None and entry.pins == 0 and entry.state == READY:
+                hot = m.placement.is_hot(m.heat.heat(entry))
+                ranked[2 if hot else (0 if entry.tiers & below else 1)].append((key, entry))
+            found = sum(len(r) for r in ranked)
+            if len(ranked[0]) >= n or (seen >= horizon and found >= n):
+                break
+        return (ranked[0] + ranked[1] + ranked[2])[:n]
+
+    def evict_victims(self, level: Level, victims: Victims) -> None:
+        """Demote (or drop) pinned ``victims`` out of ``level`` and unpin them.
+
+        The caller already took the victims out of ``level.resident``.
+        """
+        m = self.m
+        below = ~((level.bit << 1) - 1)
+        moves = [
+            Move(key, entry, src)
+            for key, entry in victims
+            if not entry.tiers & below and (src := self.source(level, key)) is not None
+        ]
+        placed: set[BlockKey] = set()
+        if moves and level.index + 1 < len(m._levels):
+            left = {id(m) for m in m._place(level.index + 1, moves)}
+            placed = {m.key for m in moves if id(m) not in left}
+        with m._cond:
+            for key, entry in victims:
+                m._wait_pins(entry, 1)  # readers of this copy finish first
+                m._forget_copy(level, key, entry)
+                if key in placed:
+                    m.counters.demotions[level.index] += 1
+                if not entry.tiers:
+                    entry.state = DELETING
+            m.counters.evictions[level.index] += len(victims)
+        m._tier_delete(level, [key for key, _ in victims])
+        with m._cond:
+            for key, entry in victims:
+                entry.pins -= 1
+                if not entry.tiers and m._index.get(key) is entry:
+                    del m._index[key]
+                    m.counters.blocks_dropped += 1
+            m._cond.notify_all()
+
+    def source(self, level: Level, key: BlockKey) -> torch.Tensor | None:
+        """The bytes of ``key`` in ``level`` as a tensor (zero-copy where possible)."""
+        m = self.m
+        view = level.tier.view(key)
+        if view is not None:
+            return view
+        staging = torch.empty(m.layout.block_shape, dtype=m.layout.dtype)
+        ok = m._tier_get(level, [key], [staging], None)
+        return staging if ok and ok[0] else None
+
+    # -- jobs -------------------------------------------------------------------
+    def _evict_down(self, level: Level) -> None:
+        m = self.m
+        with m._cond:
+            if m._closed or level.resident <= level.marks.high:
+                return
+            victims = self.pick_victims(level, level.resident - level.marks.low)
+            for _, entry in victims:
+                entry.pins += 1
+                entry.leaving |= level.bit
+            level.resident -= len(victims)
+        if victims:
+            self.evict_victims(level, victims)
+
+    def _copy_up(self, key: BlockKey, target: int) -> None:
+        """Promote (or replicate) ``key`` into tier ``target``, if still worth it."""
+        m = self.m
+        bit = m._levels[target].bit
+        with m._cond:
+            entry = m._index.get(key)
+            if m._closed or entry is None or entry.state != READY or entry.tiers & bit:
+                return
+            entry.pins += 1
+        try:
+            if self._copy([key], [entry], target, target + 1):
+                with m._cond:
+                    m.counters.promotions[target] += 1
+        finally:
+            with m._cond:
+                m._unpin([entry])
+
+    def _copy_down(self, keys: list[BlockKey], source: int, target: int) -> None:
+        """Copy blocks that ``source`` holds (and ``target`` does not) into ``target`` or below."""
+        m = self.m
+        src_bit, below = m._levels[source].bit, ~((m._levels[source].bit << 1) - 1)
+        with m._cond:
+            pinned = []
+            for key in keys:
+                entry = m._index.get(key)
+                if entry is None or entry.state != READY:
+                    continue
+                if entry.tiers & src_bit and not entry.tiers & below:
+                    entry.pins += 1
+                    pinned.append((key, entry))
+        try:
+            done = self._copy([k for k, _ in pinned], [e for _, e in pinned], target, None)
+            with m._cond:
+                m.counters.write_through_copies[target] += done
+        finally:
+            with m._cond:
+                m._unpin([entry for _, entry in pinned])
+
+    def _copy(
+        self, keys: list[BlockKey], entries: list[Entry], start: int, stop: int | None
+    ) -> int:
+        """Write pinned blocks from their fastest copies into tiers ``start..stop``."""
+        m = self.m
+        moves = []
+        for key, entry in zip(keys, entries, strict=True):
+            fastest = (entry.tiers & -entry.tiers).bit_length() - 1
+            if fastest < 0:
+                continue
+            src = self.source(m._levels[fastest], key)
+            if src is not None:
+                moves.append(Move(key, entry, src))
+        left = m._place(start, moves, stop) if moves else []
+        return len(moves) - len(left)
+
+    # -- flush ------------------------------------------------------------------
+    def flush(self, batch: int = 32) -> int:
+        """Finish background moves, then copy every block held only in memory
+        tiers into the first persistent tier; return how many were written."""
+        m = self.m
+        m._mover.drain()
+        if not m._persistent:
+            return 0
+        target = next(lv.index for lv in m._levels if lv.bit & m._persistent)
+        with m._cond:
+            todo = [
+                k for k, e in m._index.items() if e.state == READY and not e.tiers & m._persistent
+            ]
+        done = 0
+        for start in range(0, len(todo), batch):
+            done += self._persist(todo[start : start + batch], target)
+        return done
+
+    def _persist(self, keys: list[BlockKey], target: int) -> int:
+        m = self.m
+        with m._cond:
+            pinned = []
+            for key in keys:
+                entry = m._index.get(key)
+                if entry is not None and entry.state == READY and not entry.tiers & m._persistent:
+                    entry.pins += 1
+                    pinned.append((key, entry))
+        try:
+            return self._copy([k for k, _ in pinned], [e for _, e in pinned], target, None)
+        finally:
+            with m._cond:
+                m._unpin([entry for _, entry in pinned])

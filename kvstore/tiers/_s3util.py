@@ -1,0 +1,124 @@
+"""S3 tier helpers: error classification, shared API models, the header cache.
+
+Imported only by :mod:`kvstore.tiers.s3` (it needs boto3).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import boto3
+import botocore.exceptions
+import botocore.loaders
+import botocore.session
+
+from kvstore.codec import BlockHeader
+from kvstore.keys import BlockKey
+
+__all__ = [
+    "CORRUPT_CODES",
+    "MISSING_CODES",
+    "PERMANENT_CODES",
+    "TRANSPORT",
+    "HeaderCache",
+    "error_info",
+    "has_code",
+    "new_session",
+    "retryable",
+]
+
+RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "TooManyRequestsException",
+    }
+)
+MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+CORRUPT_CODES = frozenset({"InvalidRange", "416"})
+PERMANENT_CODES = frozenset(
+    {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+)
+
+
+def error_info(exc: BaseException) -> tuple[str, int]:
+    """``(error code, HTTP status)`` of a botocore ClientError, else ``("", 0)``."""
+    if not isinstance(exc, botocore.exceptions.ClientError):
+        return "", 0
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return code, int(status or 0)
+
+
+TRANSPORT = (
+    botocore.exceptions.HTTPClientError,  # read timeouts, closed connections
+    botocore.exceptions.ConnectionError,  # refused, connect timeouts
+    botocore.exceptions.IncompleteReadError,
+)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx, connection errors, timeouts and truncated bodies are retried."""
+    if isinstance(exc, TRANSPORT):
+        return True
+    code, status = error_info(exc)
+    return code in RETRY_CODES or status >= 500 or status == 429
+
+
+def has_code(exc: BaseException, codes: frozenset[str], status: int) -> bool:
+    code, got = error_info(exc)
+    return code in codes or (got == status and status != 0)
+
+
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def new_session() -> Any:
+    """A fresh boto3 session (its own credential chain) sharing the parsed API models.
+
+    Parsing the S3 model costs ~60 ms per session; the loader only caches
+    that read-only data, so every tier of the process can share it.
+    """
+    global _loader
+    with _loader_lock:
+        if _loader is None:
+            _loader = botocore.loaders.create_loader()
+        core = botocore.session.get_session()
+        core.register_component("data_loader", _loader)
+    return boto3.session.Session(botocore_session=core)
+
+
+class HeaderCache:
+    """Verified headers (and the ETag of the object they came from), LRU-bounded."""
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._map: OrderedDict[BlockKey, tuple[BlockHeader, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: BlockKey) -> tuple[BlockHeader, str] | None:
+        with self._lock:
+            hit = self._map.get(key)
+            if hit is not None:
+                self._map.move_to_end(key)
+            return hit
+
+    def put(self, key: BlockKey, header: BlockHeader, etag: str) -> None:
+        with self._lock:
+            self._map[key] = (header, etag)
+            self._map.move_to_end(key)
+            while len(self._map) > self._entries:
+                self._map.popitem(last=False)
+
+    def drop(self, key: BlockKey) -> None:
+        with self._lock:
+            self._map.pop(key, None)
