@@ -1,0 +1,47 @@
+"""The background mover: runs jobs, dedupes by key, drains, survives failing jobs."""
+
+from __future__ import annotations
+
+import threading
+
+from kvstore.mover import Mover
+
+
+def test_jobs_run_and_drain_waits_for_them() -> None:
+    mover = Mover(2)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        with lock:
+            done.append(i)
+
+    for i in range(20):
+        assert mover.submit(lambda i=i: job(i))
+    assert mover.drain(timeout=10)
+    assert sorted(done) == list(range(20)) and mover.pending == 0
+    mover.close()
+
+
+def test_a_key_runs_once_at_a_time() -> None:
+    mover = Mover(1)
+    gate = threading.Event()
+    runs: list[str] = []
+    assert mover.submit(lambda: (gate.wait(5), runs.append("a")), key="k")
+    assert not mover.submit(lambda: runs.append("b"), key="k")  # still queued: dropped
+    gate.set()
+    mover.drain(timeout=10)
+    assert mover.submit(lambda: runs.append("c"), key="k")  # finished: accepted again
+    mover.drain(timeout=10)
+    assert runs == ["a", "c"]
+    mover.close()
+
+
+def test_a_failing_job_is_counted_not_raised() -> None:
+    mover = Mover(1)
+    mover.submit(lambda: 1 / 0)
+    mover.drain(timeout=10)
+    assert mover.failures == 1
+    mover.close()
+    assert not mover.submit(lambda: None)  # closed: no new jobs
+    mover.close()  # idempotent
