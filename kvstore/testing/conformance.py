@@ -161,6 +161,29 @@ class TierConformance(ABC):
             tier.delete(keys)
             assert list(tier.stored_keys()) == []
 
+    # -- two-step stores (optional: memory tiers hand out their memory) ------
+    def test_two_step_store(self, tier: Tier) -> None:
+        keys, blocks = make_keys(3), _blocks(self.layout, 3, seed=9)
+        views = tier.reserve(keys)
+        assert len(views) == 3
+        if all(v is None for v in views):
+            assert tier.commit(keys) == [False] * 3  # not supported: nothing to publish
+            tier.abort(keys)
+            return
+        for view, block in zip(views, blocks, strict=True):
+            assert view is not None and tuple(view.shape) == self.layout.block_shape
+            for layer in range(self.layout.num_layers):  # filled layer by layer
+                view[layer].copy_(block[layer])
+        assert tier.contains(keys) == [False] * 3  # invisible until committed
+        assert tier.commit(keys[:2]) == [True, True]
+        tier.abort(keys[2:])
+        outs = self._empty(3)
+        assert tier.get(keys, outs) == [True, True, False]
+        assert torch.equal(outs[0], blocks[0]) and torch.equal(outs[1], blocks[1])
+        if self.bounded:  # the aborted reservation's room came back
+            n = tier.capacity_blocks - 2
+            assert all(tier.put(make_keys(n, salt=7), _blocks(self.layout, n, seed=10)))
+
     # -- concurrency and lifecycle -----------------------------------------
     def test_concurrent_writers_and_readers(self, tier: Tier) -> None:
         threads, per_thread = 4, max(1, self.capacity_blocks // 4)
