@@ -397,19 +397,25 @@ class ReplicationConfig:
     """Hot-block replication: blocks read often get a copy in the fastest tier.
 
     Heat is a decayed access count: +1 per access, halved every
-    ``half_life_s``. A block at ``hot_threshold`` or above is copied into the
-    first tier (up to ``max_copies`` copies in all) and is not evicted there
-    while it stays hot; cooled extra copies are the first to go.
+    ``half_life_s`` seconds and every ``half_life_accesses`` accesses to the
+    whole store (0: twice the memory tiers' capacity in blocks), so "hot"
+    means hot relative to the traffic, at any request rate. A block at
+    ``hot_threshold`` or above is copied into the first tier (up to
+    ``max_copies`` copies in memory tiers) and is not evicted there while it
+    stays hot; cooled extra copies are the first to go.
     """
 
     enabled: bool = _opt(True, _parse_bool)
     hot_threshold: int = _opt(8, _parse_int)
     half_life_s: float = _opt(300.0, _parse_float)
+    half_life_accesses: int = _opt(0, _parse_int)
     max_copies: int = _opt(2, _parse_int)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
         _check_positive(self, path, "hot_threshold", "half_life_s", "max_copies")
+        if self.half_life_accesses < 0:
+            raise ConfigError(f"{path}.half_life_accesses: must be >= 0 (0: automatic)")
 
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

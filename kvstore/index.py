@@ -36,34 +36,46 @@ HEAT_CAP = 255  # small ints are shared objects in CPython: heat costs no memory
 class Entry:
     """Index entry of one key."""
 
-    __slots__ = ("epoch", "heat", "leaving", "pins", "state", "tiers")
+    __slots__ = ("dropping", "epoch", "heat", "pins", "state", "tiers")
 
     def __init__(self, state: int, pins: int = 0, tiers: int = 0) -> None:
         self.state = state
         self.pins = pins
         self.tiers = tiers  # bit i: tier i holds a copy
-        self.leaving = 0  # bit i: an evictor already took this copy out of tier i's count
+        self.dropping = 0  # bit i: a delete from tier i is in flight (nothing may write it there)
         self.heat = 0  # decayed access count, see HeatClock
         self.epoch = 0
 
 
 class HeatClock:
-    """Decay of access counts: heat halves every ``half_life_s`` seconds.
+    """Decay of access counts: heat halves every ``half_life_s`` seconds and
+    every ``half_life_accesses`` accesses (store-wide).
 
-    Heat is kept as a small int plus the epoch (number of half-lives since the
-    clock started) it was last updated in, so an entry costs two references to
-    shared int objects rather than two floats.
+    The second clock makes heat relative to the traffic: at a few hundred
+    requests a second a wall-clock half-life alone would let every block read
+    a few times count as hot for minutes, and "hot last" would override the
+    eviction policy. Heat is kept as a small int plus the epoch it was last
+    updated in, so an entry costs two references to shared int objects
+    rather than two floats.
     """
 
-    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        half_life_s: float,
+        half_life_accesses: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.half_life_s = half_life_s
+        self.half_life_accesses = max(1, half_life_accesses)
         self.clock = clock
         self._start = clock()
+        self._accesses = 0
         self._epoch = 0
 
     def now(self) -> int:
         """The current epoch (the same int object while it does not change)."""
-        epoch = int((self.clock() - self._start) / self.half_life_s)
+        wall = int((self.clock() - self._start) / self.half_life_s)
+        epoch = wall + self._accesses // self.half_life_accesses
         if epoch != self._epoch:
             self._epoch = epoch
         return self._epoch
@@ -75,6 +87,7 @@ class HeatClock:
 
     def touch(self, entry: Entry) -> int:
         """Count one access; return the new heat."""
+        self._accesses += 1
         heat = min(HEAT_CAP, self.heat(entry) + 1)
         entry.heat, entry.epoch = heat, self._epoch
         return heat
@@ -89,10 +102,12 @@ class Level:
     marks: Watermarks
     policy: EvictionPolicy
     rules: TierRules
-    # Copies held, plus room reserved for writes in flight, minus copies an
-    # evictor is already moving out (their entries have this level's bit in
-    # ``leaving``). Planning uses it; ``len(policy)`` is the exact count held.
+    # Copies held plus room reserved for writes in flight. A copy being evicted
+    # counts until its slot is really free (so no put is granted room that a
+    # medium has not freed yet); ``leaving`` says how many of them are on their
+    # way out. ``len(policy)`` is the exact count held.
     resident: int = 0
+    leaving: int = 0
 
     @property
     def bit(self) -> int:

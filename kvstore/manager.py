@@ -68,8 +68,10 @@ class BlockManager:
         self.config = config or StoreConfig(tiers=tuple(t.config for t in tiers))
         self.clock = clock
         self.placement = Placement([TierRules.of(t.config) for t in tiers], self.config.replication)
-        self.heat = HeatClock(self.config.replication.half_life_s, clock)
         self._levels = [_level(i, tier, clock) for i, tier in enumerate(tiers)]
+        self.heat = HeatClock(
+            self.config.replication.half_life_s, self._half_life_accesses(), clock
+        )
         self._persistent = sum(lv.bit for lv in self._levels if lv.tier.persistent)
         self._index: dict[BlockKey, Entry] = {}
         self._cond = threading.Condition(threading.Lock())
@@ -81,6 +83,13 @@ class BlockManager:
         self._prefetcher = Prefetcher(self, self.config.prefetch)
         self.counters = ManagerCounters.for_tiers(len(tiers))
         adopt_persistent(self)
+
+    def _half_life_accesses(self) -> int:
+        configured = self.config.replication.half_life_accesses
+        if configured:
+            return configured
+        memory = sum(lv.marks.capacity for lv in self._levels if not lv.tier.persistent)
+        return max(1024, 2 * memory)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -196,14 +205,17 @@ class BlockManager:
                 self._moves.evict_victims(level, victims)
             batch = admitted[:grant]
             if batch:
+                self._wait_room(level)
                 placed = self._commit_writes(level, batch, self._write(level, batch))
                 pending = [m for m in pending if id(m) not in placed]
         return pending
 
     def _admitted(self, level: Level, moves: list[Move]) -> list[Move]:
-        """The moves ``level``'s admission rule lets in. Called with the lock held."""
-        admitted = [m for m in moves if self.placement.admits(level.index, self.heat.heat(m.entry))]
-        self.counters.admission_rejects[level.index] += len(moves) - len(admitted)
+        """The moves ``level`` takes now: its admission rule, and no key whose delete
+        from it is still in flight. Called with the lock held."""
+        free = [m for m in moves if not m.entry.dropping & level.bit]
+        admitted = [m for m in free if self.placement.admits(level.index, self.heat.heat(m.entry))]
+        self.counters.admission_rejects[level.index] += len(free) - len(admitted)
         return admitted
 
     def _commit_writes(self, level: Level, batch: list[Move], done: list[bool]) -> set[int]:
@@ -235,13 +247,16 @@ class BlockManager:
         passes its high watermark, a background job brings it down to the low one.
         """
         must, _ = level.marks.plan(level.resident, n)
-        victims = self._moves.pick_victims(level, must) if must else []
-        grant = n if len(victims) >= must else n - (must - len(victims))
+        # Copies already on their way out will free room too: pick only the rest.
+        need = max(0, must - level.leaving)
+        victims = self._moves.pick_victims(level, need) if need else []
+        short = need - len(victims)
+        grant = max(0, n - short)
         for _, entry in victims:
             entry.pins += 1
-            entry.leaving |= level.bit
-        level.resident += grant - len(victims)
-        if level.resident > level.marks.high:
+        level.leaving += len(victims)
+        level.resident += grant
+        if level.resident - level.leaving > level.marks.high:
             self._moves.evict_down_later(level)
         return grant, victims
 
@@ -287,8 +302,7 @@ class BlockManager:
                 )
             for _, entry in victims:
                 entry.pins += 1
-                entry.leaving |= level.bit
-            level.resident -= n
+            level.leaving += n
         self._moves.evict_victims(level, victims)
         return [key for key, _ in victims]
 
@@ -417,7 +431,7 @@ class BlockManager:
     def _lose_copy(self, level: Level, key: BlockKey, entry: Entry) -> None:
         """A tier failed to produce ``key``: forget that copy (and the block if it was the last)."""
         with self._cond:
-            if not self._forget_copy(level, key, entry):
+            if not self._begin_drop(level, key, entry):
                 return
             self.counters.copies_lost += 1
             if not entry.tiers:
@@ -425,6 +439,8 @@ class BlockManager:
                 if self._index.get(key) is entry:
                     del self._index[key]
         self._tier_delete(level, [key])
+        with self._cond:
+            self._end_drop(level, [entry])
 
     # -- delete -------------------------------------------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:
@@ -439,14 +455,16 @@ class BlockManager:
                     targets.append((key, entry))
             for _, entry in targets:
                 self._wait_pins(entry, 0)
-            groups: dict[int, list[BlockKey]] = {}
+            groups: dict[int, Victims] = {}
             for key, entry in targets:
                 for level in self._levels:
-                    if self._forget_copy(level, key, entry):
-                        groups.setdefault(level.index, []).append(key)
-        for lvl, lkeys in groups.items():
-            self._tier_delete(self._levels[lvl], lkeys)
+                    if self._begin_drop(level, key, entry):
+                        groups.setdefault(level.index, []).append((key, entry))
+        for lvl, dropped in groups.items():
+            self._tier_delete(self._levels[lvl], [key for key, _ in dropped])
         with self._cond:
+            for lvl, dropped in groups.items():
+                self._end_drop(self._levels[lvl], [entry for _, entry in dropped])
             for key, entry in targets:
                 if self._index.get(key) is entry:
                     del self._index[key]
@@ -499,6 +517,21 @@ class BlockManager:
         """Write one layer of each block; return how many blocks this completed."""
         return self._layer_writes.write(keys, layer, srcs)
 
+    def _wait_room(self, level: Level, timeout: float = 30.0) -> None:
+        """Wait until evictions in flight have freed the room a grant counted on.
+
+        ``resident`` includes copies still being deleted; once it is within
+        capacity, every granted write has a free slot. Bounded: a stalled
+        medium makes the writes fail (a miss), not the caller hang.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while level.resident > level.marks.capacity and level.leaving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(timeout=min(left, 0.05))
+
     def _wait_pins(self, entry: Entry, allowed: int) -> None:
         """Wait (lock held, released while waiting) until ``entry`` has ``allowed`` pins."""
         while entry.pins > allowed:
@@ -507,22 +540,29 @@ class BlockManager:
                 self._cond.wait(timeout=0.05)  # wakes for lease expiry as well as unpins
 
     # -- helpers ------------------------------------------------------------
-    def _forget_copy(self, level: Level, key: BlockKey, entry: Entry) -> bool:
-        """Drop ``level``'s copy of ``key`` from the books; False if it had none.
+    def _begin_drop(self, level: Level, key: BlockKey, entry: Entry) -> bool:
+        """Take ``level``'s copy of ``key`` off the books; False if it had none.
 
-        The one place a tier bit is cleared, so the residency count stays
-        exact whichever of evict, delete or a failed read gets there first.
-        Called with the lock held; the caller deletes the bytes from the tier.
+        The one place a tier bit is cleared. The copy's room still counts in
+        ``resident``, and nothing may write ``key`` into ``level``
+        (``entry.dropping``), until :meth:`_end_drop` -- after the tier has
+        really deleted it -- so no put is granted room the medium has not
+        freed, and no promotion lands a copy that the delete then removes.
+        Called with the lock held.
         """
         if not entry.tiers & level.bit:
             return False
         entry.tiers &= ~level.bit
+        entry.dropping |= level.bit
         level.policy.remove(key)
-        if entry.leaving & level.bit:
-            entry.leaving &= ~level.bit
-        else:
-            level.resident -= 1
         return True
+
+    def _end_drop(self, level: Level, entries: list[Entry]) -> None:
+        """The tier deleted these copies: give their room back. Called with the lock held."""
+        for entry in entries:
+            entry.dropping &= ~level.bit
+        level.resident -= len(entries)
+        self._cond.notify_all()
 
     def _touch(self, key: BlockKey, entry: Entry) -> None:
         self.heat.touch(entry)

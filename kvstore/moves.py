@@ -90,7 +90,8 @@ class Migrations:
     def evict_victims(self, level: Level, victims: Victims) -> None:
         """Demote (or drop) pinned ``victims`` out of ``level`` and unpin them.
 
-        The caller already took the victims out of ``level.resident``.
+        The caller counted the victims in ``level.leaving``; their room is
+        given back only once the tier has freed it.
         """
         m = self.m
         below = ~((level.bit << 1) - 1)
@@ -103,10 +104,12 @@ class Migrations:
         if moves and level.index + 1 < len(m._levels):
             left = {id(m) for m in m._place(level.index + 1, moves)}
             placed = {m.key for m in moves if id(m) not in left}
+        dropped: list[Entry] = []
         with m._cond:
             for key, entry in victims:
                 m._wait_pins(entry, 1)  # readers of this copy finish first
-                m._forget_copy(level, key, entry)
+                if m._begin_drop(level, key, entry):
+                    dropped.append(entry)
                 if key in placed:
                     m.counters.demotions[level.index] += 1
                 if not entry.tiers:
@@ -114,6 +117,8 @@ class Migrations:
             m.counters.evictions[level.index] += len(victims)
         m._tier_delete(level, [key for key, _ in victims])
         with m._cond:
+            m._end_drop(level, dropped)
+            level.leaving -= len(victims)
             for key, entry in victims:
                 entry.pins -= 1
                 if not entry.tiers and m._index.get(key) is entry:
@@ -135,13 +140,13 @@ class Migrations:
     def _evict_down(self, level: Level) -> None:
         m = self.m
         with m._cond:
-            if m._closed or level.resident <= level.marks.high:
+            staying = level.resident - level.leaving
+            if m._closed or staying <= level.marks.high:
                 return
-            victims = self.pick_victims(level, level.resident - level.marks.low)
+            victims = self.pick_victims(level, staying - level.marks.low)
             for _, entry in victims:
                 entry.pins += 1
-                entry.leaving |= level.bit
-            level.resident -= len(victims)
+            level.leaving += len(victims)
         if victims:
             self.evict_victims(level, victims)
 

@@ -328,6 +328,7 @@ class LayerWrites:
                 grant, victims = m._reserve(level, len(new))
             if victims:
                 m._moves.evict_victims(level, victims)
+            m._wait_room(level)
         finally:
             self._assign_views(new, grant)
 

@@ -15,7 +15,8 @@ store as it was. A failing tier shows up as a miss, never as wrong data.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ class KVStore:
         tiers: ready-made :class:`~kvstore.tiers.base.Tier` objects, fastest
             first, used instead of building the config's tiers (custom media,
             fault injection). The store closes them on :meth:`close`.
+        clock: seconds, for leases and heat decay (replays and tests inject one).
 
     Thread-safe: any number of threads may call any method at once.
     """
@@ -56,6 +58,7 @@ class KVStore:
         config: ConfigSource = None,
         *,
         tiers: Sequence[Tier] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -68,7 +71,7 @@ class KVStore:
             if tiers is None:
                 for tier_config in self.config.tiers:
                     built.append(create_tier(tier_config, layout))
-            self._manager = BlockManager(layout, built, self.config)
+            self._manager = BlockManager(layout, built, self.config, clock)
         except BaseException:
             for tier in built:
                 tier.close()

@@ -112,3 +112,62 @@ def test_bench_codec() -> None:
         assert row["choose_codec"] in {"RAW", "LZ4", "SHUFFLE_LZ4"}
         if row["codec"] == "RAW":
             assert 1.0 <= row["ratio"] < 1.01  # raw bytes plus a header
+
+
+@pytest.mark.timeout(120)
+def test_bench_remote_tiers() -> None:
+    result = run_bench("bench_remote_tiers.py")
+    assert result["benchmark"] == "remote_tiers"
+    assert result["quick"] is True
+    ratios = ("s3_put_ratio", "s3_get_ratio", "redis_put_ratio", "redis_get_ratio")
+    assert_positive(
+        result,
+        *ratios,
+        "s3_put_mbps",
+        "s3_get_mbps",
+        "s3_raw_put_mbps",
+        "s3_raw_get_mbps",
+        "redis_put_mbps",
+        "redis_get_mbps",
+        "redis_raw_put_mbps",
+        "redis_raw_get_mbps",
+        "block_mib",
+        "target_ratio",
+    )
+    assert result["target_ratio"] == 0.9
+    assert set(result["meets_target"]) == {"s3_put", "s3_get", "redis_put", "redis_get"}
+    assert all(isinstance(v, bool) for v in result["meets_target"].values())
+    best = result["s3_best"]
+    assert_positive(best, "put_mbps", "get_mbps", "put_concurrency", "get_concurrency")
+    assert [row["concurrency"] for row in result["s3_sweep"]] == [4, 16]
+    codecs = {row["codec"]: row for row in result["s3_codecs"]}
+    assert set(codecs) == {"raw", "shuffle-lz4", "auto"}
+    for row in codecs.values():
+        assert_positive(row, "put_mbps", "get_mbps", "stored_ratio")
+    assert 1.0 <= codecs["raw"]["stored_ratio"] < 1.01  # raw bytes plus a header
+    assert isinstance(result["s3_compression_pays"], bool)
+    assert result["s3_large_block"] is None  # full runs only
+    assert_reps(result)
+
+
+@pytest.mark.timeout(120)
+def test_bench_policies() -> None:
+    result = run_bench("bench_policies.py")
+    assert result["benchmark"] == "policies"
+    policies, fractions = result["policies"], result["fractions"]
+    assert set(policies) >= {"lru", "s3fifo"} and fractions
+    trace = result["trace"]
+    assert_positive(trace, "requests", "chat_requests", "doc_requests", "distinct_chunks")
+    assert 0 < trace["max_hit_rate"] < 1
+    assert len(result["results"]) == len(policies) * len(fractions)
+    for row in result["results"]:
+        assert row["policy"] in policies and row["fraction"] in fractions
+        assert row["capacity_blocks"] == int(trace["distinct_chunks"] * row["fraction"])
+        assert row["chunks_looked_up"] == trace["chunks_looked_up"]
+        for field in ("hit_rate", "chat_hit_rate", "system_hit_rate"):
+            assert 0 <= row[field] <= 1, (field, row)
+        assert row["hit_rate"] <= trace["max_hit_rate"] + 1e-9
+    for field in ("hit_rate", "chat_hit_rate", "system_hit_rate"):
+        assert set(result[field]) == set(policies)
+        assert all(len(by_size) == len(fractions) for by_size in result[field].values())
+    assert result["with_replication"] == [] and result["plot"] is None  # full runs only

@@ -2,11 +2,14 @@
 
 - :mod:`kvstore.policy.base` -- the :class:`EvictionPolicy` interface.
 - :mod:`kvstore.policy.lru` -- least recently used (the default).
+- :mod:`kvstore.policy.s3fifo` -- S3-FIFO, scan-resistant (``policy: s3fifo``).
+- :mod:`kvstore.policy.arc` -- ARC, adaptive recency/frequency (``policy: arc``).
 - :mod:`kvstore.policy.watermark` -- high/low watermark arithmetic.
 """
 
 from __future__ import annotations
 
+from kvstore.policy.arc import ARCPolicy
 from kvstore.policy.base import (
     Clock,
     EvictionPolicy,
@@ -15,12 +18,15 @@ from kvstore.policy.base import (
     register_policy,
 )
 from kvstore.policy.lru import LRUPolicy
+from kvstore.policy.s3fifo import S3FIFOPolicy
 from kvstore.policy.watermark import Watermarks
 
 __all__ = [
+    "ARCPolicy",
     "Clock",
     "EvictionPolicy",
     "LRUPolicy",
+    "S3FIFOPolicy",
     "Watermarks",
     "make_policy",
     "policy_names",

@@ -93,7 +93,7 @@ def test_make_policy():
     assert make_policy("lru") is not make_policy("lru")
 
 
-@pytest.mark.parametrize("name", ["LRU", "lfu", "", "arc"])
+@pytest.mark.parametrize("name", ["LRU", "lfu", "", "s3-fifo", "ARC"])
 def test_make_policy_unknown_name(name):
     with pytest.raises(ConfigError, match="lru"):  # the message lists the known policies
         make_policy(name)

@@ -1,0 +1,289 @@
+"""S3-FIFO queue mechanics, scan resistance, termination, and a model-based property test
+that every registered eviction policy must pass."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.policy import (
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    make_policy,
+    policy_names,
+)
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def ids(keys) -> list[int]:
+    return [int.from_bytes(key, "little") for key in keys]
+
+
+def queues(policy: S3FIFOPolicy) -> dict[str, list[int]]:
+    return {name: ids(keys) for name, keys in policy.queues().items()}
+
+
+def evict(policy: EvictionPolicy, n: int, pinned: frozenset[bytes] = frozenset()) -> list[bytes]:
+    """What the manager does: take the first ``n`` unpinned candidates, then remove them."""
+    victims: list[bytes] = []
+    for key in policy.candidates():
+        if len(victims) >= n:
+            break
+        if key not in pinned:
+            victims.append(key)
+    for key in victims:
+        policy.remove(key)
+    return victims
+
+
+def access(policy: EvictionPolicy, key: bytes, capacity: int) -> bool:
+    """One cache access: a hit touches, a miss evicts one block if full and inserts."""
+    if key in policy:
+        policy.touch(key)
+        return True
+    if len(policy) >= capacity:
+        assert len(evict(policy, 1)) == 1
+    policy.insert(key)
+    return False
+
+
+# -- queue mechanics ----------------------------------------------------------
+
+
+def test_new_keys_go_to_small_and_leave_in_fifo_order():
+    p = S3FIFOPolicy(capacity=10)  # S aims at 1 block
+    for i in range(5):
+        p.insert(k(i))
+    assert queues(p) == {"small": [0, 1, 2, 3, 4], "main": [], "ghost": []}
+    assert ids(p.candidates()) == [0, 1, 2, 3, 4]
+    assert len(p) == 5 and all(k(i) in p for i in range(5))  # offering removes nothing
+
+
+def test_used_key_moves_from_small_to_main_instead_of_leaving():
+    p = S3FIFOPolicy(capacity=10)
+    for i in range(4):
+        p.insert(k(i))
+    p.touch(k(0))
+    p.touch(k(0))
+    assert p.frequency(k(0)) == 2
+    assert evict(p, 1) == [k(1)]  # 0 was used: it moved to M, 1 went
+    assert queues(p) == {"small": [2, 3], "main": [0], "ghost": [1]}
+    assert p.frequency(k(0)) == 0  # the move to M resets the counter
+
+
+def test_counter_is_capped_at_three():
+    p = S3FIFOPolicy(capacity=10)
+    p.insert(k(0))
+    for _ in range(10):
+        p.touch(k(0))
+    assert p.frequency(k(0)) == 3
+    assert p.frequency(k(9)) is None
+
+
+def test_main_gives_used_keys_another_round():
+    p = S3FIFOPolicy(capacity=10)
+    for i in range(3):
+        p.insert(k(i))
+        p.touch(k(i))
+    it = p.candidates()
+    # S moves its used keys to M (counters reset); then M's oldest is offered.
+    assert next(it) == k(0)
+    del it
+    assert queues(p) == {"small": [], "main": [0, 1, 2], "ghost": []}
+    p.touch(k(0))
+    p.touch(k(0))
+    it = p.candidates()
+    assert [next(it), next(it)] == [k(1), k(2)]  # 0 went round: counter 2 -> 1
+    assert p.frequency(k(0)) == 1
+    assert next(it) == k(0)  # round two: 1 -> 0, then offered
+    assert p.frequency(k(0)) == 0
+    del it
+    p.remove(k(1))
+    assert queues(p)["ghost"] == []  # evictions from M leave no ghost
+
+
+def test_ghost_hit_goes_straight_to_main():
+    p = S3FIFOPolicy(capacity=10)
+    for i in range(3):
+        p.insert(k(i))
+    assert evict(p, 1) == [k(0)]
+    assert queues(p)["ghost"] == [0] and k(0) not in p
+    p.insert(k(0))  # evicted from S too early: it comes back into M
+    assert queues(p) == {"small": [1, 2], "main": [0], "ghost": []}
+
+
+def test_only_removals_of_offered_small_keys_leave_ghosts():
+    p = S3FIFOPolicy(capacity=10)
+    for i in range(5):
+        p.insert(k(i))
+    p.touch(k(4))
+    p.remove(k(3))  # a delete: never offered
+    it = p.candidates()
+    assert next(it) == k(0)  # offered: the manager may evict it
+    del it
+    p.remove(k(0))  # ... and did
+    p.remove(k(1))  # a delete (or a lost copy) of a key never offered
+    assert queues(p) == {"small": [2, 4], "main": [], "ghost": [0]}
+    assert evict(p, 1) == [k(2)]  # 4 was used: it moved to M
+    p.remove(k(4))  # removal from M
+    assert queues(p) == {"small": [], "main": [], "ghost": [0, 2]}
+
+
+def test_remove_and_touch_of_absent_keys_are_noops():
+    p = S3FIFOPolicy(capacity=10)
+    p.insert(k(1))
+    p.remove(k(7))
+    p.touch(k(7))
+    assert queues(p) == {"small": [1], "main": [], "ghost": []} and k(7) not in p
+    p.remove(k(1))
+    p.remove(k(1))
+    assert queues(p) == {"small": [], "main": [], "ghost": []}
+    assert len(p) == 0 and list(p.candidates()) == []
+
+
+def test_reinsert_of_a_tracked_key_counts_as_a_use():
+    p = S3FIFOPolicy(capacity=10)
+    p.insert(k(1))
+    p.insert(k(1))
+    assert len(p) == 1 and p.frequency(k(1)) == 1
+
+
+def test_ghost_is_bounded_by_the_main_share():
+    p = S3FIFOPolicy(capacity=20)  # S 2 blocks, M (and G) 18
+    for i in range(200):
+        access(p, k(i), 20)
+    ghost = queues(p)["ghost"]
+    assert len(ghost) == 18 and ghost == list(range(162, 180))  # the most recent evictions
+    assert len(p) == 20
+
+
+def test_unknown_capacity_sizes_queues_from_what_is_resident():
+    p = S3FIFOPolicy()  # capacity 0: S aims at 10% of the keys held
+    for i in range(30):
+        p.insert(k(i))
+    assert ids(evict(p, 3)) == [0, 1, 2]
+    assert len(queues(p)["ghost"]) == 3
+
+
+# -- scans --------------------------------------------------------------------
+
+
+def test_one_hit_wonder_scan_does_not_evict_hot_keys():
+    hot = [k(i) for i in range(5)]
+    scan = [k(1000 + i) for i in range(300)]
+    for policy, survives in ((S3FIFOPolicy(capacity=20), True), (LRUPolicy(20), False)):
+        for key in hot:
+            access(policy, key, 20)
+            access(policy, key, 20)
+        hits = 0
+        for n, key in enumerate(scan):
+            access(policy, key, 20)
+            if n % 50 == 49:  # the hot set comes back after 50 one-off keys (> capacity)
+                hits += sum(access(policy, h, 20) for h in hot)
+        assert (hits == 6 * len(hot)) is survives, (policy.name, hits)
+
+
+# -- termination ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc", "lru"])
+def test_candidates_end_when_the_caller_skips_everything(name):
+    p = make_policy(name, 50)
+    for i in range(40):
+        p.insert(k(i))
+        for _ in range(i % 5):
+            p.touch(k(i))
+    for _ in range(3):  # and again: skipped keys stay tracked and are offered again
+        seen = list(p.candidates())
+        assert len(seen) == len(set(seen)) == 40
+        assert set(seen) == {k(i) for i in range(40)}
+        assert len(p) == 40
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc"])
+def test_abandoned_iteration_leaves_state_whole(name):
+    p = make_policy(name, 20)
+    for i in range(20):
+        p.insert(k(i))
+        if i % 3 == 0:
+            p.touch(k(i))
+    it = p.candidates()
+    first = [next(it) for _ in range(4)]
+    del it
+    assert len(p) == 20 and all(k(i) in p for i in range(20))
+    assert list(p.candidates())[:4] == first  # skipped (pinned) keys stay first in line
+
+
+def test_pinned_keys_are_passed_over_then_evicted_when_free():
+    p = S3FIFOPolicy(capacity=10)
+    for i in range(6):
+        p.insert(k(i))
+    assert evict(p, 2, pinned=frozenset({k(0), k(1)})) == [k(2), k(3)]
+    assert queues(p)["small"] == [0, 1, 4, 5]
+    assert evict(p, 2) == [k(0), k(1)]
+    assert queues(p)["ghost"] == [2, 3, 0, 1]
+
+
+# -- model-based property test (every registered policy) ------------------------
+
+KEYS = st.integers(0, 24)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), KEYS),
+        st.tuples(st.just("touch"), KEYS),
+        st.tuples(st.just("remove"), KEYS),
+        st.tuples(st.just("evict"), st.integers(0, 6), st.frozensets(KEYS, max_size=8)),
+        st.tuples(st.just("peek"), st.integers(0, 30)),
+    ),
+    max_size=120,
+)
+
+
+@pytest.mark.parametrize("name", sorted(policy_names()))
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, capacity=st.integers(0, 16))
+def test_policy_tracks_exactly_the_model_set(name, ops, capacity):
+    p = make_policy(name, capacity)
+    model: set[bytes] = set()
+    for op in ops:
+        if op[0] == "insert":
+            p.insert(k(op[1]))
+            model.add(k(op[1]))
+        elif op[0] == "touch":
+            p.touch(k(op[1]))
+        elif op[0] == "remove":
+            p.remove(k(op[1]))
+            model.discard(k(op[1]))
+        elif op[0] == "evict":
+            pinned = frozenset(k(i) for i in op[2])
+            victims = evict(p, op[1], pinned)
+            assert len(victims) == min(op[1], len(model - pinned))
+            assert not set(victims) & pinned and set(victims) <= model
+            model -= set(victims)
+        else:  # a partial iteration the caller abandons
+            seen = [key for _, key in zip(range(op[1]), p.candidates(), strict=False)]
+            assert len(seen) == len(set(seen)) and set(seen) <= model
+        assert len(p) == len(model)
+        assert all((k(i) in p) == (k(i) in model) for i in range(25))
+    full = list(p.candidates())
+    assert len(full) == len(set(full)) and set(full) == model  # every key, once
+
+
+def test_property_test_covers_the_scan_resistant_policies():
+    assert {"lru", "s3fifo", "arc"} <= set(policy_names())
+    assert isinstance(make_policy("s3fifo", 8), S3FIFOPolicy)
+    assert isinstance(make_policy("arc", 8), ARCPolicy)
+
+
+def test_clock_and_capacity_reach_the_policy():
+    def clock() -> float:
+        return 7.0
+
+    p = make_policy("s3fifo", 123, clock)
+    assert p.capacity == 123 and p.clock is clock
