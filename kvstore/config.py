@@ -29,17 +29,27 @@ Environment overrides (applied by :meth:`StoreConfig.load`,
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
 
+from kvstore._values import (
+    Parser,
+    format_size,
+    parse_bool,
+    parse_codec,
+    parse_float,
+    parse_int,
+    parse_optional_bool,
+    parse_optional_float,
+    parse_optional_str,
+    parse_size,
+    parse_str,
+)
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -59,121 +69,11 @@ __all__ = [
     "tier_config_class",
 ]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: Any, key: str = "size") -> int:
-    """Bytes in ``value``: an int, or a string like ``"512MiB"`` / ``"1.5GB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must be >= 0, got {value}")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            unit = _UNITS[match.group(2).lower()]
-            exact = Fraction(match.group(1)) * unit  # no float rounding of big sizes
-            if unit == 1 and exact.denominator != 1:
-                raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
-            return math.floor(exact)
-    raise ConfigError(f"{key}: cannot read {value!r} as a size (e.g. 1073741824, '512MiB', '2GB')")
-
-
-def format_size(nbytes: float) -> str:
-    """Human-readable binary size, e.g. ``'1.50 GiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
-def _parse_float(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-
-
-def _parse_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def _parse_optional_bool(value: Any, key: str) -> bool | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("auto", "none", "")):
-        return None
-    return _parse_bool(value, key)
-
-
-def _parse_str(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _parse_optional_str(value: Any, key: str) -> str | None:
-    return None if value is None else _parse_str(value, key)
-
-
-def _parse_int(value: Any, key: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    raise ConfigError(f"{key}: expected an integer, got {value!r}")
-
-
-def _parse_optional_float(value: Any, key: str) -> float | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-        return None
-    return _parse_float(value, key)
-
-
-def _parse_codec(value: Any, key: str) -> str:
-    name = _parse_str(value, key).lower()
-    if name not in _CODECS:
-        raise ConfigError(f"{key}: unknown codec {value!r}; use one of {', '.join(_CODECS)}")
-    return name
-
-
-_CODECS = ("raw", "lz4", "shuffle-lz4", "auto")
-
 
 def default_cache_dir() -> str:
     """``$XDG_CACHE_HOME/kvstore``, else ``~/.cache/kvstore``: the default disk tier path."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvstore")
-
-
-Parser = Callable[[Any, str], Any]
 
 
 def _opt(default: Any, parser: Parser) -> Any:
@@ -186,12 +86,12 @@ class TierConfig:
 
     kind: ClassVar[str] = ""
     capacity: int = _opt(0, parse_size)
-    high_watermark: float = _opt(0.9, _parse_float)
-    low_watermark: float = _opt(0.7, _parse_float)
-    policy: str = _opt("lru", _parse_str)
-    write_policy: str = _opt("write_back", _parse_str)
-    promote_after: int = _opt(0, _parse_int)
-    admit_after: int = _opt(0, _parse_int)
+    high_watermark: float = _opt(0.9, parse_float)
+    low_watermark: float = _opt(0.7, parse_float)
+    policy: str = _opt("lru", parse_str)
+    write_policy: str = _opt("write_back", parse_str)
+    promote_after: int = _opt(0, parse_int)
+    admit_after: int = _opt(0, parse_int)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
@@ -233,8 +133,8 @@ class HostTierConfig(TierConfig):
 
     kind: ClassVar[str] = "host"
     capacity: int = _opt(4 * 1024**3, parse_size)
-    promote_after: int = _opt(2, _parse_int)
-    pinned: bool | None = _opt(None, _parse_optional_bool)
+    promote_after: int = _opt(2, parse_int)
+    pinned: bool | None = _opt(None, parse_optional_bool)
 
 
 @dataclass(frozen=True)
@@ -242,8 +142,8 @@ class DeviceTierConfig(TierConfig):
     """Accelerator memory tier (``device`` is any torch device string)."""
 
     kind: ClassVar[str] = "device"
-    device: str = _opt("cuda:0", _parse_str)
-    promote_after: int = _opt(2, _parse_int)
+    device: str = _opt("cuda:0", parse_str)
+    promote_after: int = _opt(2, parse_int)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -267,11 +167,11 @@ class DiskTierConfig(TierConfig):
 
     kind: ClassVar[str] = "disk"
     capacity: int = _opt(32 * 1024**3, parse_size)
-    path: str = field(default_factory=default_cache_dir, metadata={"parse": _parse_str})
-    io_threads: int = _opt(4, _parse_int)
-    o_direct: bool = _opt(False, _parse_bool)
-    fsync: bool = _opt(False, _parse_bool)
-    codec: str = _opt("raw", _parse_codec)
+    path: str = field(default_factory=default_cache_dir, metadata={"parse": parse_str})
+    io_threads: int = _opt(4, parse_int)
+    o_direct: bool = _opt(False, parse_bool)
+    fsync: bool = _opt(False, parse_bool)
+    codec: str = _opt("raw", parse_codec)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -284,20 +184,20 @@ class S3TierConfig(TierConfig):
 
     kind: ClassVar[str] = "s3"
     capacity: int = _opt(1024**4, parse_size)
-    bucket: str = _opt("", _parse_str)
-    prefix: str = _opt("kvstore", _parse_str)
-    endpoint_url: str | None = _opt(None, _parse_optional_str)
-    region: str | None = _opt(None, _parse_optional_str)
-    addressing_style: str = _opt("auto", _parse_str)
-    concurrency: int = _opt(16, _parse_int)
-    connect_timeout: float = _opt(2.0, _parse_float)
-    read_timeout: float = _opt(10.0, _parse_float)
-    deadline: float = _opt(30.0, _parse_float)
-    max_attempts: int = _opt(5, _parse_int)
+    bucket: str = _opt("", parse_str)
+    prefix: str = _opt("kvstore", parse_str)
+    endpoint_url: str | None = _opt(None, parse_optional_str)
+    region: str | None = _opt(None, parse_optional_str)
+    addressing_style: str = _opt("auto", parse_str)
+    concurrency: int = _opt(16, parse_int)
+    connect_timeout: float = _opt(2.0, parse_float)
+    read_timeout: float = _opt(10.0, parse_float)
+    deadline: float = _opt(30.0, parse_float)
+    max_attempts: int = _opt(5, parse_int)
     multipart_threshold: int = _opt(64 * 1024**2, parse_size)
     part_size: int = _opt(16 * 1024**2, parse_size)
-    codec: str = _opt("auto", _parse_codec)
-    retry_interval: float = _opt(1.0, _parse_float)
+    codec: str = _opt("auto", parse_codec)
+    retry_interval: float = _opt(1.0, parse_float)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -326,14 +226,14 @@ class RedisTierConfig(TierConfig):
 
     kind: ClassVar[str] = "redis"
     capacity: int = _opt(1024**3, parse_size)
-    url: str = _opt("redis://localhost:6379/0", _parse_str)
-    cluster: bool = _opt(False, _parse_bool)
-    ttl: float | None = _opt(None, _parse_optional_float)
-    key_prefix: str = _opt("kvstore", _parse_str)
-    pool_size: int = _opt(16, _parse_int)
-    socket_timeout: float = _opt(2.0, _parse_float)
-    retry_interval: float = _opt(1.0, _parse_float)
-    codec: str = _opt("raw", _parse_codec)
+    url: str = _opt("redis://localhost:6379/0", parse_str)
+    cluster: bool = _opt(False, parse_bool)
+    ttl: float | None = _opt(None, parse_optional_float)
+    key_prefix: str = _opt("kvstore", parse_str)
+    pool_size: int = _opt(16, parse_int)
+    socket_timeout: float = _opt(2.0, parse_float)
+    retry_interval: float = _opt(1.0, parse_float)
+    codec: str = _opt("raw", parse_codec)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -405,11 +305,11 @@ class ReplicationConfig:
     stays hot; cooled extra copies are the first to go.
     """
 
-    enabled: bool = _opt(True, _parse_bool)
-    hot_threshold: int = _opt(8, _parse_int)
-    half_life_s: float = _opt(300.0, _parse_float)
-    half_life_accesses: int = _opt(0, _parse_int)
-    max_copies: int = _opt(2, _parse_int)
+    enabled: bool = _opt(True, parse_bool)
+    hot_threshold: int = _opt(8, parse_int)
+    half_life_s: float = _opt(300.0, parse_float)
+    half_life_accesses: int = _opt(0, parse_int)
+    max_copies: int = _opt(2, parse_int)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
@@ -431,12 +331,12 @@ class PrefetchConfig:
     timeout_per_1k_tokens_s * tokens / 1000`` (at most ``timeout_max_s``).
     """
 
-    policy: str = _opt("wait_complete", _parse_str)
-    timeout_base_s: float = _opt(2.0, _parse_float)
-    timeout_per_1k_tokens_s: float = _opt(0.1, _parse_float)
-    timeout_max_s: float = _opt(30.0, _parse_float)
-    threads: int = _opt(2, _parse_int)
-    layers_per_step: int = _opt(1, _parse_int)
+    policy: str = _opt("wait_complete", parse_str)
+    timeout_base_s: float = _opt(2.0, parse_float)
+    timeout_per_1k_tokens_s: float = _opt(0.1, parse_float)
+    timeout_max_s: float = _opt(30.0, parse_float)
+    threads: int = _opt(2, parse_int)
+    layers_per_step: int = _opt(1, parse_int)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
@@ -456,7 +356,7 @@ class PrefetchConfig:
 
 
 _SECTIONS: dict[str, type[Any]] = {"replication": ReplicationConfig, "prefetch": PrefetchConfig}
-_SCALARS: dict[str, Parser] = {"lease_s": _parse_float, "mover_threads": _parse_int}
+_SCALARS: dict[str, Parser] = {"lease_s": parse_float, "mover_threads": parse_int}
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvstore import reads
 from kvstore.config import StoreConfig
 from kvstore.discovery import adopt_persistent, discover
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError, TierError
@@ -384,63 +385,7 @@ class BlockManager:
         layers: LayerRange,
     ) -> list[bool]:
         """Read each *pinned* entry from its fastest copy, falling back to slower ones."""
-        done = [False] * len(entries)
-        tried = [0] * len(entries)
-        pending = list(range(len(entries)))
-        while pending:
-            groups: dict[int, list[int]] = {}
-            with self._cond:
-                for i in pending:
-                    untried = entries[i].tiers & ~tried[i]
-                    if untried:
-                        lvl = (untried & -untried).bit_length() - 1
-                        groups.setdefault(lvl, []).append(i)
-            pending = []
-            for lvl, idxs in groups.items():
-                level = self._levels[lvl]
-                ok = self._tier_get(level, [keys[i] for i in idxs], [outs[i] for i in idxs], layers)
-                for n, i in enumerate(idxs):
-                    tried[i] |= level.bit
-                    if ok is not None and ok[n]:
-                        done[i] = True
-                        continue
-                    if ok is not None:  # the tier answered: it has no good copy
-                        self._lose_copy(level, keys[i], entries[i])
-                    pending.append(i)  # (a dead medium keeps its copies in the books)
-        return done
-
-    def _tier_get(
-        self, level: Level, keys: list[BlockKey], outs: list[torch.Tensor], layers: LayerRange
-    ) -> list[bool] | None:
-        """Read from one tier; None when the medium is unavailable (it raised)."""
-        start = time.perf_counter()
-        try:
-            ok = level.tier.get(keys, outs, layers)
-        except Exception as exc:
-            self._tier_failed(level, "read", len(keys), exc)
-            return None
-        elapsed = time.perf_counter() - start
-        nbytes = self.layout.block_nbytes
-        if layers is not None:
-            nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
-        with self._cond:
-            self.counters.bytes_read += sum(ok) * nbytes
-            self.counters.read_seconds += elapsed
-        return ok
-
-    def _lose_copy(self, level: Level, key: BlockKey, entry: Entry) -> None:
-        """A tier failed to produce ``key``: forget that copy (and the block if it was the last)."""
-        with self._cond:
-            if not self._begin_drop(level, key, entry):
-                return
-            self.counters.copies_lost += 1
-            if not entry.tiers:
-                entry.state = DELETING
-                if self._index.get(key) is entry:
-                    del self._index[key]
-        self._tier_delete(level, [key])
-        with self._cond:
-            self._end_drop(level, [entry])
+        return reads.read(self, keys, entries, outs, layers)
 
     # -- delete -------------------------------------------------------------
     def delete(self, keys: Sequence[BlockKey]) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from kvstore.index import DELETING, READY, Entry, Level, Move
 from kvstore.keys import BlockKey
+from kvstore.reads import tier_get
 
 if TYPE_CHECKING:
     from kvstore.manager import BlockManager
@@ -133,7 +134,7 @@ class Migrations:
         if view is not None:
             return view
         staging = torch.empty(m.layout.block_shape, dtype=m.layout.dtype)
-        ok = m._tier_get(level, [key], [staging], None)
+        ok = tier_get(m, level, [key], [staging], None)
         return staging if ok and ok[0] else None
 
     # -- jobs -------------------------------------------------------------------

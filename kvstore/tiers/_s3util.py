@@ -1,13 +1,16 @@
-"""S3 tier helpers: error classification, shared API models, the header cache.
+"""S3 tier helpers: error classification, shared API models, the header cache,
+multipart uploads and body reads.
 
 Imported only by :mod:`kvstore.tiers.s3` (it needs boto3).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.exceptions
@@ -15,7 +18,11 @@ import botocore.loaders
 import botocore.session
 
 from kvstore.codec import BlockHeader
+from kvstore.errors import CorruptBlockError
 from kvstore.keys import BlockKey
+
+if TYPE_CHECKING:
+    from kvstore.tiers.s3 import S3Tier
 
 __all__ = [
     "CORRUPT_CODES",
@@ -23,11 +30,17 @@ __all__ = [
     "PERMANENT_CODES",
     "TRANSPORT",
     "HeaderCache",
+    "abort_upload",
+    "put_multipart",
+    "read_into",
     "error_info",
     "has_code",
     "new_session",
     "retryable",
 ]
+
+log = logging.getLogger("kvstore.tiers.s3")
+_READ_CHUNK = 1024**2
 
 RETRY_CODES = frozenset(
     {
@@ -122,3 +135,65 @@ class HeaderCache:
     def drop(self, key: BlockKey) -> None:
         with self._lock:
             self._map.pop(key, None)
+
+
+def read_into(body: Any, buf: bytearray, size: int) -> memoryview:
+    """Read a response body of ``size`` bytes into ``buf``, in chunks; its view."""
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        chunk = body.read(min(_READ_CHUNK, size - done))
+        if not chunk:
+            break
+        view[done : done + len(chunk)] = chunk
+        done += len(chunk)
+    if done != size or body.read(1):
+        raise CorruptBlockError(f"object body has a different length than its {size} bytes")
+    return view[:size]
+
+
+def put_multipart(tier: S3Tier, name: str, data: bytes, deadline_at: float) -> None:
+    """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""
+    bucket, part = tier.cfg.bucket, tier.cfg.part_size
+    created = tier._pooled(
+        lambda: tier._client.create_multipart_upload(Bucket=bucket, Key=name), deadline_at
+    )
+    upload_id = created["UploadId"]
+    view = memoryview(data)
+    offsets = list(range(0, len(data), part))
+
+    def upload(i: int) -> dict[str, Any]:
+        body = bytes(view[offsets[i] : offsets[i] + part])
+        sent = tier._call(
+            lambda: tier._client.upload_part(
+                Bucket=bucket, Key=name, UploadId=upload_id, PartNumber=i + 1, Body=body
+            ),
+            deadline_at,
+        )
+        return {"ETag": sent["ETag"], "PartNumber": i + 1}
+
+    try:
+        parts = list(tier._pool.map(upload, range(len(offsets))))
+        tier._pooled(
+            lambda: tier._client.complete_multipart_upload(
+                Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            ),
+            deadline_at,
+        )
+    except Exception:
+        abort_upload(tier, name, upload_id)
+        raise
+    tier._counters.add("multipart_uploads")
+
+
+def abort_upload(tier: S3Tier, name: str, upload_id: str) -> None:
+    """Best effort: an upload left behind costs storage until a lifecycle rule ends it."""
+    try:
+        tier._pooled(
+            lambda: tier._client.abort_multipart_upload(
+                Bucket=tier.cfg.bucket, Key=name, UploadId=upload_id
+            ),
+            time.monotonic() + tier.cfg.connect_timeout + tier.cfg.read_timeout,
+        )
+    except Exception as exc:
+        log.warning("s3 tier: could not abort multipart upload of %s: %s", name, exc)

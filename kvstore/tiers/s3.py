@@ -77,6 +77,8 @@ from kvstore.tiers._s3util import (
     error_info,
     has_code,
     new_session,
+    put_multipart,
+    read_into,
     retryable,
 )
 from kvstore.tiers.base import LayerRange, Tier
@@ -110,21 +112,6 @@ _HEADER_CACHE_ENTRIES = 4096
 _IDLE_BUFFER_BYTES = 128 * 1024**2
 _READ_CHUNK = 1024**2
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
-
-
-def _read_into(body: Any, buf: bytearray, size: int) -> memoryview:
-    """Read a response body of ``size`` bytes into ``buf``, in chunks; its view."""
-    view = memoryview(buf)
-    done = 0
-    while done < size:
-        chunk = body.read(min(_READ_CHUNK, size - done))
-        if not chunk:
-            break
-        view[done : done + len(chunk)] = chunk
-        done += len(chunk)
-    if done != size or body.read(1):
-        raise CorruptBlockError(f"object body has a different length than its {size} bytes")
-    return view[:size]
 
 
 class S3Tier(Tier):
@@ -276,7 +263,7 @@ class S3Tier(Tier):
             if len(data) <= self.cfg.multipart_threshold:  # compression brought it under
                 self._pool.submit(self._put_object, name, data, deadline_at).result()
             else:
-                self._put_multipart(name, data, deadline_at)
+                put_multipart(self, name, data, deadline_at)
         except Exception as exc:
             self._failed("put", key, exc)
             return False
@@ -286,50 +273,6 @@ class S3Tier(Tier):
     def _put_object(self, name: str, data: bytes | bytearray, deadline_at: float) -> None:
         bucket = self.cfg.bucket
         self._call(lambda: self._client.put_object(Bucket=bucket, Key=name, Body=data), deadline_at)
-
-    def _put_multipart(self, name: str, data: bytes, deadline_at: float) -> None:
-        bucket, part = self.cfg.bucket, self.cfg.part_size
-        created = self._pooled(
-            lambda: self._client.create_multipart_upload(Bucket=bucket, Key=name), deadline_at
-        )
-        upload_id = created["UploadId"]
-        view = memoryview(data)
-        offsets = list(range(0, len(data), part))
-
-        def upload(i: int) -> dict[str, Any]:
-            body = bytes(view[offsets[i] : offsets[i] + part])
-            sent = self._call(
-                lambda: self._client.upload_part(
-                    Bucket=bucket, Key=name, UploadId=upload_id, PartNumber=i + 1, Body=body
-                ),
-                deadline_at,
-            )
-            return {"ETag": sent["ETag"], "PartNumber": i + 1}
-
-        try:
-            parts = list(self._pool.map(upload, range(len(offsets))))
-            self._pooled(
-                lambda: self._client.complete_multipart_upload(
-                    Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                ),
-                deadline_at,
-            )
-        except Exception:
-            self._abort_upload(name, upload_id)
-            raise
-        self._counters.add("multipart_uploads")
-
-    def _abort_upload(self, name: str, upload_id: str) -> None:
-        """Best effort: an upload left behind costs storage until a lifecycle rule ends it."""
-        try:
-            self._pooled(
-                lambda: self._client.abort_multipart_upload(
-                    Bucket=self.cfg.bucket, Key=name, UploadId=upload_id
-                ),
-                time.monotonic() + self.cfg.connect_timeout + self.cfg.read_timeout,
-            )
-        except Exception as exc:
-            log.warning("s3 tier: could not abort multipart upload of %s: %s", name, exc)
 
     def _stored(self, key: BlockKey, nbytes: int) -> None:
         self._headers.drop(key)  # a rewrite may have another codec and ETag
@@ -375,7 +318,7 @@ class S3Tier(Tier):
             size = int(resp.get("ContentLength", 0))
             buf = self._buffers.take(size)
             bufs.append(buf)
-            return _read_into(resp["Body"], buf, size), str(resp.get("ETag", ""))
+            return read_into(resp["Body"], buf, size), str(resp.get("ETag", ""))
 
         try:
             data, etag = self._call(fetch, deadline_at)
