@@ -37,7 +37,8 @@ def test_free_port_is_bindable_with_offsets():
     port = free_port(also_free=(10000,))
     for p in (port, port + 10000):
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", p))
+            sock.bind(("127.0.0.1", p))  # raises if taken
+            assert sock.getsockname()[1] == p
 
 
 def test_redis_server_kill_and_restart_on_the_same_port():
