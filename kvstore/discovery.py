@@ -17,7 +17,7 @@ from kvstore.keys import BlockKey
 if TYPE_CHECKING:
     from kvstore.manager import BlockManager
 
-__all__ = ["adopt", "adopt_persistent", "discover"]
+__all__ = ["adopt", "adopt_persistent", "discover", "recheck", "rescan"]
 
 
 def discover(m: BlockManager, keys: Sequence[BlockKey], batch: int = 16) -> int:
@@ -54,12 +54,63 @@ def _tier_contains(m: BlockManager, level: Level, keys: list[BlockKey]) -> list[
 
 
 def adopt_persistent(m: BlockManager) -> None:
-    """Index the blocks persistent tiers already hold (a restart)."""
-    with m._cond:
-        for level in m._levels:
-            if level.tier.persistent:
-                for key in level.tier.stored_keys():
+    """Index the blocks persistent tiers already hold (a restart, or a rescan)."""
+    for level in m._levels:
+        if level.tier.persistent:
+            keys = list(level.tier.stored_keys())  # a directory scan or a listing: no lock
+            with m._cond:
+                for key in keys:
                     adopt(m, key, level.bit)
+
+
+def rescan(m: BlockManager) -> None:
+    """Index what persistent tiers hold now (blocks other processes wrote since)."""
+    adopt_persistent(m)
+
+
+def recheck(m: BlockManager, keys: Sequence[BlockKey], batch: int = 16) -> int:
+    """Of the leading indexed ``keys``, how many shared tiers still hold; forget the rest.
+
+    Another process sharing a tier (a worker evicting from the disk this
+    process reads) may have removed blocks this index remembers. Blocks with a
+    copy in a tier of this process's own are trusted; the others are probed,
+    in batches, up to the first one that is gone. Nothing is deleted: the
+    index just stops claiming what is no longer there.
+    """
+    own = sum(lv.bit for lv in m._levels if not lv.tier.shared)
+    for start in range(0, len(keys), batch):
+        chunk = list(keys[start : start + batch])
+        with m._cond:
+            entries = [m._index.get(k) for k in chunk]
+        probe = [i for i, e in enumerate(entries) if e is not None and not e.tiers & own]
+        gone = _gone_from_shared(m, [chunk[i] for i in probe], [entries[i] for i in probe])
+        if gone is not None:
+            return start + probe[gone]
+    return len(keys)
+
+
+def _gone_from_shared(
+    m: BlockManager, keys: list[BlockKey], entries: list[Entry | None]
+) -> int | None:
+    """Forget copies the shared tiers no longer hold; the index of the first block
+    left with none, or None."""
+    if not keys:
+        return None
+    verdicts = {lv.index: _tier_contains(m, lv, keys) for lv in m._levels if lv.tier.shared}
+    first_gone = None
+    with m._cond:
+        for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+            if entry is None:
+                continue
+            for lvl, present in verdicts.items():
+                level = m._levels[lvl]
+                if entry.tiers & level.bit and not present[i] and m._begin_drop(level, key, entry):
+                    m._end_drop(level, [entry])  # the other process already freed it
+            if not entry.tiers:
+                first_gone = i if first_gone is None else first_gone
+                if entry.state == READY and entry.pins == 0 and m._index.get(key) is entry:
+                    del m._index[key]
+    return first_gone
 
 
 def adopt(m: BlockManager, key: BlockKey, bits: int) -> None:

@@ -34,6 +34,7 @@ import torch
 from kvstore import reads
 from kvstore.config import StoreConfig
 from kvstore.discovery import adopt_persistent, discover
+from kvstore.discovery import recheck as recheck_shared
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError, TierError
 from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Level, ManagerCounters, Move
 from kvstore.keys import BlockKey
@@ -102,14 +103,20 @@ class BlockManager:
             raise ClosedError("the store is closed")
 
     # -- queries ------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """Number of leading ``keys`` that are stored and readable."""
+    def lookup(self, keys: Sequence[BlockKey], recheck: bool = False) -> int:
+        """Number of leading ``keys`` that are stored and readable.
+
+        With ``recheck``, blocks held only in shared tiers are confirmed with
+        those tiers first (another process may have evicted them).
+        """
         with self._cond:
             self._check_open()
             n = self._leading(keys)
         if n < len(keys) and discover(self, keys[n:]):
             with self._cond:
                 n = self._leading(keys)
+        if recheck and n:
+            n = recheck_shared(self, keys[:n])
         with self._cond:
             self.counters.lookups += 1
             self.counters.lookup_blocks_hit += n
@@ -455,6 +462,17 @@ class BlockManager:
             raise ValueError("one view per key")
         discover(self, keys)  # blocks other processes wrote count as stored
         return self._prefetcher.start(keys, views, order, step)
+
+    def stored_keys(self) -> list[BlockKey]:
+        """Every readable key the index knows (after :func:`~kvstore.discovery.rescan`:
+        also what other processes stored in persistent tiers)."""
+        with self._cond:
+            return [k for k, e in self._index.items() if e.state == READY]
+
+    def abort_layers(self, keys: Sequence[BlockKey]) -> int:
+        """Give up unfinished layerwise writes of ``keys``; return how many."""
+        with self._cond:
+            return self._layer_writes.abort_keys(keys)
 
     def write_layer(
         self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]

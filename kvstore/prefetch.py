@@ -402,6 +402,12 @@ class LayerWrites:
                 del m._index[part.key]
         m._cond.notify_all()
 
+    def abort_keys(self, keys: Sequence[BlockKey]) -> int:
+        """Abort the partial writes of ``keys`` that no copy is in flight into. Lock held."""
+        parts = [p for k in dict.fromkeys(keys) if (p := self._partials.get(k)) and not p.writers]
+        self._abort(parts)
+        return len(parts)
+
     def abort_all(self) -> None:
         """Abort every partial write (at close). Lock held."""
         self._abort([p for p in self._partials.values() if not p.writers])

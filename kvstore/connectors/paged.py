@@ -1,0 +1,256 @@
+"""Moving KV between kvstore's block layout and an engine's paged KV cache.
+
+kvstore keeps KV as ``(layers, 2, tokens, heads, head_dim)``: plain K and V per
+token, the same bytes whatever engine or kernel produced them, so blocks are
+portable between engines, attention backends and machines.
+
+An engine's paged cache is, per layer, a tensor of logical shape
+``[num_blocks, heads, block_size, C]`` (vLLM >= 0.32 standardises every
+backend's per-layer view to this; RFC #42082). What sits *inside* one
+``(block, head)`` page of ``block_size x C`` elements is up to the attention
+kernel: GPU backends put token ``t``'s K in ``[t, :D]`` and its V in
+``[t, D:]`` (:meth:`PageMap.joined_last`), but vLLM's CPU backend packs K
+transposed (``[D, block_size]``), and its AMX path tiles both K and V for the
+matrix units. A :class:`PageMap` records where ``K[t, d]`` and ``V[t, d]`` live
+inside a page; :meth:`PageMap.calibrate` measures it by running the engine's
+own cache-write kernel on a scratch page, so every ISA-specific packing is
+handled without hard-coding it. :class:`PagedKV` then gathers and scatters any
+token range of any layer with that map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.errors import InvalidInputError
+
+__all__ = ["CacheWriter", "PageMap", "PagedKV"]
+
+#: ``write(key, value, cache, slot_mapping)``: the engine's cache-write kernel.
+#: ``key``/``value`` are ``[tokens, heads, head_dim]``; ``cache`` is a paged
+#: cache tensor (one layer); ``slot_mapping[i]`` is the slot of token ``i``
+#: (``block * block_size + offset``).
+CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+# Calibration writes small integers (1..16): exact in every float dtype the
+# kernels take (bf16, fp16, fp32, even fp8 e4m3), unlike bit patterns, which a
+# kernel that converts through fp32 could canonicalise.
+_DIGIT_BASE = 16
+
+
+@dataclass(frozen=True)
+class PageMap:
+    """Where ``K[t, d]`` and ``V[t, d]`` sit inside one ``(block, head)`` page.
+
+    ``k_pos[t, d]`` / ``v_pos[t, d]`` are flat indices into the page's logical
+    ``[block_size, C]`` grid (``n * C + c``).
+    """
+
+    block_size: int
+    head_dim: int
+    page_width: int
+    k_pos: torch.Tensor
+    v_pos: torch.Tensor
+
+    @classmethod
+    def joined_last(cls, block_size: int, head_dim: int) -> PageMap:
+        """The GPU backends' page: token ``t`` is row ``t``, K then V along the last dim."""
+        t = torch.arange(block_size).unsqueeze(1) * (2 * head_dim)
+        d = torch.arange(head_dim).unsqueeze(0)
+        return cls(block_size, head_dim, 2 * head_dim, t + d, t + head_dim + d)
+
+    @classmethod
+    def calibrate(
+        cls,
+        write: CacheWriter,
+        like: torch.Tensor,
+        head_dim: int,
+        input_dtype: torch.dtype,
+    ) -> PageMap:
+        """Measure the page map of the kernel ``write`` on a scratch copy of one block of ``like``.
+
+        ``like`` is a real per-layer cache ``[blocks, heads, block_size, C]``;
+        the scratch block has its strides, dtype and device. Token and dim
+        indices are written as base-16 digits, one kernel call per digit, so
+        every value is a small exact integer. Raises :class:`InvalidInputError`
+        if the kernel does not place each element exactly once, identically for
+        every head.
+        """
+        _, heads, block_size, width = like.shape
+        positions = []
+        for side in (0, 1):  # 0: K, 1: V
+            tok = _decode(write, like, side, head_dim, input_dtype, _token_codes(block_size))
+            dim = _decode(
+                write, like, side, head_dim, input_dtype, _dim_codes(block_size, head_dim)
+            )
+            positions.append(_invert(tok, dim, heads, block_size, head_dim))
+        k_pos, v_pos = positions
+        if torch.isin(k_pos, v_pos).any():
+            raise InvalidInputError("calibration: K and V share page positions")
+        return cls(block_size, head_dim, width, k_pos, v_pos)
+
+
+def _digits(values: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``values`` as ``count`` base-16 digits, each shifted to 1..16 (0 means "not written")."""
+    return [(values // _DIGIT_BASE**i) % _DIGIT_BASE + 1 for i in range(count)]
+
+
+def _ndigits(n: int) -> int:
+    count = 1
+    while _DIGIT_BASE**count < n:
+        count += 1
+    return count
+
+
+def _token_codes(block_size: int) -> list[torch.Tensor]:
+    t = torch.arange(block_size).unsqueeze(1)  # [tokens, 1]: the same code for every dim
+    return _digits(t, _ndigits(block_size))
+
+
+def _dim_codes(block_size: int, head_dim: int) -> list[torch.Tensor]:
+    d = torch.arange(head_dim).unsqueeze(0).expand(block_size, head_dim)
+    return _digits(d, _ndigits(head_dim))
+
+
+def _decode(
+    write: CacheWriter,
+    like: torch.Tensor,
+    side: int,
+    head_dim: int,
+    input_dtype: torch.dtype,
+    digit_codes: list[torch.Tensor],
+) -> torch.Tensor:
+    """Run one kernel call per digit; return the decoded index at each page element.
+
+    Result: ``[heads, block_size * C]`` int64, -1 where the kernel wrote nothing.
+    """
+    _, heads, block_size, _ = like.shape
+    slots = torch.arange(block_size, device=like.device)
+    decoded = torch.zeros((heads, like.shape[2] * like.shape[3]), dtype=torch.int64)
+    written = torch.zeros_like(decoded, dtype=torch.bool)
+    for i, codes in enumerate(digit_codes):
+        data = codes.expand(block_size, head_dim).unsqueeze(1).expand(block_size, heads, head_dim)
+        data = data.to(device=like.device, dtype=input_dtype).contiguous()
+        zeros = torch.zeros_like(data)
+        scratch = torch.zeros_like(like[:1])  # keeps the real cache's stride order
+        key, value = (data, zeros) if side == 0 else (zeros, data)
+        write(key, value, scratch, slots)
+        page = scratch[0].to(device="cpu", dtype=torch.float32).reshape(heads, -1)
+        digit = page.round().to(torch.int64)
+        if ((digit < 0) | (digit > _DIGIT_BASE)).any():
+            raise InvalidInputError("calibration: the kernel altered the values it copied")
+        decoded += (digit - 1).clamp(min=0) * _DIGIT_BASE**i
+        written |= digit > 0
+    return torch.where(written, decoded, torch.full_like(decoded, -1))
+
+
+def _invert(
+    tok: torch.Tensor, dim: torch.Tensor, heads: int, block_size: int, head_dim: int
+) -> torch.Tensor:
+    """From per-element (token, dim) labels to a ``[block_size, head_dim]`` position map."""
+    pos = torch.full((block_size, head_dim), -1, dtype=torch.int64)
+    where = (tok[0] >= 0).nonzero().squeeze(1)
+    t, d = tok[0, where], dim[0, where]
+    if where.numel() != block_size * head_dim or (d < 0).any() or (d >= head_dim).any():
+        raise InvalidInputError(
+            f"calibration: the kernel wrote {where.numel()} elements per page side, "
+            f"expected {block_size * head_dim}"
+        )
+    pos[t, d] = where
+    if (pos < 0).any():
+        raise InvalidInputError("calibration: some (token, dim) has no page position")
+    same = torch.equal(tok, tok[:1].expand_as(tok)) and torch.equal(dim, dim[:1].expand_as(dim))
+    if not same:
+        raise InvalidInputError("calibration: heads are packed differently from each other")
+    return pos
+
+
+class PagedKV:
+    """Gather/scatter token ranges between an engine's paged caches and our layout.
+
+    Args:
+        caches: per-layer caches ``[num_blocks, heads, page_tokens, C]``, in our
+            layer order; ``page_tokens`` may divide ``block_size`` (kernel blocks).
+        page_map: where K and V sit inside one page.
+        block_size: the engine's (scheduler's) block size in tokens.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], page_map: PageMap, block_size: int) -> None:
+        if not caches:
+            raise InvalidInputError("no KV caches to register")
+        shape = tuple(caches[0].shape)
+        for i, cache in enumerate(caches):
+            if cache.dim() != 4 or tuple(cache.shape) != shape:
+                raise InvalidInputError(
+                    f"KV cache of layer {i} has shape {tuple(cache.shape)}; every layer must "
+                    f"be [blocks, heads, page_tokens, C] like layer 0 {shape}"
+                )
+        _, self.heads, self.page_tokens, width = shape
+        if (self.page_tokens, width) != (page_map.block_size, page_map.page_width):
+            raise InvalidInputError(
+                f"page map is for pages of {page_map.block_size} x {page_map.page_width}, "
+                f"the caches have {self.page_tokens} x {width}"
+            )
+        if block_size % self.page_tokens:
+            raise InvalidInputError(
+                f"block size {block_size} is not a multiple of the kernel page {self.page_tokens}"
+            )
+        self.caches = list(caches)
+        self.block_size = block_size
+        self.head_dim = page_map.head_dim
+        self.device = caches[0].device
+        # (row, column) of every K/V element of a page, ready for advanced indexing.
+        self._k = _rows_cols(page_map.k_pos, width, self.device)
+        self._v = _rows_cols(page_map.v_pos, width, self.device)
+        self._heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of registered layers."""
+        return len(self.caches)
+
+    def slots(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Page-level slots of tokens ``[start, end)`` of a request.
+
+        ``block_ids[i]`` is the engine block holding the request's tokens
+        ``[i * block_size, (i + 1) * block_size)``. Returns ``[end - start, 2]``:
+        (kernel page, offset in page) per token.
+        """
+        if not 0 <= start <= end or end > len(block_ids) * self.block_size:
+            raise InvalidInputError(
+                f"tokens [{start}, {end}) are outside the {len(block_ids)} blocks given"
+            )
+        tokens = torch.arange(start, end)
+        blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)[tokens // self.block_size]
+        flat = blocks * self.block_size + tokens % self.block_size
+        pages = torch.stack((flat // self.page_tokens, flat % self.page_tokens), dim=1)
+        return pages.to(self.device)
+
+    def _index(
+        self, slots: torch.Tensor, rows_cols: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        page = slots[:, 0].view(-1, 1, 1)
+        rows = rows_cols[0][slots[:, 1]].unsqueeze(1)  # [tokens, 1, head_dim]
+        cols = rows_cols[1][slots[:, 1]].unsqueeze(1)
+        return page, self._heads, rows, cols
+
+    def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy layer ``layer`` of the tokens at ``slots`` into ``out`` ``[2, T, heads, D]``."""
+        cache = self.caches[layer]
+        out[0].copy_(cache[self._index(slots, self._k)])
+        out[1].copy_(cache[self._index(slots, self._v)])
+
+    def scatter(self, layer: int, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[2, tokens, heads, D]`` into layer ``layer`` at ``slots``."""
+        cache = self.caches[layer]
+        cache.index_put_(self._index(slots, self._k), src[0].to(cache.device, cache.dtype))
+        cache.index_put_(self._index(slots, self._v), src[1].to(cache.device, cache.dtype))
+
+
+def _rows_cols(
+    pos: torch.Tensor, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (pos // width).to(device), (pos % width).to(device)

@@ -1,0 +1,254 @@
+"""Scheduler-side arithmetic: which chunks a request hits, and what each step loads and saves.
+
+Engine-independent (no vLLM import), so it is tested with plain values. The
+vLLM connector feeds it the numbers it gets from the scheduler and ships the
+resulting :class:`StepPlan` to its workers.
+
+Terms: a *chunk* is ``chunk_tokens`` tokens, the unit kvstore keys and stores
+(a multiple of the engine's *block* size, the unit of its paged cache). Only
+full chunks of the prompt get a key; a prompt ending mid-chunk leaves its tail
+to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+
+__all__ = [
+    "DEFAULT_MIN_CHUNK_TOKENS",
+    "Planner",
+    "RequestState",
+    "Scheduled",
+    "StepPlan",
+    "TransferSpec",
+    "chunk_tokens_for",
+    "matched_tokens",
+]
+
+#: The default chunk is the smallest multiple of the engine block size >= this.
+DEFAULT_MIN_CHUNK_TOKENS = 256
+
+#: ``keys_for(token_ids, adapter, salt) -> {tp_rank: keys of every full chunk}``.
+KeyFn = Callable[[Sequence[int], str | None, str | None], dict[int, list[BlockKey]]]
+#: ``lookup(keys_by_rank) -> leading chunks stored for every rank``.
+LookupFn = Callable[[dict[int, list[BlockKey]]], int]
+
+
+def chunk_tokens_for(block_size: int, configured: int | None = None) -> int:
+    """The chunk size: ``configured`` (checked), else the smallest multiple of
+    ``block_size`` that is at least :data:`DEFAULT_MIN_CHUNK_TOKENS`."""
+    if type(block_size) is not int or block_size <= 0:
+        raise ConfigError(f"engine block size must be a positive int, got {block_size!r}")
+    if configured is None:
+        return -(-DEFAULT_MIN_CHUNK_TOKENS // block_size) * block_size
+    if type(configured) is not int or configured <= 0 or configured % block_size:
+        raise ConfigError(
+            f"chunk_tokens: must be a positive multiple of the engine block size "
+            f"{block_size}, got {configured!r}"
+        )
+    return configured
+
+
+def matched_tokens(hit_chunks: int, chunk_tokens: int, prompt_len: int, num_computed: int) -> int:
+    """Tokens the store can provide beyond the engine's own ``num_computed``.
+
+    The engine must compute at least the last prompt token itself (it needs
+    that token's logits), so a hit covering the whole prompt gives all but one.
+    """
+    hit = min(hit_chunks * chunk_tokens, prompt_len - 1)
+    return max(0, hit - num_computed)
+
+
+@dataclass
+class TransferSpec:
+    """One request's load or save in one step (shipped scheduler -> workers).
+
+    Chunks ``first_chunk .. first_chunk + len(keys[rank]) - 1`` of the
+    request move; of those, tokens ``[token_start, token_end)`` are written to
+    (load) or read from (save) the engine's blocks. ``block_ids`` are the
+    request's engine blocks from block ``block_offset`` on.
+    """
+
+    req_id: str
+    keys: dict[int, list[BlockKey]]
+    first_chunk: int
+    token_start: int
+    token_end: int
+    block_ids: list[int]
+    block_offset: int = 0
+
+    def blocks_of(self, start: int, end: int, block_size: int) -> list[int]:
+        """Engine block ids holding any of tokens ``[start, end)``."""
+        if start >= end:
+            return []
+        first, last = start // block_size, (end - 1) // block_size
+        return self.block_ids[first - self.block_offset : last - self.block_offset + 1]
+
+
+@dataclass
+class StepPlan:
+    """Everything the workers move in one engine step."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side remembers of one request between steps."""
+
+    keys: dict[int, list[BlockKey]]
+    prompt_len: int
+    hit_chunks: int = 0
+    local_tokens: int = 0  # the engine's own hit, as passed to the last match()
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or planned for saving
+    expected_computed: int = 0  # computed tokens the engine should report next step
+    pending_load: tuple[int, int] | None = None  # token range to load in the next step
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """A request the engine scheduled this step, as it reports it.
+
+    ``block_ids`` are the request's blocks when ``replace_blocks`` (a new or
+    resumed request), else the blocks newly appended (None: none).
+    """
+
+    req_id: str
+    block_ids: list[int] | None
+    replace_blocks: bool
+    num_computed: int
+    num_scheduled: int
+
+
+class Planner:
+    """Per-request state machine of the scheduler side.
+
+    Args:
+        chunk_tokens: tokens per stored chunk.
+        block_size: the engine's block size (divides ``chunk_tokens``).
+        keys_for: computes every rank's keys of a prompt's full chunks.
+        lookup: leading chunks of those keys stored for every rank.
+    """
+
+    def __init__(
+        self, chunk_tokens: int, block_size: int, keys_for: KeyFn, lookup: LookupFn
+    ) -> None:
+        if chunk_tokens % block_size:
+            raise ConfigError(f"chunk size {chunk_tokens} is not a multiple of {block_size}")
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self._keys_for = keys_for
+        self._lookup = lookup
+        self.requests: dict[str, RequestState] = {}
+
+    def _state(
+        self, req_id: str, tokens: Sequence[int], adapter: str | None, salt: str | None
+    ) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            state = RequestState(self._keys_for(tokens, adapter, salt), len(tokens))
+            self.requests[req_id] = state
+        return state
+
+    def match(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        num_computed: int,
+        adapter: str | None = None,
+        salt: str | None = None,
+    ) -> int:
+        """Tokens beyond ``num_computed`` (the engine's own hit) the store can load."""
+        state = self._state(req_id, prompt_token_ids, adapter, salt)
+        state.hit_chunks = self._lookup(state.keys) if state.keys else 0
+        state.local_tokens = num_computed
+        # Chunks found stored need no save; a failed load rolls this back (see step()).
+        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
+        return matched_tokens(state.hit_chunks, self.chunk_tokens, state.prompt_len, num_computed)
+
+    def allocated(self, req_id: str, num_external: int) -> None:
+        """The engine allocated blocks for ``num_external`` tokens to load (0: none)."""
+        state = self.requests.get(req_id)
+        if state is None or num_external <= 0:
+            return
+        start = state.local_tokens
+        state.pending_load = (start, start + num_external)
+
+    def finished(self, req_id: str) -> None:
+        """Forget a finished request."""
+        self.requests.pop(req_id, None)
+
+    def step(self, scheduled: Sequence[Scheduled]) -> StepPlan:
+        """The loads and saves of one step, from what the engine scheduled.
+
+        Requests never seen by :meth:`match` are left alone: their keys would
+        lack the request's salt and adapter, so nothing of theirs is stored.
+        """
+        plan = StepPlan()
+        for req in scheduled:
+            state = self.requests.get(req.req_id)
+            if state is None:
+                continue
+            if req.replace_blocks:
+                state.block_ids = list(req.block_ids or [])
+            elif req.block_ids:
+                state.block_ids.extend(req.block_ids)
+            self._plan_request(req.req_id, state, req.num_computed, req.num_scheduled, plan)
+        return plan
+
+    def _plan_request(
+        self, req_id: str, state: RequestState, computed: int, scheduled: int, plan: StepPlan
+    ) -> None:
+        if computed < state.expected_computed:
+            # The engine rolled the request back (a failed load it recomputes, or a
+            # preemption): chunks from there on must be saved again once recomputed.
+            state.saved_chunks = min(state.saved_chunks, computed // self.chunk_tokens)
+        state.expected_computed = computed + scheduled
+        if state.pending_load is not None:
+            load = self._load_spec(req_id, state, *state.pending_load)
+            state.pending_load = None
+            if load is not None:
+                plan.loads.append(load)
+        save = self._save_spec(req_id, state, computed + scheduled)
+        if save is not None:
+            plan.saves.append(save)
+
+    def _load_spec(
+        self, req_id: str, state: RequestState, start: int, end: int
+    ) -> TransferSpec | None:
+        c = self.chunk_tokens
+        first, last = start // c, -(-end // c)
+        if start >= end or last > state.hit_chunks:
+            return None  # nothing, or more than was found: never load what is not there
+        return self._spec(req_id, state, first, last, start, end)
+
+    def _save_spec(self, req_id: str, state: RequestState, done: int) -> TransferSpec | None:
+        """Full prompt chunks computed by the end of this step and not yet saved."""
+        last = min(done, state.prompt_len) // self.chunk_tokens
+        last = min(last, len(next(iter(state.keys.values()), [])))
+        first = state.saved_chunks
+        if last <= first:
+            return None
+        c = self.chunk_tokens
+        spec = self._spec(req_id, state, first, last, first * c, last * c)
+        if spec is not None:
+            state.saved_chunks = last
+        return spec
+
+    def _spec(
+        self, req_id: str, state: RequestState, first: int, last: int, start: int, end: int
+    ) -> TransferSpec | None:
+        lo, hi = start // self.block_size, -(-end // self.block_size)
+        if hi > len(state.block_ids):
+            return None  # the engine gave fewer blocks than the tokens need: skip, never guess
+        keys = {rank: ks[first:last] for rank, ks in state.keys.items()}
+        return TransferSpec(req_id, keys, first, start, end, state.block_ids[lo:hi], lo)

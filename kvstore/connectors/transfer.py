@@ -1,0 +1,404 @@
+"""Worker-side transfers: load planned chunks into an engine's paged cache, save new ones.
+
+Engine-independent: a :class:`TransferWorker` takes :class:`~kvstore.connectors.plan.TransferSpec`
+lists and a :class:`~kvstore.connectors.paged.PagedKV`, and talks to a
+:class:`~kvstore.store.KVStore`. The vLLM connector calls it from its hooks, in
+this order each step: :meth:`~TransferWorker.start_load` before the forward
+pass; per attention layer :meth:`~TransferWorker.wait_layer` (before it runs)
+and :meth:`~TransferWorker.save_layer` (after); then
+:meth:`~TransferWorker.finish_load`, :meth:`~TransferWorker.finish_save` and
+:meth:`~TransferWorker.take_load_errors`.
+
+Two modes, same hooks:
+
+- ``layerwise`` (default): loads are ``KVStore.prefetch`` handles that bring
+  every block's layer ``i`` before layer ``i+1``, so layer ``i`` is scattered
+  into the paged cache (``wait_layer``) while later layers are still
+  arriving; saves go out with ``KVStore.put_layer`` as each layer is computed,
+  except the last layer, which is held back until the step's loads are known
+  good (a block becomes visible only with all its layers: a step whose load
+  failed never publishes KV computed over garbage).
+- ``sync``: ``get_prefix`` / ``put`` of whole chunks, in batches bounded by
+  ``staging_bytes``, at the start and at the end of the step.
+
+Nothing here raises into the engine: a miss, a block that fails verification
+or any error while loading makes the affected engine blocks *load errors*,
+which the engine recomputes; a failing save is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.connectors.paged import PagedKV
+from kvstore.connectors.plan import TransferSpec
+from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+from kvstore.prefetch import PrefetchHandle
+from kvstore.store import KVStore
+
+__all__ = ["TransferWorker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    """A layerwise load in flight: its prefetch handle and the layers scattered so far."""
+
+    spec: TransferSpec
+    handle: PrefetchHandle
+    scattered: dict[int, int] = field(default_factory=dict)  # layer -> token end scattered
+
+
+@dataclass
+class _Save:
+    """One request's chunks to save this step: their keys and page slots."""
+
+    keys: list[BlockKey]
+    slots: torch.Tensor
+    failed: bool = False
+
+
+class TransferWorker:
+    """Moves planned chunks between a :class:`KVStore` and an engine's paged cache.
+
+    Args:
+        store: the worker's store (its layout's ``block_tokens`` is the chunk size).
+        rank: this worker's tensor-parallel rank (selects its keys in each spec).
+        block_size: the engine's block size in tokens.
+        settings: ``flush`` (when new blocks are persisted), ``transfer``
+            (``layerwise``: prefetch / put_layer; ``sync``: get_prefix / put) and
+            ``staging_bytes`` (the host buffer bound of the ``sync`` mode).
+        counters: where the transfer metrics go.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        rank: int,
+        block_size: int,
+        settings: ConnectorSettings | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        settings = settings or ConnectorSettings()
+        if settings.flush not in FLUSH_POLICIES:
+            raise ConfigError(
+                f"flush: use one of {', '.join(FLUSH_POLICIES)}, got {settings.flush!r}"
+            )
+        self.store = store
+        self.layout = store.layout
+        self.rank = rank
+        self.block_size = block_size
+        self.flush = settings.flush
+        self.layerwise = settings.transfer == "layerwise"
+        self.counters = counters or Counters("worker")
+        self.paged: PagedKV | None = None
+        self._batch = max(1, settings.staging_bytes // self.layout.block_nbytes)
+        self._buffer: torch.Tensor | None = None
+        self._errors: set[int] = set()
+        self._load_failed = False
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] | None = None
+        self._layers_put: set[int] = set()
+        self._flusher = _Flusher(store, self.counters) if self.flush == "background" else None
+
+    def register(self, paged: PagedKV) -> None:
+        """Attach the engine's paged caches (one per layer of our layout)."""
+        if paged.num_layers != self.layout.num_layers:
+            raise ConfigError(
+                f"the engine has {paged.num_layers} KV cache layers, the layout "
+                f"{self.layout.num_layers}"
+            )
+        self.paged = paged
+
+    def _slots(self, spec: TransferSpec, start: int, end: int) -> torch.Tensor:
+        assert self.paged is not None
+        base = spec.block_offset * self.block_size
+        return self.paged.slots(spec.block_ids, start - base, end - base)
+
+    def _staging(self, chunks: int) -> torch.Tensor:
+        """A host buffer of ``layout.tensor_shape(chunks)``, reused between calls."""
+        if self._buffer is None:
+            shape = self.layout.tensor_shape(self._batch)
+            self._buffer = torch.empty(shape, dtype=self.layout.dtype)
+        return self._buffer[:, :, : chunks * self.layout.block_tokens]
+
+    # -- load path ------------------------------------------------------------
+    def start_load(self, loads: Sequence[TransferSpec]) -> None:
+        """Start (layerwise) or do (sync) this step's loads, before the forward pass."""
+        self.finish_load()  # a previous step's loads, if its finish was skipped
+        self._load_failed = False
+        for spec in loads:
+            self.counters.add("load_requests")
+            keys = spec.keys.get(self.rank)
+            if keys is None or self.paged is None:
+                self._fail(spec, spec.token_start)
+                continue
+            try:
+                with self.counters.timed("load_seconds"):
+                    if self.layerwise:
+                        self._loads.append(_Load(spec, self.store.prefetch(keys, order="layer")))
+                    else:
+                        self._load_sync(spec, keys)
+            except Exception:  # never break generation: the engine recomputes
+                log.exception("kvstore: loading request %s failed", spec.req_id)
+                self._fail(spec, spec.token_start)
+
+    def _load_sync(self, spec: TransferSpec, keys: list[BlockKey]) -> None:
+        c = self.layout.block_tokens
+        for offset in range(0, len(keys), self._batch):
+            batch = keys[offset : offset + self._batch]
+            chunk0 = spec.first_chunk + offset
+            staging = self._staging(len(batch))
+            n = self.store.get_prefix(batch, staging)
+            lo, hi = max(spec.token_start, chunk0 * c), min(spec.token_end, (chunk0 + n) * c)
+            if hi > lo:
+                slots = self._slots(spec, lo, hi)
+                for layer in range(self.layout.num_layers):
+                    self._scatter(layer, slots, staging, lo - chunk0 * c, hi - chunk0 * c)
+                self.counters.add("load_chunks", n)
+                self.counters.add("load_tokens", hi - lo)
+            if n < len(batch):
+                self._fail(spec, max(spec.token_start, hi))
+                return
+
+    def _scatter(
+        self, layer: int, slots: torch.Tensor, src: torch.Tensor, lo: int, hi: int
+    ) -> None:
+        assert self.paged is not None
+        self.paged.scatter(layer, slots, src[layer, :, lo:hi])
+
+    def wait_layer(self, layer: int) -> None:
+        """Layer ``layer`` is about to run: put its loaded KV in place first."""
+        self.counters.add("layers_waited")
+        for load in self._loads:
+            if layer in load.scattered or not 0 <= layer < self.layout.num_layers:
+                continue
+            try:
+                load.handle.wait_layer(layer)
+                end = self._valid_end(load)
+                start = load.spec.token_start
+                if end > start and load.handle.out is not None:
+                    lo = start - load.spec.first_chunk * self.layout.block_tokens
+                    slots = self._slots(load.spec, start, end)
+                    self._scatter(layer, slots, load.handle.out, lo, lo + end - start)
+                load.scattered[layer] = end
+            except Exception:  # the layer stays unscattered: finish_load reports it
+                log.exception("kvstore: loading layer %d failed", layer)
+
+    def _valid_end(self, load: _Load) -> int:
+        valid = load.spec.first_chunk + load.handle.valid_blocks
+        return min(load.spec.token_end, valid * self.layout.block_tokens)
+
+    def finish_load(self) -> None:
+        """After the forward pass: whatever did not reach every layer is a load error."""
+        for load in self._loads:
+            spec = load.spec
+            try:
+                load.handle.wait()
+                end = self._valid_end(load)
+            except Exception:
+                log.exception("kvstore: loading request %s failed", spec.req_id)
+                end = spec.token_start
+            # A layer never scattered (or scattered before its blocks failed) means the
+            # forward pass ran on KV that is not the stored one: recompute from there.
+            for layer in range(self.layout.num_layers):
+                end = min(end, load.scattered.get(layer, spec.token_start))
+            c = self.layout.block_tokens
+            self.counters.add("load_tokens", max(0, end - spec.token_start))
+            self.counters.add("load_chunks", max(0, -(-(end - spec.first_chunk * c) // c)))
+            if end < spec.token_end:
+                self._fail(spec, end)
+        self._loads = []
+
+    def _fail(self, spec: TransferSpec, from_token: int) -> None:
+        """Tokens ``[from_token, token_end)`` of ``spec`` did not load: report their blocks."""
+        blocks = spec.blocks_of(from_token, spec.token_end, self.block_size)
+        self._errors.update(blocks)
+        self._load_failed = True
+        self.counters.add("load_failed_requests")
+        self.counters.add("load_failed_tokens", spec.token_end - from_token)
+        self.counters.add("load_failed_blocks", len(blocks))
+
+    def take_load_errors(self) -> set[int]:
+        """Engine block ids whose load failed since the last call (the engine recomputes them)."""
+        self.finish_load()
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- save path ------------------------------------------------------------
+    def save_layer(self, layer: int, saves: Sequence[TransferSpec]) -> None:
+        """Layer ``layer`` of this step is computed: send it out (layerwise mode).
+
+        The last layer waits for :meth:`finish_save`, which publishes the
+        blocks only if no load of this step failed.
+        """
+        self.counters.add("layers_saved")
+        if not self.layerwise or not saves or layer == self.layout.num_layers - 1:
+            return
+        if not 0 <= layer < self.layout.num_layers or layer in self._layers_put:
+            return
+        if self._saves is None:
+            self._saves = self._prepare(saves)
+        self._put_layer(layer, self._saves)
+        self._layers_put.add(layer)
+
+    def _prepare(self, saves: Sequence[TransferSpec]) -> list[_Save]:
+        """Each spec's chunks not stored yet, with the page slots of their tokens."""
+        out = []
+        c = self.layout.block_tokens
+        for spec in saves:
+            self.counters.add("save_requests")
+            keys = spec.keys.get(self.rank, [])
+            todo = [i for i, key in enumerate(keys) if not self.store.contains(key)]
+            self.counters.add("save_chunks_present", len(keys) - len(todo))
+            if not todo or self.paged is None:
+                continue
+            first = spec.first_chunk
+            slots = [self._slots(spec, (first + i) * c, (first + i + 1) * c) for i in todo]
+            out.append(_Save([keys[i] for i in todo], torch.cat(slots)))
+        return out
+
+    def _gather(self, layer: int, save: _Save) -> torch.Tensor:
+        assert self.paged is not None
+        kv = torch.empty(
+            (
+                self.layout.kv_factor,
+                len(save.slots),
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+            ),
+            dtype=self.layout.dtype,
+        )
+        self.paged.gather(layer, save.slots, kv)
+        return kv
+
+    def _put_layer(self, layer: int, saves: list[_Save]) -> int:
+        completed = 0
+        for save in saves:
+            if save.failed:
+                continue
+            try:
+                with self.counters.timed("save_seconds"):
+                    completed += self.store.put_layer(save.keys, layer, self._gather(layer, save))
+            except Exception:  # a failed save is a future miss, never an engine error
+                log.exception("kvstore: saving layer %d failed", layer)
+                self.counters.add("save_errors")
+                save.failed = True
+        return completed
+
+    def finish_save(self, saves: Sequence[TransferSpec]) -> None:
+        """Complete this step's saves, unless one of its loads failed; then flush per policy."""
+        self.finish_load()
+        prepared, self._saves = self._saves, None
+        layers_put, self._layers_put = self._layers_put, set()
+        if self._load_failed:
+            # A failed load leaves garbage KV in this step's blocks, and every token
+            # computed after it attended to it: publish nothing from this step. Layers
+            # already sent never complete their blocks; give their room back now.
+            self._load_failed = False
+            dropped = sum(len(s.keys.get(self.rank, ())) for s in saves)
+            self.counters.add("save_chunks_dropped", dropped)
+            for save in prepared or ():
+                self.store.abort_layers(save.keys)
+            return
+        if not saves:
+            return
+        if self.layerwise:
+            todo = prepared if prepared is not None else self._prepare(saves)
+            stored = 0
+            for layer in range(self.layout.num_layers):
+                if layer not in layers_put:  # the held-back last layer, or a missed hook
+                    stored += self._put_layer(layer, todo)
+            self.counters.add("save_chunks_stored", stored)
+            self.counters.add("save_chunks_not_stored", sum(len(s.keys) for s in todo) - stored)
+        else:
+            stored = sum(self._save_sync(spec) for spec in saves)
+        if stored:
+            self._persist()
+
+    def _save_sync(self, spec: TransferSpec) -> int:
+        prepared = self._prepare([spec])
+        if not prepared:
+            return 0
+        save, stored = prepared[0], 0
+        c = self.layout.block_tokens
+        for offset in range(0, len(save.keys), self._batch):
+            keys = save.keys[offset : offset + self._batch]
+            staging = self._staging(len(keys))
+            slots = save.slots[offset * c : (offset + len(keys)) * c]
+            assert self.paged is not None
+            for layer in range(self.layout.num_layers):
+                self.paged.gather(layer, slots, staging[layer])
+            try:
+                with self.counters.timed("save_seconds"):
+                    done = self.store.put(keys, staging)
+            except Exception:  # a failed save is a future miss, never an engine error
+                log.exception("kvstore: saving request %s failed", spec.req_id)
+                self.counters.add("save_errors")
+                return stored
+            stored += done
+            self.counters.add("save_chunks_stored", done)
+            self.counters.add("save_chunks_not_stored", len(keys) - done)
+        return stored
+
+    def _persist(self) -> None:
+        """Make new blocks visible to other processes (the scheduler's store) per the policy."""
+        if self.flush == "step":
+            try:
+                with self.counters.timed("flush_seconds"):
+                    self.counters.add("flushed_blocks", self.store.flush())
+            except Exception:
+                log.exception("kvstore: flush failed")
+                self.counters.add("flush_errors")
+        elif self._flusher is not None:
+            self._flusher.request()
+
+    def close(self) -> None:
+        """Stop the background flusher and close the store (which flushes)."""
+        self.finish_load()
+        if self._flusher is not None:
+            self._flusher.stop()
+        self.store.close()
+
+
+class _Flusher:
+    """One background thread that flushes the store whenever asked (requests coalesce)."""
+
+    def __init__(self, store: KVStore, counters: Counters) -> None:
+        self._store = store
+        self._counters = counters
+        self._wanted = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-flush", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for a flush soon."""
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopping:
+                return
+            try:
+                with self._counters.timed("flush_seconds"):
+                    self._counters.add("flushed_blocks", self._store.flush())
+            except Exception:
+                log.exception("kvstore: background flush failed")
+                self._counters.add("flush_errors")
+
+    def stop(self) -> None:
+        """Finish the flush in progress and end the thread."""
+        self._stopping = True
+        self._wanted.set()
+        self._thread.join()

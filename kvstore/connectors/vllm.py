@@ -1,0 +1,438 @@
+"""vLLM KV connector: prefix KV from kvstore, bit-identical to recomputing it.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kvstore_config": {...} or "store.yaml"},
+    )
+
+vLLM makes one instance per role, in different processes that share no
+memory. The **worker** instance (one per GPU/CPU worker) owns the store that
+holds the KV: it loads planned chunks into vLLM's paged cache before the
+forward pass and saves newly computed full chunks after it. The **scheduler**
+instance opens the same config's *shared* tiers (disk, S3, ...) for lookups
+only, so it sees what any worker -- in this process tree or an earlier one --
+stored. Workers persist new blocks at the end of each step that saved some
+(``flush: step``), so the next step's lookups see them.
+
+Keys are kvstore's chained xxh3 keys over the prompt's token ids in a
+namespace of the model (id, revision, dtype, quantization), the KV layout and
+the TP rank: identical in every process and after restarts, never shared
+between models, ranks, LoRA adapters or cache salts.
+
+Failures never fail a request: a block that is missing or fails verification
+when a worker reads it is reported through ``get_block_ids_with_load_errors``
+and vLLM recomputes it (the connector switches vLLM's
+``kv_load_failure_policy`` to ``recompute`` unless
+``recompute_on_load_failure`` is false). Counters go to
+``get_kv_connector_stats`` and, with ``stats_dir``, to JSON files.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore.connectors.paged import PagedKV, PageMap
+from kvstore.connectors.plan import Planner, Scheduled, StepPlan, chunk_tokens_for
+from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
+from kvstore.connectors.transfer import TransferWorker
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
+from kvstore.layout import KVLayout
+from kvstore.store import KVStore
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata"]
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the workers for one step."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counter deltas from the workers, summed across workers and steps."""
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
+        """Sum ``other``'s counters into these."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals."""
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        """True when nothing was counted."""
+        return not self.data
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What fixes the KV bytes and keys of this vLLM instance (identical in every role)."""
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    model_dtype: torch.dtype
+    model_id: str
+    tp_size: int
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: Any, kv_cache_config: Any, model_id: str | None
+    ) -> EngineGeometry:
+        """Read the geometry; :class:`ConfigError` for models the connector cannot key."""
+        groups = list(kv_cache_config.kv_cache_groups)
+        if len(groups) != 1:
+            raise ConfigError(
+                f"KVStoreConnector supports models with one KV cache group (full attention); "
+                f"this model has {len(groups)}"
+            )
+        spec = groups[0].kv_cache_spec
+        if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+            raise ConfigError(
+                f"KVStoreConnector supports full attention KV caches, not {type(spec).__name__}"
+            )
+        head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
+        if head_size_v != spec.head_size:
+            raise ConfigError("KVStoreConnector needs K and V of the same head size")
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("KVStoreConnector does not support pipeline parallelism yet")
+        return cls(
+            layer_names=tuple(sorted(groups[0].layer_names, key=_natural_key)),
+            block_size=int(spec.block_size),
+            num_kv_heads=int(spec.num_kv_heads),
+            head_dim=int(spec.head_size),
+            dtype=spec.dtype,
+            model_dtype=model.dtype,
+            model_id=model_id or _model_id(model),
+            tp_size=int(parallel.tensor_parallel_size),
+        )
+
+    def layout(self, chunk_tokens: int) -> KVLayout:
+        """Our layout of one chunk of this model's KV (per TP rank)."""
+        return KVLayout(
+            num_layers=len(self.layer_names),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_tokens=chunk_tokens,
+            dtype=self.dtype,
+        )
+
+
+def _scheduled(scheduler_output: Any) -> list[Scheduled]:
+    """vLLM's new and cached requests of one step as :class:`Scheduled` (KV cache group 0)."""
+    counts = scheduler_output.num_scheduled_tokens
+    out = [
+        Scheduled(r.req_id, list(r.block_ids[0]), True, r.num_computed_tokens, counts[r.req_id])
+        for r in scheduler_output.scheduled_new_reqs
+        if r.req_id in counts
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id not in counts:
+            continue
+        new_ids = cached.new_block_ids[i]
+        blocks = list(new_ids[0]) if new_ids is not None else None
+        resumed = req_id in cached.resumed_req_ids
+        out.append(
+            Scheduled(req_id, blocks, resumed, cached.num_computed_tokens[i], counts[req_id])
+        )
+    return out
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort ``layers.10`` after ``layers.9``: the layer order must not depend on vLLM's."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _model_id(model: Any) -> str:
+    """Model, revision, weight dtype and quantization: what changes the KV of a prompt."""
+    parts = [f"{model.model}@{model.revision or 'default'}", str(model.dtype)]
+    if getattr(model, "quantization", None):
+        parts.append(f"quant={model.quantization}")
+    return "|".join(parts)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """A ``KVConnectorBase_V1`` backed by a :class:`~kvstore.store.KVStore` (see module doc)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(transfer_config.kv_connector_extra_config)
+        self.geometry = EngineGeometry.from_vllm(
+            vllm_config, kv_cache_config, self.settings.model_id
+        )
+        self.chunk_tokens = chunk_tokens_for(self.geometry.block_size, self.settings.chunk_tokens)
+        self.layout = self.geometry.layout(self.chunk_tokens)
+        self._layer_index = {name: i for i, name in enumerate(self.geometry.layer_names)}
+        self._namespaces: dict[tuple[int, str | None, str | None], Namespace] = {}
+        # kv_producer saves and never loads (a prefill pool), kv_consumer loads and never
+        # saves (a decode pool), kv_both does both.
+        self._loads = bool(transfer_config.is_kv_consumer)
+        self._saves = bool(transfer_config.is_kv_producer)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.counters = Counters("scheduler" if is_scheduler else "worker")
+        self._lookup_store: KVStore | None = None
+        self._worker: TransferWorker | None = None
+        if is_scheduler:
+            self._init_scheduler(transfer_config)
+        else:
+            self._init_worker()
+        log.info(
+            "kvstore connector (%s): chunk %d tokens, layout %s, model %s",
+            self.counters.role,
+            self.chunk_tokens,
+            self.layout.describe(),
+            self.geometry.model_id,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a dropped save is only a future miss."""
+        return False
+
+    # -- keys -------------------------------------------------------------------
+    def _namespace(self, rank: int, adapter: str | None, salt: str | None) -> Namespace:
+        ident = (rank, adapter, salt)
+        ns = self._namespaces.get(ident)
+        if ns is None:
+            full_salt = "|".join(s for s in (self.settings.salt, salt) if s) or None
+            ns = Namespace(
+                model=self.geometry.model_id,
+                layout=self.layout,
+                tp_rank=rank,
+                tp_size=self.geometry.tp_size,
+                adapter=adapter,
+                salt=full_salt,
+            )
+            self._namespaces[ident] = ns
+        return ns
+
+    def _keys_for(
+        self, token_ids: Sequence[int], adapter: str | None, salt: str | None
+    ) -> dict[int, list[BlockKey]]:
+        full = len(token_ids) - len(token_ids) % self.chunk_tokens
+        data = tokens_to_bytes(token_ids, limit=full)
+        return {
+            rank: chain_keys(data, self.chunk_tokens, self._namespace(rank, adapter, salt).seed)
+            for rank in range(self.geometry.tp_size)
+        }
+
+    # -- scheduler side -----------------------------------------------------------
+    def _init_scheduler(self, transfer_config: Any) -> None:
+        if self.settings.recompute_on_load_failure:
+            # Every block kvstore fails to deliver can be recomputed: make vLLM do that
+            # rather than fail the request (its default). Read right after we return.
+            transfer_config.kv_load_failure_policy = "recompute"
+        shared = shared_tiers_config(self.settings.resolved_store_config())
+        if shared is None:
+            log.warning(
+                "kvstore: the store config has no shared tier (disk, s3, redis); the "
+                "scheduler cannot see what workers store, so there will be no hits"
+            )
+        else:
+            self._lookup_store = KVStore(self.layout, shared)
+        self._planner = Planner(
+            self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup
+        )
+
+    def _lookup(self, keys: dict[int, list[BlockKey]]) -> int:
+        if self._lookup_store is None:
+            return 0
+        # Workers evict from the shared tiers this scheduler only reads: confirm.
+        return min(self._lookup_store.lookup(ks, recheck=True) for ks in keys.values())
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens of the prompt beyond ``num_computed_tokens`` stored in kvstore (loaded sync)."""
+        self.counters.add("lookup_requests")
+        tokens = request.prompt_token_ids
+        if tokens is None or getattr(request, "mm_features", None):
+            # Prompt embeddings or images: the token ids alone do not determine the KV.
+            self.counters.add("lookup_skipped")
+            return 0, False
+        lora = getattr(request, "lora_request", None)
+        try:
+            matched = self._planner.match(
+                request.request_id,
+                tokens,
+                num_computed_tokens,
+                adapter=lora.lora_name if lora is not None else None,
+                salt=getattr(request, "cache_salt", None),
+            )
+        except Exception:  # a broken lookup is a miss, never a failed request
+            log.exception("kvstore: lookup failed for request %s", request.request_id)
+            self.counters.add("lookup_errors")
+            return 0, False
+        if not self._loads:
+            return 0, False
+        if matched:
+            self.counters.add("lookup_hit_requests")
+            self.counters.add("lookup_hit_tokens", matched)
+        return matched, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Remember the token range to load once vLLM allocated blocks for it."""
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        """Plan this step's loads and saves from what vLLM scheduled."""
+        plan = self._planner.step(_scheduled(scheduler_output))
+        if not self._saves:
+            plan.saves = []
+        if plan:
+            self.counters.add("planned_loads", len(plan.loads))
+            self.counters.add("planned_saves", len(plan.saves))
+            self.counters.write(self.settings.stats_dir)
+        return KVStoreConnectorMetadata(plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """Forget the request; saves are synchronous, so its blocks can be freed now."""
+        self._planner.finished(request.request_id)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------
+    def _init_worker(self) -> None:
+        rank = _tp_rank()
+        store = KVStore(self.layout, self.settings.resolved_store_config())
+        self._worker = TransferWorker(
+            store, rank, self.geometry.block_size, self.settings, self.counters
+        )
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Attach vLLM's per-layer paged caches, and learn how the kernel packs a page."""
+        assert self._worker is not None
+        missing = [n for n in self.geometry.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV cache for layers {missing[:3]}")
+        caches = [kv_caches[name] for name in self.geometry.layer_names]
+        page_map = self._page_map(caches[0])
+        self._worker.register(PagedKV(caches, page_map, self.geometry.block_size))
+        log.info(
+            "kvstore: registered %d KV caches of shape %s (%s)",
+            len(caches),
+            tuple(caches[0].shape),
+            caches[0].dtype,
+        )
+
+    def _page_map(self, cache: torch.Tensor) -> PageMap:
+        """Calibrate with the attention backend's own cache-write kernel; else assume
+        vLLM's standard page (K and V side by side in each token's row)."""
+        name = self.geometry.layer_names[0]
+        layers = self._vllm_config.compilation_config.static_forward_context
+        layer = layers.get(name)
+        impl = getattr(layer, "impl", None)
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+
+            def write(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+                impl.do_kv_cache_update(layer, k, v, c, s)
+
+            try:
+                return PageMap.calibrate(
+                    write, cache, self.geometry.head_dim, self.geometry.model_dtype
+                )
+            except Exception:
+                log.exception("kvstore: cannot calibrate the KV page layout of %s", name)
+        log.warning("kvstore: assuming K and V side by side in each token's row of a page")
+        return PageMap.joined_last(int(cache.shape[2]), self.geometry.head_dim)
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVStoreConnectorMetadata) else StepPlan()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start loading this step's planned chunks (before the forward pass)."""
+        assert self._worker is not None
+        self._worker.start_load(self._plan().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """The layer is about to run: put its loaded KV in the paged cache."""
+        assert self._worker is not None
+        self._worker.wait_layer(self._layer_index.get(layer_name, -1))
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """The layer ran: its new KV is in the paged cache; send it out."""
+        assert self._worker is not None
+        self._worker.save_layer(self._layer_index.get(layer_name, -1), self._plan().saves)
+
+    def wait_for_save(self) -> None:
+        """End of the step: check this step's loads, complete its saves, flush."""
+        assert self._worker is not None
+        plan = self._plan()
+        self._worker.finish_save(plan.saves)
+        if plan:
+            self.counters.add("steps_with_transfers")
+            self.counters.write(self.settings.stats_dir)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
+        """Loads and saves are synchronous: nothing finishes later."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM blocks whose planned load failed this step; vLLM recomputes them."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """The counters that changed since the last call (vLLM logs and aggregates them)."""
+        delta = self.counters.take_delta()
+        return KVStoreConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVStoreConnectorStats | None:
+        """Rebuild stats sent from the workers."""
+        return KVStoreConnectorStats(data=dict(data)) if data is not None else None
+
+    def shutdown(self) -> None:
+        """Close the store (flushing memory-only blocks to disk) and write the counters."""
+        if self._worker is not None:
+            self._worker.close()
+        if self._lookup_store is not None:
+            self._lookup_store.close()
+        self.counters.write(self.settings.stats_dir)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):  # no TP group (a single process)
+        return 0
