@@ -154,7 +154,7 @@ class RedisTier(Tier):
 
     @property
     def available(self) -> bool:
-        """False while Redis is unreachable (calls return misses at once)."""
+        """False while Redis is unreachable (calls then raise TierError at once)."""
         return self._breaker.available
 
     def key_name(self, key: BlockKey) -> bytes:
