@@ -32,8 +32,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate
-from operator import itemgetter
+from itertools import accumulate, starmap
 from typing import Any, NewType
 
 import numpy as np
@@ -130,8 +129,11 @@ def _namespace_seed(ns: Namespace) -> bytes:
     return xxhash.xxh3_128_digest(packed)
 
 
-def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes:
+def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes | memoryview:
     """Little-endian int32 bytes of ``token_ids`` (list, numpy array or tensor).
+
+    For an int32 array or CPU tensor this is a view of its memory, not a copy;
+    hash it before changing the tokens.
 
     ``limit`` keeps only the first ``limit`` tokens (before conversion, so a
     long list's unused tail costs nothing).
@@ -156,7 +158,7 @@ def tokens_to_bytes(token_ids: Any, limit: int | None = None) -> bytes:
     return _array_to_bytes(token_ids[:limit])
 
 
-def _list_to_bytes(seq: Sequence[Any]) -> bytes:
+def _list_to_bytes(seq: Sequence[Any]) -> bytes | memoryview:
     """int32 bytes of a list of token ids; 1.5 or "7" are rejected, not converted.
 
     ``array.array`` converts in C and is strict about types (it takes ints,
@@ -174,7 +176,7 @@ def _list_to_bytes(seq: Sequence[Any]) -> bytes:
         return _array_to_bytes(np.asarray(arr, dtype=np.int64))
     if sys.byteorder == "big":  # pragma: no cover - keys are little-endian everywhere
         arr.byteswap()
-    return arr.tobytes()
+    return memoryview(arr).cast("B")
 
 
 def _is_int(value: Any) -> bool:
@@ -190,7 +192,9 @@ def _check_tail(seq: Sequence[Any], limit: int | None) -> None:
             raise InvalidInputError(f"token_ids must all be int32 ints, got {x!r}")
 
 
-def _array_to_bytes(arr: np.ndarray) -> bytes:
+def _array_to_bytes(arr: np.ndarray) -> memoryview:
+    """The int32 little-endian bytes of ``arr`` -- a view of it when it already is
+    that (no copy of a long prompt), else of a converted copy."""
     if arr.ndim != 1:
         raise InvalidInputError(f"token_ids must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -199,10 +203,10 @@ def _array_to_bytes(arr: np.ndarray) -> bytes:
         if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
             raise InvalidInputError("token_ids must fit in int32")
         arr = arr.astype("<i4")
-    return arr.tobytes()
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
-def chain_keys(token_bytes: bytes, block_tokens: int, parent: bytes) -> list[BlockKey]:
+def chain_keys(token_bytes: bytes | memoryview, block_tokens: int, parent: bytes) -> list[BlockKey]:
     """Chained keys of the full chunks in ``token_bytes``:
     ``key[i] = xxh3_128(key[i-1], seed=xxh3_64(chunk[i]))``.
 
@@ -210,13 +214,12 @@ def chain_keys(token_bytes: bytes, block_tokens: int, parent: bytes) -> list[Blo
     or the key of the chunk just before ``token_bytes`` to continue a chain.
     """
     step = block_tokens * 4
-    full = len(token_bytes) - len(token_bytes) % step
-    chunks = map(itemgetter(0), struct.iter_unpack(f"{step}s", memoryview(token_bytes)[:full]))
-    # Every step runs in C (map, accumulate, the hashes): no Python bytecode per
-    # chunk. xxh3_128's seed argument carries the chunk's digest into the chain.
-    chain: list[bytes] = list(
-        accumulate(map(xxhash.xxh3_64_intdigest, chunks), xxhash.xxh3_128_digest, initial=parent)
-    )
+    view = memoryview(token_bytes).cast("B")
+    full = len(view) - len(view) % step
+    # Every step runs in C (iter_unpack, starmap, accumulate, the hashes): no Python
+    # bytecode per chunk. xxh3_128's seed argument carries the chunk's digest along.
+    digests = starmap(xxhash.xxh3_64_intdigest, struct.iter_unpack(f"{step}s", view[:full]))
+    chain: list[bytes] = list(accumulate(digests, xxhash.xxh3_128_digest, initial=parent))
     del chain[0]
     return chain  # type: ignore[return-value]  # BlockKey is bytes at run time
 
