@@ -114,10 +114,15 @@ class PrefetchBench:
         handle.wait()
 
 
-def source_config(source: str, root: Path, nbytes: int) -> dict[str, Any]:
-    if source == "disk":
-        return {"tiers": [{"kind": "disk", "path": str(root), "capacity": 2 * nbytes}]}
-    return {"tiers": [{"kind": "host", "capacity": 2 * nbytes}]}
+def source_config(args: Any, root: Path, nbytes: int) -> dict[str, Any]:
+    if args.source == "disk":
+        tier: dict[str, Any] = {"kind": "disk", "path": str(root), "capacity": 2 * nbytes}
+    else:
+        tier = {"kind": "host", "capacity": 2 * nbytes}
+    config: dict[str, Any] = {"tiers": [tier]}
+    if args.layers_per_step:
+        config["prefetch"] = {"layers_per_step": args.layers_per_step}
+    return config
 
 
 def h2d_figures(layout: KVLayout, blocks: int) -> dict[str, float]:
@@ -143,7 +148,7 @@ def run(args: Any) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvstore-prefetch-bench-"))
     nbytes = layout.block_nbytes * args.blocks
     try:
-        store = KVStore(layout, source_config(args.source, root, nbytes))
+        store = KVStore(layout, source_config(args, root, nbytes))
         keys = store.hash_tokens(torch.arange(args.blocks * layout.block_tokens), "bench")
         log(f"storing {nbytes / 2**20:.0f} MiB in the {args.source} tier")
         store.put(keys, torch.randn(layout.tensor_shape(args.blocks)).to(layout.dtype))
@@ -185,6 +190,7 @@ def run(args: Any) -> dict[str, Any]:
         "layer_mib": layout.layer_nbytes * args.blocks / 2**20,
         "matmul_size": size,
         "compute_threads": None if cuda else args.compute_threads,
+        "layers_per_step": store.config.prefetch.layers_per_step,
         **extra,
         "environment": environment(),
     }
@@ -197,6 +203,7 @@ def main() -> None:
     parser.add_argument("--source", choices=("host", "disk"), default="host")
     parser.add_argument("--compute-threads", type=int, default=1, help="CPU only")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
+    parser.add_argument("--layers-per-step", type=int, default=None, help="prefetch step size")
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.layers = 4, 16

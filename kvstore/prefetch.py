@@ -230,7 +230,8 @@ class Prefetcher:
         lo, hi = blocks[0], min(blocks[1], handle.valid_blocks)
         if handle.cancelled or lo >= hi:
             return False
-        self.m.renew(lease)
+        if lease.expiry - self.m.clock() < self.m.config.lease_s / 2:  # rarely: keep it alive
+            self.m.renew(lease)
         outs = [v if layers is None else v[layers[0] : layers[1]] for v in views[lo:hi]]
         ok = self.m.read(handle.keys[lo:hi], lease.entries[lo:hi], outs, layers)
         bad = next((lo + i for i, good in enumerate(ok) if not good), None)
