@@ -6,6 +6,7 @@ Imported only by :mod:`kvstore.tiers.s3` (it needs boto3).
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import time
@@ -18,7 +19,6 @@ import botocore.loaders
 import botocore.session
 
 from kvstore.codec import BlockHeader
-from kvstore.errors import CorruptBlockError
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ __all__ = [
     "HeaderCache",
     "abort_upload",
     "put_multipart",
-    "read_into",
+    "BodyReader",
     "error_info",
     "has_code",
     "new_session",
@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstore.tiers.s3")
-_READ_CHUNK = 1024**2
 
 RETRY_CODES = frozenset(
     {
@@ -75,6 +74,8 @@ TRANSPORT = (
     botocore.exceptions.HTTPClientError,  # read timeouts, closed connections
     botocore.exceptions.ConnectionError,  # refused, connect timeouts
     botocore.exceptions.IncompleteReadError,
+    http.client.IncompleteRead,  # raised by a body read straight from its socket
+    OSError,  # socket timeouts and resets, likewise
 )
 
 
@@ -137,21 +138,6 @@ class HeaderCache:
             self._map.pop(key, None)
 
 
-def read_into(body: Any, buf: bytearray, size: int) -> memoryview:
-    """Read a response body of ``size`` bytes into ``buf``, in chunks; its view."""
-    view = memoryview(buf)
-    done = 0
-    while done < size:
-        chunk = body.read(min(_READ_CHUNK, size - done))
-        if not chunk:
-            break
-        view[done : done + len(chunk)] = chunk
-        done += len(chunk)
-    if done != size or body.read(1):
-        raise CorruptBlockError(f"object body has a different length than its {size} bytes")
-    return view[:size]
-
-
 def put_multipart(tier: S3Tier, name: str, data: bytes, deadline_at: float) -> None:
     """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""
     bucket, part = tier.cfg.bucket, tier.cfg.part_size
@@ -197,3 +183,62 @@ def abort_upload(tier: S3Tier, name: str, upload_id: str) -> None:
         )
     except Exception as exc:
         log.warning("s3 tier: could not abort multipart upload of %s: %s", name, exc)
+
+
+def _socket_reader(body: Any) -> Any:
+    """The ``http.client`` response under a botocore body, when reading it directly
+    is equivalent (no content decoding); else None.
+
+    urllib3's ``readinto`` is ``read`` plus a copy; the ``http.client`` object
+    underneath receives straight into the caller's buffer, which on a 2-core
+    host is the difference between ~0.75 and ~0.9 of a plain ``read()``.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None)
+    if fp is None or not hasattr(fp, "readinto") or headers is None:
+        return None
+    if headers.get("content-encoding", "identity") not in ("identity", ""):
+        return None
+    return fp
+
+
+class BodyReader:
+    """Reads a botocore response body into caller buffers without intermediate copies.
+
+    Where :func:`_socket_reader` allows, it reads the ``http.client`` response
+    directly; urllib3 then never sees the bytes go by, so :meth:`at_end` hands
+    the connection back to the pool itself and :meth:`close` drops it after a
+    failure. Not thread-safe: one reader per response, used by one thread.
+    """
+
+    def __init__(self, body: Any) -> None:
+        self._body = body
+        self._fp = _socket_reader(body)
+
+    def fill(self, views: list[memoryview]) -> int:
+        """Fill ``views`` in order; the bytes read, short only if the body ended."""
+        reader = self._fp or self._body
+        total = 0
+        for view in views:
+            done = 0
+            while done < len(view):
+                n = reader.readinto(view[done:])
+                if not n:
+                    return total + done
+                done += n
+            total += done
+        return total
+
+    def at_end(self) -> bool:
+        """Whether the body has no more bytes (and, if so, release its connection)."""
+        if self._fp is None:
+            return not self._body.read(1)
+        if self._fp.read(1):
+            return False
+        self._body._raw_stream.release_conn()
+        return True
+
+    def close(self) -> None:
+        """Drop the response (and its connection) after a failed read."""
+        self._body.close()

@@ -44,7 +44,14 @@ import botocore.config
 import botocore.exceptions
 import torch
 
-from kvstore.codec import BlockHeader, decode_into, parse_header
+from kvstore.codec import (
+    BlockHeader,
+    Codec,
+    decode_into,
+    layer_pieces,
+    parse_header,
+    verify_layers,
+)
 from kvstore.config import S3TierConfig, TierConfig
 from kvstore.errors import (
     ClosedError,
@@ -73,12 +80,12 @@ from kvstore.tiers._s3util import (
     MISSING_CODES,
     PERMANENT_CODES,
     TRANSPORT,
+    BodyReader,
     HeaderCache,
     error_info,
     has_code,
     new_session,
     put_multipart,
-    read_into,
     retryable,
 )
 from kvstore.tiers.base import LayerRange, Tier
@@ -309,32 +316,56 @@ class S3Tier(Tier):
         return True
 
     def _get_whole(self, key: BlockKey, out: torch.Tensor, deadline_at: float) -> None:
-        """One GET into a reused buffer, verified into ``out``."""
+        """One GET, verified into ``out``: a raw block streams straight into ``out``
+        (checked in place), a compressed one through a reused buffer."""
         name, bucket = self.object_name(key), self.cfg.bucket
         bufs: list[bytearray] = []
 
-        def fetch() -> tuple[memoryview, str]:
+        def fetch() -> None:
             resp = self._client.get_object(Bucket=bucket, Key=name)
-            size = int(resp.get("ContentLength", 0))
-            buf = self._buffers.take(size)
-            bufs.append(buf)
-            return read_into(resp["Body"], buf, size), str(resp.get("ETag", ""))
+            size, reader = int(resp.get("ContentLength", 0)), BodyReader(resp["Body"])
+            try:
+                self._read_whole(key, reader, (size, str(resp.get("ETag", ""))), out, bufs)
+            except BaseException:
+                reader.close()
+                raise
+            self._counters.add("bytes_in", size)
 
         try:
-            data, etag = self._call(fetch, deadline_at)
-            self._counters.add("bytes_in", len(data))
-            self._remember_header(key, data, etag)
-            decode_value(data, self.layout, key, out)
+            self._call(fetch, deadline_at)
         finally:
             self._buffers.give(bufs)
 
-    def _remember_header(self, key: BlockKey, data: memoryview, etag: str) -> None:
-        """Cache the header of a whole object just read (saves a request per layerwise get)."""
-        if etag:
-            try:
-                self._headers.put(key, parse_header(data, self.layout, key), etag)
-            except (CorruptBlockError, LayoutMismatchError):
-                return  # decode_value reports it
+    def _read_whole(
+        self,
+        key: BlockKey,
+        reader: BodyReader,
+        meta: tuple[int, str],
+        out: torch.Tensor,
+        bufs: list[bytearray],
+    ) -> None:
+        """Header first; then a raw payload straight into ``out``, else via a buffer."""
+        size, etag = meta
+        head = bytearray(self._header_nbytes)
+        if reader.fill([memoryview(head)]) < len(head):
+            raise CorruptBlockError("object is shorter than a block header")
+        header = parse_header(head, self.layout, key)
+        if etag:  # saves a request per later layerwise get
+            self._headers.put(key, header, etag)
+        pieces = layer_pieces(out) if header.codec == Codec.RAW else None
+        if pieces is not None and size == header.total_nbytes:
+            flat = [p for row in pieces for p in row]
+            if reader.fill(flat) < header.payload_nbytes or not reader.at_end():
+                raise CorruptBlockError("object body has a different length than its header")
+            verify_layers(header, pieces)
+            return
+        rest = max(size - len(head), 0)
+        buf = self._buffers.take(rest)
+        bufs.append(buf)
+        view = memoryview(buf)[:rest]
+        if reader.fill([view]) < rest or not reader.at_end():
+            raise CorruptBlockError(f"object body is not the {size} bytes announced")
+        decode_value(head + view, self.layout, key, out)
 
     def _fetch_ranged(self, key: BlockKey, deadline_at: float) -> bytearray:
         """A large object in ``part_size`` ranged GETs, all but the first in parallel."""
