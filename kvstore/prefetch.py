@@ -55,7 +55,11 @@ class PrefetchHandle:
         self.num_layers = num_layers
         self.config = config
         self.out: torch.Tensor | None = None  # the destination (set by KVStore.prefetch)
-        self._cond = threading.Condition()  # guards every field below
+        # One lock guards every field below; layer waiters and whole-load waiters
+        # wait on separate conditions so that wait() sleeps through per-layer progress.
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._end = threading.Condition(lock)
         self._valid = valid
         self._layers_done = 0
         self._blocks_done = 0
@@ -78,6 +82,7 @@ class PrefetchHandle:
         with self._cond:
             self._done = True
             self._cond.notify_all()
+            self._end.notify_all()
 
     @property
     def cancelled(self) -> bool:
@@ -122,8 +127,8 @@ class PrefetchHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the load ends; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._done, timeout)
+        with self._end:
+            return self._end.wait_for(lambda: self._done, timeout)
 
     def cancel(self) -> None:
         """Stop loading after the step in flight; the lease is released when it ends."""

