@@ -429,10 +429,14 @@ class S3Tier(Tier):
 
     def _fetch_header(self, key: BlockKey, deadline_at: float) -> tuple[BlockHeader, str]:
         name, size = self.object_name(key), self._header_nbytes
-        data, _, etag = self._call(lambda: self._range(name, 0, size, None), deadline_at)
+        data, total, etag = self._call(lambda: self._range(name, 0, size, None), deadline_at)
         self._counters.add("ranged_gets")
         self._counters.add("bytes_in", len(data))
         header = parse_header(data, self.layout, key)
+        if total != header.total_nbytes:  # cut short or appended to by someone else
+            raise CorruptBlockError(
+                f"object is {total} bytes; its header says {header.total_nbytes}"
+            )
         self._headers.put(key, header, etag)
         return header, etag
 
