@@ -361,10 +361,14 @@ class RedisTier(Tier):
         rewritten between the two round trips reads fine then, and one that
         is really corrupt is found, counted and deleted there.
         """
-        headers = self._get_headers(keys)
-        if headers is None:
+        got = self._get_headers(keys)
+        if got is None:
             return None
-        wanted = [i for i, h in enumerate(headers) if h is not None]
+        headers, sizes = got
+        # A value whose length differs from its header's (cut short or appended to) is read
+        # whole below, which tells a rewrite between the two commands from real damage.
+        odd = [i for i, h in enumerate(headers) if h is not None and sizes[i] != h.total_nbytes]
+        wanted = [i for i, h in enumerate(headers) if h is not None and i not in odd]
         cmds = []
         for i in wanted:
             header = headers[i]
@@ -376,7 +380,7 @@ class RedisTier(Tier):
         if payloads is None:
             return None
         done = [False] * len(keys)
-        again: list[int] = []
+        again: list[int] = list(odd)
         for i, payload in zip(wanted, payloads, strict=True):
             header = headers[i]
             assert header is not None
@@ -389,16 +393,24 @@ class RedisTier(Tier):
                 done[i] = good
         return done
 
-    def _get_headers(self, keys: list[BlockKey]) -> list[BlockHeader | None] | None:
-        """Verified headers (None: missing or corrupt), or None when Redis is unavailable."""
+    def _get_headers(
+        self, keys: list[BlockKey]
+    ) -> tuple[list[BlockHeader | None], list[Any]] | None:
+        """Verified headers (None: missing or corrupt) and value lengths, in one round
+        trip; None when Redis is unavailable."""
         end = self._header_nbytes - 1
-        replies = self._pipeline([("GETRANGE", self.key_name(k), 0, end) for k in keys])
+        cmds: list[Command] = []
+        for key in keys:
+            name = self.key_name(key)
+            cmds += [("GETRANGE", name, 0, end), ("STRLEN", name)]
+        replies = self._pipeline(cmds)
         if replies is None:
             return None
         corrupt: list[BlockKey] = []
-        headers = [self._parse_header(k, r, corrupt) for k, r in zip(keys, replies, strict=True)]
+        heads, sizes = replies[0::2], replies[1::2]
+        headers = [self._parse_header(k, r, corrupt) for k, r in zip(keys, heads, strict=True)]
         self._drop_corrupt(corrupt)
-        return headers
+        return headers, sizes
 
     def _parse_header(
         self, key: BlockKey, reply: Any, corrupt: list[BlockKey]

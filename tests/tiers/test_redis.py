@@ -214,7 +214,11 @@ def _empty(good: bytes) -> bytes:
     return b""
 
 
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped, _empty])
+def _extended(good: bytes) -> bytes:
+    return good + b"tail"
+
+
+@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped, _empty, _extended])
 @pytest.mark.parametrize("layers", [None, (2, 3)])
 def test_corrupt_value_is_a_counted_miss_and_is_deleted(
     make: Any, client: redis.Redis, damage: Any, layers: tuple[int, int] | None
