@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from kvstore.keys import BlockKey
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.files import Buffer, FileOps
 
-__all__ = ["FaultyFileOps", "FaultyTier"]
+__all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier"]
 
 
 class FaultyTier(Tier):
@@ -176,3 +176,14 @@ class FaultyFileOps(FileOps):
     def rename(self, src: str, dst: str) -> None:
         self._maybe_fail("rename", dst)
         super().rename(src, dst)
+
+
+DAMAGES: dict[str, Callable[[bytes], bytes]] = {
+    "garbage": lambda good: b"not a kvstore block" * 50,
+    "truncated": lambda good: good[: len(good) - 10],
+    "flipped": lambda good: good[:-1] + bytes([good[-1] ^ 0x40]),
+    "empty": lambda good: b"",
+    "extended": lambda good: good + b"tail",
+}
+"""Ways someone else can damage a stored value (a remote object, a Redis string): each
+maps the good bytes to the damaged ones. Every one must read as a miss, never as data."""

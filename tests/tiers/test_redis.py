@@ -26,6 +26,7 @@ from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.faults import DAMAGES
 from kvstore.testing.servers import RedisCluster, RedisServer, free_port, redis_command
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
@@ -198,30 +199,10 @@ def test_bad_input_raises_before_any_request(make: Any):
 
 
 # -- corrupt and foreign values ------------------------------------------------------------------
-def _garbage(good: bytes) -> bytes:
-    return b"not a kvstore block" * 50
-
-
-def _truncated(good: bytes) -> bytes:
-    return good[: len(good) - 10]
-
-
-def _flipped(good: bytes) -> bytes:
-    return good[:-1] + bytes([good[-1] ^ 0x40])
-
-
-def _empty(good: bytes) -> bytes:
-    return b""
-
-
-def _extended(good: bytes) -> bytes:
-    return good + b"tail"
-
-
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped, _empty, _extended])
+@pytest.mark.parametrize("damage", list(DAMAGES))
 @pytest.mark.parametrize("layers", [None, (2, 3)])
 def test_corrupt_value_is_a_counted_miss_and_is_deleted(
-    make: Any, client: redis.Redis, damage: Any, layers: tuple[int, int] | None
+    make: Any, client: redis.Redis, damage: str, layers: tuple[int, int] | None
 ):
     layout = small_layout()
     tier = make(layout, codec="raw")
@@ -230,9 +211,9 @@ def test_corrupt_value_is_a_counted_miss_and_is_deleted(
     name = tier.key_name(keys[0])
     good = client.get(name)
     assert isinstance(good, bytes)
-    client.set(name, damage(good))
+    client.set(name, DAMAGES[damage](good))
     assert tier.get(keys, empty(layout, 1, layers), layers=layers) == [False]
-    if damage is _empty and layers is not None:
+    if damage == "empty" and layers is not None:
         assert tier.stats()["misses"] == 1  # an empty value reads like no value at all
     else:
         assert tier.stats()["corrupt"] == 1

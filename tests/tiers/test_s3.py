@@ -26,6 +26,7 @@ from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.faults import DAMAGES
 from kvstore.testing.servers import DUMMY_AWS_ENV, FaultProxy, S3Server, free_port
 from kvstore.tiers.s3 import S3Tier
 
@@ -258,37 +259,17 @@ def test_bad_input_raises_before_any_request(make: Any):
 
 
 # -- corrupt and foreign objects -----------------------------------------------------------------
-def _garbage(good: bytes) -> bytes:
-    return b"not a kvstore block" * 50
-
-
-def _truncated(good: bytes) -> bytes:
-    return good[: len(good) - 10]
-
-
-def _flipped(good: bytes) -> bytes:
-    return good[:-1] + bytes([good[-1] ^ 0x40])
-
-
-def _empty(good: bytes) -> bytes:
-    return b""
-
-
-def _extended(good: bytes) -> bytes:
-    return good + b"tail"
-
-
-@pytest.mark.parametrize("damage", [_garbage, _truncated, _flipped, _empty, _extended])
+@pytest.mark.parametrize("damage", list(DAMAGES))
 @pytest.mark.parametrize("layers", [None, (2, 3)])
 def test_corrupt_object_is_a_counted_miss_and_is_deleted(
-    make: Any, s3_server: S3Server, damage: Any, layers: tuple[int, int] | None
+    make: Any, s3_server: S3Server, damage: str, layers: tuple[int, int] | None
 ):
     layout = small_layout()
     tier = make(layout, codec="raw")
     keys = make_keys(1)
     tier.put(keys, blocks_of(layout, 1))
     name = tier.object_name(keys[0])
-    write_object(s3_server, name, damage(read_object(s3_server, name)))
+    write_object(s3_server, name, DAMAGES[damage](read_object(s3_server, name)))
     reader = make(layout, prefix=tier.cfg.prefix)
     assert reader.get(keys, empty(layout, 1, layers), layers=layers) == [False]
     assert reader.stats()["corrupt"] == 1
