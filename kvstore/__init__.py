@@ -33,9 +33,12 @@ _EXPORTS = {
     "TierError": "kvstore.errors",
     "CapacityError": "kvstore.errors",
     "ClosedError": "kvstore.errors",
+    "AccessDeniedError": "kvstore.errors",
+    "ProtocolError": "kvstore.errors",
 }
 
 __all__ = [
+    "AccessDeniedError",
     "BlockKey",
     "BlockNotFoundError",
     "CapacityError",
@@ -50,6 +53,7 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatchError",
     "Namespace",
+    "ProtocolError",
     "StoreConfig",
     "TierConfig",
     "TierError",
@@ -58,6 +62,7 @@ __all__ = [
 if TYPE_CHECKING:
     from kvstore.config import DeviceTierConfig, HostTierConfig, StoreConfig, TierConfig
     from kvstore.errors import (
+        AccessDeniedError,
         BlockNotFoundError,
         CapacityError,
         ClosedError,
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
         InvalidInputError,
         KVStoreError,
         LayoutMismatchError,
+        ProtocolError,
         TierError,
     )
     from kvstore.keys import BlockKey, Namespace

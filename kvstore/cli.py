@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: ``demo``, ``stats`` and ``config``."""
+"""The ``kvstore`` command: ``demo``, ``server``, ``stats`` and ``config``."""
 
 from __future__ import annotations
 
@@ -43,8 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true")
     _layout_args(stats)
 
-    config = sub.add_parser("config", help="print the resolved configuration")
+    config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
     config.add_argument("--config", help="store config YAML to check")
+
+    from kvstore.server.cli import add_arguments
+
+    server = sub.add_parser("server", help="run kvstore-server in the foreground")
+    add_arguments(server)
     return parser
 
 
@@ -130,13 +135,31 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _redact(value: Any) -> Any:
+    """``value`` with every ``token`` given inline replaced by ``***``."""
+    if isinstance(value, dict):
+        return {
+            k: "***" if k == "token" and v is not None else _redact(v) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_redact(v) for v in value]
+    return value
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     from kvstore.config import StoreConfig
 
-    print(yaml.safe_dump(StoreConfig.load(args.config).to_dict(), sort_keys=False), end="")
+    data = _redact(StoreConfig.load(args.config).to_dict())
+    print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from kvstore.server.cli import run
+
+    return run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,7 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvstore.errors import KVStoreError
 
     args = _parser().parse_args(argv)
-    handlers = {"demo": _cmd_demo, "stats": _cmd_stats, "config": _cmd_config}
+    handlers = {
+        "demo": _cmd_demo,
+        "stats": _cmd_stats,
+        "config": _cmd_config,
+        "server": _cmd_server,
+    }
     try:
         return handlers[args.command](args)
     except KVStoreError as exc:

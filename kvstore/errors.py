@@ -18,6 +18,10 @@ parsing messages:
 - :class:`CapacityError` -- no tier could make room (every candidate block
   is pinned).
 - :class:`ClosedError` -- the store was used after :meth:`KVStore.close`.
+- :class:`AccessDeniedError` -- a ``kvstore-server`` refused a token, or a
+  namespace the token does not open.
+- :class:`ProtocolError` -- bytes off the wire are not a valid frame (the
+  server answers with an error and changes nothing).
 
 Bad input is rejected *before* anything is changed: an operation that raises
 ``InvalidInputError`` or ``ConfigError`` leaves the store as it was.
@@ -26,6 +30,7 @@ Bad input is rejected *before* anything is changed: an operation that raises
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "BlockNotFoundError",
     "CapacityError",
     "ClosedError",
@@ -34,6 +39,7 @@ __all__ = [
     "InvalidInputError",
     "KVStoreError",
     "LayoutMismatchError",
+    "ProtocolError",
     "TierError",
 ]
 
@@ -75,3 +81,11 @@ class CapacityError(KVStoreError):
 
 class ClosedError(KVStoreError):
     """The store (or a tier) was used after close()."""
+
+
+class AccessDeniedError(KVStoreError):
+    """A server refused the token, or a namespace the token does not open."""
+
+
+class ProtocolError(KVStoreError):
+    """A frame read off the wire is malformed, oversized or out of order."""

@@ -58,6 +58,9 @@ def parse_dtype(value: torch.dtype | str) -> torch.dtype:
     raise InvalidInputError(f"unknown dtype {value!r}; expected one of: {allowed}")
 
 
+_ORDER = "layer,kv,token,head,dim"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -152,8 +155,25 @@ class KVLayout:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": _dtype_name(self.dtype),
-            "order": "layer,kv,token,head,dim",
+            "order": _ORDER,
         }
+
+    @classmethod
+    def from_description(cls, desc: Any) -> KVLayout:
+        """The layout :meth:`describe` described (e.g. read off a wire); InvalidInputError
+        for anything else."""
+        if not isinstance(desc, dict):
+            raise InvalidInputError(f"a layout description is a mapping, got {type(desc).__name__}")
+        fields = ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "dtype", "kv_factor")
+        missing = [f for f in fields if f not in desc]
+        if missing:
+            raise InvalidInputError(f"layout description lacks {', '.join(missing)}")
+        order = desc.get("order", _ORDER)
+        if order != _ORDER:
+            raise InvalidInputError(f"layout order {order!r} is not supported")
+        if not isinstance(desc["dtype"], str):
+            raise InvalidInputError(f"layout dtype must be a name, got {desc['dtype']!r}")
+        return cls(**{f: desc[f] for f in fields})
 
     @cached_property
     def fingerprint(self) -> bytes:

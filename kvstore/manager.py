@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore import reads
+from kvstore import lending, reads
 from kvstore.config import StoreConfig
 from kvstore.discovery import adopt_persistent, discover
 from kvstore.discovery import recheck as recheck_shared
@@ -40,6 +40,7 @@ from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Level, Man
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseTable
+from kvstore.lending import Loan, PendingPut
 from kvstore.mover import Mover
 from kvstore.moves import Migrations
 from kvstore.policy import Watermarks, make_policy
@@ -462,6 +463,18 @@ class BlockManager:
             raise ValueError("one view per key")
         discover(self, keys)  # blocks other processes wrote count as stored
         return self._prefetcher.start(keys, views, order, step)
+
+    def lend(self, keys: Sequence[BlockKey], duration: float | None = None) -> Loan:
+        """Pin the stored ``keys`` for zero-copy reads of their memory (see lending.py)."""
+        return lending.lend(self, keys, duration)
+
+    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
+        """Reserve room for new blocks to be filled in place (see lending.py)."""
+        return PendingPut(self, keys)
+
+    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Write ``keys`` to the first persistent tier now; which are there afterwards."""
+        return self._moves.persist(list(keys))
 
     def stored_keys(self) -> list[BlockKey]:
         """Every readable key the index knows (after :func:`~kvstore.discovery.rescan`:

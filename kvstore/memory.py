@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 
 import torch
@@ -39,6 +40,7 @@ class SlabAllocator:
         num_slots: int,
         device: str | torch.device = "cpu",
         pinned: bool = False,
+        shared: bool = False,
     ) -> None:
         if slot_nbytes <= 0 or num_slots <= 0:
             raise InvalidInputError(
@@ -51,7 +53,14 @@ class SlabAllocator:
         self._mmap: mmap.mmap | None = None
         nbytes = slot_nbytes * num_slots
         self.buffer: torch.Tensor | None
-        if self.device.type == "cpu" and not self.pinned:
+        #: The memfd behind a ``shared`` buffer (other processes map it), else None.
+        self.shared_fd: int | None = None
+        if shared:
+            if self.device.type != "cpu" or self.pinned:
+                raise InvalidInputError("only unpinned host memory can be shared")
+            self.shared_fd, self._mmap = _shared_map(nbytes)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        elif self.device.type == "cpu" and not self.pinned:
             self._mmap = _anonymous_hugepage_map(nbytes)
             self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
         else:
@@ -125,6 +134,9 @@ class SlabAllocator:
                 with contextlib.suppress(BufferError):
                     self._mmap.close()
                 self._mmap = None
+            if self.shared_fd is not None:
+                os.close(self.shared_fd)  # the memory goes when the last mapping does
+                self.shared_fd = None
 
 
 def _anonymous_hugepage_map(nbytes: int) -> mmap.mmap:
@@ -140,3 +152,20 @@ def _anonymous_hugepage_map(nbytes: int) -> mmap.mmap:
         with contextlib.suppress(OSError):
             region.madvise(advice)
     return region
+
+
+def _shared_map(nbytes: int) -> tuple[int, mmap.mmap]:
+    """Host memory other processes can map: a memfd (no name in any file system, so
+    nothing is left behind if the process is killed), mapped shared here."""
+    fd = os.memfd_create("kvstore-slab", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:  # honoured where shmem_enabled allows it
+        with contextlib.suppress(OSError):
+            region.madvise(advice)
+    return fd, region

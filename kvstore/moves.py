@@ -223,6 +223,18 @@ class Migrations:
             done += self._persist(todo[start : start + batch], target)
         return done
 
+    def persist(self, keys: list[BlockKey]) -> list[bool]:
+        """Copy ``keys`` into the first persistent tier now, where only memory holds them;
+        True for each key on a persistent tier afterwards."""
+        m = self.m
+        if m._persistent:
+            target = next(lv.index for lv in m._levels if lv.bit & m._persistent)
+            self._persist(keys, target)
+        with m._cond:
+            return [
+                (e := m._index.get(k)) is not None and bool(e.tiers & m._persistent) for k in keys
+            ]
+
     def _persist(self, keys: list[BlockKey], target: int) -> int:
         m = self.m
         with m._cond:

@@ -36,7 +36,7 @@ from kvstore.leases import Lease
 if TYPE_CHECKING:
     from kvstore.manager import BlockManager
 
-__all__ = ["LayerWrites", "PrefetchHandle", "Prefetcher"]
+__all__ = ["LayerWrites", "Partial", "PrefetchHandle", "Prefetcher"]
 
 
 class PrefetchHandle:
@@ -256,7 +256,7 @@ class Prefetcher:
 
 
 @dataclass(eq=False)
-class _Partial:
+class Partial:
     """A block arriving layer by layer."""
 
     key: BlockKey
@@ -273,7 +273,7 @@ class LayerWrites:
 
     def __init__(self, manager: BlockManager) -> None:
         self.m = manager
-        self._partials: dict[BlockKey, _Partial] = {}
+        self._partials: dict[BlockKey, Partial] = {}
 
     def write(self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]) -> int:
         """Write ``layer`` of each block; return how many blocks this completed."""
@@ -298,14 +298,50 @@ class LayerWrites:
                 done = self._mark(parts, layer)
         return self._complete(done)
 
+    def begin(self, keys: Sequence[BlockKey]) -> list[Partial | None]:
+        """Whole-block two-step store, step 1: room for each new key (None for keys
+        stored, being written, or listed twice). Each part has a ``view`` to fill
+        and counts as a writer until :meth:`finish`."""
+        m = self.m
+        with m._cond:
+            m._check_open()
+            self._reap()
+            _, new = self._claim(keys)
+        if new:
+            self._make_room(new)
+        with m._cond:
+            for part in new:
+                part.writers += 1
+        fresh = {p.key: p for p in new}
+        return [fresh.pop(key, None) for key in keys]
+
+    def finish(self, parts: list[Partial], ok: list[bool]) -> int:
+        """Step 2: publish the parts whose ``ok`` is true, abort the others; return
+        how many blocks were stored."""
+        m = self.m
+        with m._cond:
+            done, failed = [], []
+            for part, good in zip(parts, ok, strict=True):
+                part.writers -= 1
+                if self._partials.get(part.key) is not part:
+                    continue  # aborted meanwhile (the store is closing)
+                if good:
+                    part.missing = 0
+                    del self._partials[part.key]
+                    done.append(part)
+                else:
+                    failed.append(part)
+            self._abort(failed)
+        return self._complete(done)
+
     @staticmethod
     def _sources(
-        keys: Sequence[BlockKey], parts: list[_Partial], srcs: Sequence[torch.Tensor]
+        keys: Sequence[BlockKey], parts: list[Partial], srcs: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         by_key = dict(zip(keys, srcs, strict=True))
         return [by_key[p.key] for p in parts]
 
-    def _claim(self, keys: Sequence[BlockKey]) -> tuple[list[_Partial], list[_Partial]]:
+    def _claim(self, keys: Sequence[BlockKey]) -> tuple[list[Partial], list[Partial]]:
         """The partial writes for ``keys`` (creating new ones). Lock held."""
         m = self.m
         parts, new = [], []
@@ -317,14 +353,14 @@ class LayerWrites:
             if part is None and entry is None:
                 entry = m._index[key] = Entry(WRITING, pins=1)
                 m.heat.touch(entry)
-                part = self._partials[key] = _Partial(key, entry, None, False, full, expiry)
+                part = self._partials[key] = Partial(key, entry, None, False, full, expiry)
                 new.append(part)
             if part is not None:  # else stored already, or being written by a plain put
                 part.expiry = expiry
                 parts.append(part)
         return parts, new
 
-    def _make_room(self, new: list[_Partial]) -> None:
+    def _make_room(self, new: list[Partial]) -> None:
         """Reserve slots in tier 0 for new blocks (host staging where it has none)."""
         m = self.m
         level = m._levels[0]
@@ -338,7 +374,7 @@ class LayerWrites:
         finally:
             self._assign_views(new, grant)
 
-    def _assign_views(self, new: list[_Partial], grant: int) -> None:
+    def _assign_views(self, new: list[Partial], grant: int) -> None:
         """Hand each new block its reserved slot, or a staging buffer; wake waiters."""
         m = self.m
         level = m._levels[0]
@@ -355,7 +391,7 @@ class LayerWrites:
     def _staging(self) -> torch.Tensor:
         return torch.empty(self.m.layout.block_shape, dtype=self.m.layout.dtype)
 
-    def _mark(self, parts: list[_Partial], layer: int) -> list[_Partial]:
+    def _mark(self, parts: list[Partial], layer: int) -> list[Partial]:
         """Record ``layer`` as written; return (and forget) completed blocks. Lock held."""
         done = []
         for part in parts:
@@ -366,7 +402,7 @@ class LayerWrites:
                 done.append(part)
         return done
 
-    def _complete(self, done: list[_Partial]) -> int:
+    def _complete(self, done: list[Partial]) -> int:
         """Publish completed blocks: commit reserved slots, place staged ones."""
         if not done:
             return 0
@@ -394,7 +430,7 @@ class LayerWrites:
         self._abort(dead)
         m.counters.layer_writes_expired += len(dead)
 
-    def _abort(self, parts: list[_Partial]) -> None:
+    def _abort(self, parts: list[Partial]) -> None:
         m = self.m
         level = m._levels[0]
         reserved = [p.key for p in parts if p.reserved]

@@ -1,18 +1,21 @@
 """The one retry helper: exponential backoff with full jitter, inside a deadline.
 
-Every remote tier retries through :func:`retry_call`, so retry behaviour is
-the same everywhere and testable with an injected clock and sleep.
+Every remote tier and client retries through :func:`retry_call`, so retry
+behaviour is the same everywhere and testable with an injected clock and
+sleep. :class:`Breaker` is its companion for outages: once a server is found
+down, calls fail fast and one probe per interval looks for it again.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Backoff", "retry_call"]
+__all__ = ["Backoff", "Breaker", "retry_call"]
 
 T = TypeVar("T")
 
@@ -65,3 +68,44 @@ def retry_call(
             if on_retry is not None:
                 on_retry(attempt, exc)
             sleep(pause)
+
+
+class Breaker:
+    """Circuit breaker: closed while the server answers; after an outage, one probe
+    call goes through per ``interval`` seconds and the rest fail fast."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._down = False
+        self._next_probe = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False while the last call found the server unreachable."""
+        with self._lock:
+            return not self._down
+
+    def allow(self) -> bool:
+        """Whether a call may go to the network now."""
+        with self._lock:
+            if not self._down:
+                return True
+            now = time.monotonic()
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + self._interval  # this caller is the probe
+            return True
+
+    def succeeded(self) -> bool:
+        """Record a success; True if it ended an outage."""
+        with self._lock:
+            was_down, self._down = self._down, False
+            return was_down
+
+    def failed(self) -> bool:
+        """Record an outage; True if it started one."""
+        with self._lock:
+            was_down, self._down = self._down, True
+            self._next_probe = time.monotonic() + self._interval
+            return not was_down

@@ -28,6 +28,7 @@ from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
 from kvstore.leases import Pin
+from kvstore.lending import Loan, PendingPut
 from kvstore.manager import BlockManager
 from kvstore.prefetch import PrefetchHandle
 from kvstore.tiers import create_tier
@@ -267,6 +268,25 @@ class KVStore:
         if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
         return Pin(self._manager, self._manager.pin(check_keys(keys), lease_s))
+
+    # -- zero-copy access, for servers --------------------------------------
+    def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
+        """Pin the stored blocks among ``keys`` and lend views of the host memory
+        holding them, to send or copy in place; ``loan.release()`` when done (the
+        lease of ``lease_s`` seconds ends it otherwise). See :mod:`kvstore.lending`."""
+        if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
+            raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
+        return self._manager.lend(check_keys(keys), lease_s)
+
+    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
+        """Reserve room for new blocks, to fill in place (``put.views``) and then
+        ``put.commit(ok)``: the two-step form of :meth:`put`."""
+        return self._manager.begin_put(check_keys(keys))
+
+    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Write ``keys`` to the first persistent tier now (where only memory holds
+        them); True for each key held by a persistent tier afterwards."""
+        return self._manager.persist(check_keys(keys))
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until background moves (write-through, promotion, eviction) finish."""

@@ -8,7 +8,6 @@ verifies it on every read. Nothing here imports a client library.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -26,6 +25,7 @@ from kvstore.codec import (
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.layout import KVLayout
+from kvstore.retry import Breaker
 from kvstore.tiers.base import LayerRange
 
 __all__ = [
@@ -64,47 +64,6 @@ class Counters:
         """A consistent copy of every counter."""
         with self._lock:
             return dict(self._values)
-
-
-class Breaker:
-    """Circuit breaker: closed while the server answers; after an outage, one probe
-    call goes through per ``interval`` seconds and the rest fail fast."""
-
-    def __init__(self, interval: float) -> None:
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._down = False
-        self._next_probe = 0.0
-
-    @property
-    def available(self) -> bool:
-        """False while the last call found the server unreachable."""
-        with self._lock:
-            return not self._down
-
-    def allow(self) -> bool:
-        """Whether a call may go to the network now."""
-        with self._lock:
-            if not self._down:
-                return True
-            now = time.monotonic()
-            if now < self._next_probe:
-                return False
-            self._next_probe = now + self._interval  # this caller is the probe
-            return True
-
-    def succeeded(self) -> bool:
-        """Record a success; True if it ended an outage."""
-        with self._lock:
-            was_down, self._down = self._down, False
-            return was_down
-
-    def failed(self) -> bool:
-        """Record an outage; True if it started one."""
-        with self._lock:
-            was_down, self._down = self._down, True
-            self._next_probe = time.monotonic() + self._interval
-            return not was_down
 
 
 class BufferPool:

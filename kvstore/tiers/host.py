@@ -21,7 +21,10 @@ class HostTier(SlabTier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, HostTierConfig):
             raise ConfigError(f"host tier needs a HostTierConfig, got {type(config).__name__}")
-        pinned = cuda_available() if config.pinned is None else config.pinned
+        if config.shared_memory:
+            pinned = False
+        else:
+            pinned = cuda_available() if config.pinned is None else config.pinned
         if pinned and not cuda_available():
             raise ConfigError("host tier: pinned: true needs a CUDA device; use pinned: null")
-        super().__init__(config, layout, "cpu", pinned)
+        super().__init__(config, layout, "cpu", pinned, shared=config.shared_memory)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,22 @@ from kvstore.layout import KVLayout
 from kvstore.memory import SlabAllocator
 from kvstore.tiers.base import LayerRange, Tier
 
-__all__ = ["SlabTier"]
+__all__ = ["SharedSegment", "SlabTier"]
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    """A slab other processes can map: its memfd, address here, and size."""
+
+    fd: int
+    address: int
+    nbytes: int
+
+    def offset_of(self, view: torch.Tensor) -> int | None:
+        """Where ``view``'s bytes start in the segment; None if they lie outside it."""
+        start = view.data_ptr() - self.address
+        end = start + view.numel() * view.element_size()
+        return start if start >= 0 and end <= self.nbytes else None
 
 
 class SlabTier(Tier):
@@ -33,6 +49,7 @@ class SlabTier(Tier):
         layout: KVLayout,
         device: str | torch.device,
         pinned: bool = False,
+        shared: bool = False,
     ) -> None:
         super().__init__(config, layout)
         num_slots = config.capacity // layout.block_nbytes
@@ -41,7 +58,7 @@ class SlabTier(Tier):
                 f"{self.kind} tier capacity {config.capacity} bytes is smaller than one block "
                 f"({layout.block_nbytes} bytes for this layout)"
             )
-        self._slab = SlabAllocator(layout.block_nbytes, num_slots, device, pinned)
+        self._slab = SlabAllocator(layout.block_nbytes, num_slots, device, pinned, shared)
         assert self._slab.buffer is not None
         self._blocks = self._slab.buffer.view(layout.dtype).view(num_slots, *layout.block_shape)
         self._slots: dict[BlockKey, int] = {}
@@ -66,6 +83,14 @@ class SlabTier(Tier):
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    @property
+    def segment(self) -> SharedSegment | None:
+        """The shared memory behind this tier's slab (None unless ``shared``)."""
+        fd, buffer = self._slab.shared_fd, self._slab.buffer
+        if fd is None or buffer is None:
+            return None
+        return SharedSegment(fd, buffer.data_ptr(), buffer.numel())
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
         with self._lock:

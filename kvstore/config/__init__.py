@@ -41,14 +41,28 @@ from kvstore._values import (
     Parser,
     format_size,
     parse_bool,
-    parse_codec,
     parse_float,
     parse_int,
-    parse_optional_bool,
-    parse_optional_float,
-    parse_optional_str,
     parse_size,
     parse_str,
+)
+from kvstore.config._fields import build as _build
+from kvstore.config._fields import check_positive as _check_positive
+from kvstore.config._fields import default_cache_dir
+from kvstore.config._fields import opt as _opt
+from kvstore.config.server import ServerConfig, TokenConfig
+from kvstore.config.tiers import (
+    DeviceTierConfig,
+    DiskTierConfig,
+    HostTierConfig,
+    RedisTierConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+    TierConfig,
+    build_tier,
+    default_tiers,
+    tier_config_class,
+    tier_kinds,
 )
 from kvstore.errors import ConfigError
 
@@ -60,236 +74,17 @@ __all__ = [
     "PrefetchConfig",
     "ReplicationConfig",
     "RedisTierConfig",
+    "RemoteTierConfig",
     "S3TierConfig",
+    "ServerConfig",
     "StoreConfig",
     "TierConfig",
+    "TokenConfig",
     "default_cache_dir",
     "format_size",
     "parse_size",
     "tier_config_class",
 ]
-
-
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/kvstore``, else ``~/.cache/kvstore``: the default disk tier path."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvstore")
-
-
-def _opt(default: Any, parser: Parser) -> Any:
-    return field(default=default, metadata={"parse": parser})
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """Settings every tier has. Subclasses add their medium's settings."""
-
-    kind: ClassVar[str] = ""
-    capacity: int = _opt(0, parse_size)
-    high_watermark: float = _opt(0.9, parse_float)
-    low_watermark: float = _opt(0.7, parse_float)
-    policy: str = _opt("lru", parse_str)
-    write_policy: str = _opt("write_back", parse_str)
-    promote_after: int = _opt(0, parse_int)
-    admit_after: int = _opt(0, parse_int)
-
-    def validate(self, path: str) -> None:
-        """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
-        if self.capacity <= 0:
-            raise ConfigError(f"{path}.capacity: must be > 0 bytes, got {self.capacity}")
-        if not 0.0 < self.high_watermark <= 1.0:
-            raise ConfigError(
-                f"{path}.high_watermark: must be in (0, 1], got {self.high_watermark}"
-            )
-        if not 0.0 <= self.low_watermark < self.high_watermark:
-            raise ConfigError(
-                f"{path}.low_watermark: must be in [0, high_watermark={self.high_watermark}), "
-                f"got {self.low_watermark}"
-            )
-        if self.write_policy not in ("write_back", "write_through"):
-            raise ConfigError(
-                f"{path}.write_policy: use write_back (copy down on eviction) or "
-                f"write_through (copy down on every put), got {self.write_policy!r}"
-            )
-        for name in ("promote_after", "admit_after"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
-        from kvstore.policy import policy_names  # deferred: policies import the key types
-
-        if self.policy not in policy_names():
-            raise ConfigError(
-                f"{path}.policy: unknown eviction policy {self.policy!r}; "
-                f"known: {', '.join(policy_names())}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (with ``kind``) that :meth:`StoreConfig.from_dict` reads back."""
-        return {"kind": self.kind, **dataclasses.asdict(self)}
-
-
-@dataclass(frozen=True)
-class HostTierConfig(TierConfig):
-    """Host DRAM tier. ``pinned``: page-locked memory (None: when CUDA exists)."""
-
-    kind: ClassVar[str] = "host"
-    capacity: int = _opt(4 * 1024**3, parse_size)
-    promote_after: int = _opt(2, parse_int)
-    pinned: bool | None = _opt(None, parse_optional_bool)
-
-
-@dataclass(frozen=True)
-class DeviceTierConfig(TierConfig):
-    """Accelerator memory tier (``device`` is any torch device string)."""
-
-    kind: ClassVar[str] = "device"
-    device: str = _opt("cuda:0", parse_str)
-    promote_after: int = _opt(2, parse_int)
-
-    def validate(self, path: str) -> None:
-        super().validate(path)
-        import torch  # deferred: config parsing itself needs no torch
-
-        try:
-            torch.device(self.device)
-        except (RuntimeError, ValueError):
-            raise ConfigError(f"{path}.device: {self.device!r} is not a torch device") from None
-
-
-def _check_positive(config: Any, path: str, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) <= 0:
-            raise ConfigError(f"{path}.{name}: must be > 0, got {getattr(config, name)}")
-
-
-@dataclass(frozen=True)
-class DiskTierConfig(TierConfig):
-    """Local files (NVMe). Blocks survive restarts and are verified on every read."""
-
-    kind: ClassVar[str] = "disk"
-    capacity: int = _opt(32 * 1024**3, parse_size)
-    path: str = field(default_factory=default_cache_dir, metadata={"parse": parse_str})
-    io_threads: int = _opt(4, parse_int)
-    o_direct: bool = _opt(False, parse_bool)
-    fsync: bool = _opt(False, parse_bool)
-    codec: str = _opt("raw", parse_codec)
-
-    def validate(self, path: str) -> None:
-        super().validate(path)
-        _check_positive(self, path, "io_threads")
-
-
-@dataclass(frozen=True)
-class S3TierConfig(TierConfig):
-    """An S3-compatible object store: the shared, bottomless cold tier."""
-
-    kind: ClassVar[str] = "s3"
-    capacity: int = _opt(1024**4, parse_size)
-    bucket: str = _opt("", parse_str)
-    prefix: str = _opt("kvstore", parse_str)
-    endpoint_url: str | None = _opt(None, parse_optional_str)
-    region: str | None = _opt(None, parse_optional_str)
-    addressing_style: str = _opt("auto", parse_str)
-    concurrency: int = _opt(16, parse_int)
-    connect_timeout: float = _opt(2.0, parse_float)
-    read_timeout: float = _opt(10.0, parse_float)
-    deadline: float = _opt(30.0, parse_float)
-    max_attempts: int = _opt(5, parse_int)
-    multipart_threshold: int = _opt(64 * 1024**2, parse_size)
-    part_size: int = _opt(16 * 1024**2, parse_size)
-    codec: str = _opt("auto", parse_codec)
-    retry_interval: float = _opt(1.0, parse_float)
-
-    def validate(self, path: str) -> None:
-        super().validate(path)
-        if not self.bucket:
-            raise ConfigError(f"{path}.bucket: required for an s3 tier")
-        if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError(f"{path}.addressing_style: use auto, path or virtual")
-        _check_positive(
-            self,
-            path,
-            "concurrency",
-            "connect_timeout",
-            "read_timeout",
-            "deadline",
-            "max_attempts",
-            "part_size",
-            "retry_interval",
-        )
-        if self.part_size < 5 * 1024**2:
-            raise ConfigError(f"{path}.part_size: S3 parts must be >= 5MiB, got {self.part_size}")
-
-
-@dataclass(frozen=True)
-class RedisTierConfig(TierConfig):
-    """Redis (standalone or Cluster): a shared warm tier."""
-
-    kind: ClassVar[str] = "redis"
-    capacity: int = _opt(1024**3, parse_size)
-    url: str = _opt("redis://localhost:6379/0", parse_str)
-    cluster: bool = _opt(False, parse_bool)
-    ttl: float | None = _opt(None, parse_optional_float)
-    key_prefix: str = _opt("kvstore", parse_str)
-    pool_size: int = _opt(16, parse_int)
-    socket_timeout: float = _opt(2.0, parse_float)
-    retry_interval: float = _opt(1.0, parse_float)
-    codec: str = _opt("raw", parse_codec)
-
-    def validate(self, path: str) -> None:
-        super().validate(path)
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(
-                f"{path}.url: expected redis://, rediss:// or unix://, got {self.url!r}"
-            )
-        if self.ttl is not None and self.ttl <= 0:
-            raise ConfigError(f"{path}.ttl: must be > 0 seconds or null, got {self.ttl}")
-        _check_positive(self, path, "pool_size", "socket_timeout", "retry_interval")
-
-
-def _default_tiers() -> tuple[TierConfig, ...]:
-    """The embedded default: 4 GiB of host memory over 32 GiB of files in the user's cache."""
-    return (HostTierConfig(), DiskTierConfig())
-
-
-_TIER_CONFIGS: dict[str, type[TierConfig]] = {
-    cls.kind: cls
-    for cls in (HostTierConfig, DeviceTierConfig, DiskTierConfig, S3TierConfig, RedisTierConfig)
-}
-
-
-def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
-    """The config dataclass of tier ``kind``."""
-    try:
-        return _TIER_CONFIGS[kind]
-    except KeyError:
-        known = ", ".join(sorted(_TIER_CONFIGS))
-        raise ConfigError(f"{path}: unknown tier kind {kind!r}; known kinds: {known}") from None
-
-
-def _build(cls: type[Any], data: Any, path: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, naming bad keys by ``path``."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in fields:
-            allowed = ", ".join(sorted(fields))
-            raise ConfigError(f"{path}.{key}: unknown key; allowed keys: {allowed}")
-        parser = fields[key].metadata.get("parse")
-        kwargs[key] = parser(value, f"{path}.{key}") if parser else value
-    return cls(**kwargs)
-
-
-def _build_tier(data: Any, path: str) -> TierConfig:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping with a 'kind', got {type(data).__name__}")
-    if "kind" not in data:
-        raise ConfigError(f"{path}.kind: missing; every tier needs a kind")
-    rest = {k: v for k, v in data.items() if k != "kind"}
-    tier: TierConfig = _build(tier_config_class(data["kind"], f"{path}.kind"), rest, path)
-    tier.validate(path)
-    return tier
 
 
 @dataclass(frozen=True)
@@ -355,7 +150,11 @@ class PrefetchConfig:
         return min(self.timeout_max_s, grown)
 
 
-_SECTIONS: dict[str, type[Any]] = {"replication": ReplicationConfig, "prefetch": PrefetchConfig}
+_SECTIONS: dict[str, type[Any]] = {
+    "replication": ReplicationConfig,
+    "prefetch": PrefetchConfig,
+    "server": ServerConfig,
+}
 _SCALARS: dict[str, Parser] = {"lease_s": parse_float, "mover_threads": parse_int}
 
 
@@ -367,9 +166,11 @@ class StoreConfig:
     (``~/.cache/kvstore``), so a cache outlives the process with no config.
     """
 
-    tiers: tuple[TierConfig, ...] = field(default_factory=lambda: _default_tiers())
+    tiers: tuple[TierConfig, ...] = field(default_factory=lambda: default_tiers())
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    #: ``kvstore-server``'s own settings (the library ignores them).
+    server: ServerConfig = field(default_factory=ServerConfig)
     #: Seconds a lease pins blocks (prefetches, layerwise writes) unless renewed or released.
     lease_s: float = 30.0
     #: Threads moving blocks between tiers in the background.
@@ -385,6 +186,7 @@ class StoreConfig:
             tier.validate(f"tiers[{i}]")
         self.replication.validate("replication")
         self.prefetch.validate("prefetch")
+        self.server.validate("server")
         _check_positive(self, "config", "lease_s", "mover_threads")
 
     # -- sources ----------------------------------------------------------
@@ -438,11 +240,11 @@ class StoreConfig:
         if unknown:
             names = ", ".join(sorted(allowed))
             raise ConfigError(f"{sorted(unknown)[0]}: unknown key; allowed keys: {names}")
-        tiers_data = data.get("tiers", [t.to_dict() for t in _default_tiers()])
+        tiers_data = data.get("tiers", [t.to_dict() for t in default_tiers()])
         if not isinstance(tiers_data, (list, tuple)):
             raise ConfigError(f"tiers: expected a list, got {type(tiers_data).__name__}")
         kwargs: dict[str, Any] = {
-            "tiers": tuple(_build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
+            "tiers": tuple(build_tier(t, f"tiers[{i}]") for i, t in enumerate(tiers_data))
         }
         for name, section in _SECTIONS.items():
             if name in data:
@@ -464,6 +266,7 @@ class StoreConfig:
             "tiers": [t.to_dict() for t in self.tiers],
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
+            "server": dataclasses.asdict(self.server),
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }
@@ -482,7 +285,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dic
             data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
         except yaml.YAMLError as exc:
             raise ConfigError(f"{prefix}TIERS is not valid YAML/JSON: {exc}") from None
-    raw = data.get("tiers", [{"kind": t.kind} for t in _default_tiers()])
+    raw = data.get("tiers", [{"kind": t.kind} for t in default_tiers()])
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
     tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]
@@ -506,8 +309,8 @@ def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, pr
             raise ConfigError(f"{head}: expected a mapping, got {type(section).__name__}")
         data[head] = {**section, key: value}
         return
-    if head not in _TIER_CONFIGS or not key:
-        kinds = ", ".join(sorted(_TIER_CONFIGS))
+    if head not in tier_kinds() or not key:
+        kinds = ", ".join(tier_kinds())
         raise ConfigError(
             f"{name}: unknown setting; use {prefix}<KIND>_<FIELD> with a kind of {kinds}, "
             f"{prefix}<SECTION>_<FIELD> with a section of {', '.join(sorted(_SECTIONS))}, "

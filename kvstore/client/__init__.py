@@ -1,0 +1,40 @@
+"""Clients of ``kvstore-server``: :class:`Client` (blocking, thread-safe) and
+:class:`AsyncClient` (asyncio), both bound to one (namespace, layout) store.
+
+>>> from kvstore.client import Client, ClientOptions
+>>> with Client(layout, ClientOptions(address="127.0.0.1:7070")) as client:
+...     client.put(keys, blocks)
+...     client.get(keys, outs)
+
+Most users never touch these directly: a ``remote`` tier in a store config
+(``{"kind": "remote", "address": ...}``) makes any :class:`~kvstore.KVStore`,
+the vLLM connector or the SGLang backend use a server. Names are imported on
+first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["AsyncClient", "Client", "ClientOptions"]
+
+_EXPORTS = {
+    "Client": "kvstore.client.sync",
+    "AsyncClient": "kvstore.client.aio",
+    "ClientOptions": "kvstore.client._common",
+}
+
+if TYPE_CHECKING:
+    from kvstore.client._common import ClientOptions
+    from kvstore.client.aio import AsyncClient
+    from kvstore.client.sync import Client
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

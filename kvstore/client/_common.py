@@ -1,0 +1,197 @@
+"""What the sync and asyncio clients share: options, the handshake, replies, batching."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore import __version__
+from kvstore.config import RemoteTierConfig
+from kvstore.config.tiers import check_address, check_namespace
+from kvstore.errors import (
+    AccessDeniedError,
+    ConfigError,
+    InvalidInputError,
+    KVStoreError,
+    ProtocolError,
+    TierError,
+)
+from kvstore.layout import KVLayout
+from kvstore.server import auth
+from kvstore.server.protocol import Frame, Op, Status, encode_json
+from kvstore.server.wire import wire_nbytes
+
+__all__ = [
+    "FATAL_STATUSES",
+    "MAX_REQUEST_BYTES",
+    "ClientOptions",
+    "check_layers",
+    "error_for",
+    "same_length",
+    "batches",
+    "check_reply",
+    "hello_meta",
+    "open_meta",
+    "auth_meta",
+]
+
+#: Requests carry at most this many payload bytes (bigger batches are split).
+MAX_REQUEST_BYTES = 256 * 1024**2
+#: Error replies after which the server closes the connection: it cannot be reused.
+FATAL_STATUSES = frozenset(
+    {Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_LARGE, Status.UNSUPPORTED_VERSION}
+)
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How to reach and use a kvstore-server.
+
+    ``address``: ``HOST:PORT`` or ``unix:/path``. ``namespace``: the server-side
+    partition (a tenant). ``token``: the secret, if the server wants one.
+    ``tls``: encrypt (``tls_ca``: CA bundle to trust, None for the system's;
+    ``tls_server_name``: the name to check, default the host). ``shared_memory``:
+    move block bytes through the server's memory when on the same host.
+    ``pool_size`` connections at most; ``connect_timeout`` and ``timeout``
+    (per request) in seconds; after an outage one probe per ``retry_interval``.
+    """
+
+    address: str = "127.0.0.1:7070"
+    namespace: str = "default"
+    token: bytes | None = None
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
+    shared_memory: bool = True
+    pool_size: int = 4
+    connect_timeout: float = 2.0
+    timeout: float = 30.0
+    retry_interval: float = 1.0
+    durable: bool = False
+
+    def __post_init__(self) -> None:
+        check_address(self.address, "address")
+        check_namespace(self.namespace, "namespace")
+        if self.pool_size < 1 or self.connect_timeout <= 0 or self.timeout <= 0:
+            raise ConfigError("pool_size, connect_timeout and timeout must be > 0")
+
+    @classmethod
+    def from_config(cls, config: RemoteTierConfig) -> ClientOptions:
+        """The options a ``remote`` tier's config describes."""
+        return cls(
+            address=config.address,
+            namespace=config.namespace,
+            token=config.secret(),
+            tls=config.tls,
+            tls_ca=config.tls_ca,
+            tls_server_name=config.tls_server_name,
+            shared_memory=config.shared_memory,
+            pool_size=config.pool_size,
+            connect_timeout=config.connect_timeout,
+            timeout=config.timeout,
+            retry_interval=config.retry_interval,
+            durable=config.durable,
+        )
+
+    @property
+    def unix_path(self) -> str | None:
+        """The socket path of a ``unix:`` address."""
+        return self.address[5:] if self.address.startswith("unix:") else None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """Host and port of a TCP address."""
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context to wrap connections in (None without TLS)."""
+        if not self.tls:
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+
+def hello_meta() -> bytes:
+    """HELLO's meta."""
+    return encode_json({"client": f"kvstore/{__version__}", "protocol": 1})
+
+
+def auth_meta(hello: dict[str, Any], token: bytes | None) -> bytes | None:
+    """AUTH's meta for the server's challenge; None when the server wants no token."""
+    if hello.get("auth") != "token":
+        return None
+    if token is None:
+        raise AccessDeniedError("the server requires a token; set token or token_file")
+    try:
+        nonce = bytes.fromhex(str(hello["nonce"]))
+    except (KeyError, ValueError):
+        raise ProtocolError("the server's HELLO carries no valid nonce") from None
+    if len(nonce) != auth.NONCE_BYTES:
+        raise ProtocolError("the server's nonce has the wrong size")
+    return auth.answer(token, nonce)
+
+
+def open_meta(namespace: str, layout: KVLayout) -> bytes:
+    """OPEN's meta."""
+    return encode_json(
+        {"namespace": namespace, "layout": layout.describe(), "fingerprint": layout.fingerprint_hex}
+    )
+
+
+def check_reply(frame: Frame, request_id: int, op: int, meta: bytes) -> None:
+    """Raise the error a failed reply carries (ProtocolError for a frame that does not
+    answer the request); after one whose status is in :data:`FATAL_STATUSES` the
+    connection is closed by the server."""
+    if not frame.is_reply or frame.request_id != request_id or frame.op != op:
+        raise ProtocolError(
+            f"expected the reply to request {request_id} ({Op(op).name}), got op {frame.op} "
+            f"for request {frame.request_id}"
+        )
+    if frame.status == Status.OK:
+        return
+    message = meta.decode("utf-8", "replace")
+    raise error_for(frame.status, message)
+
+
+def error_for(status: int, message: str) -> KVStoreError:
+    """The exception a server's error reply means."""
+    name = Status(status).name if status in Status._value2member_map_ else str(status)
+    text = f"kvstore-server: {message} ({name})"
+    if status in (Status.UNAUTHENTICATED, Status.FORBIDDEN):
+        exc: KVStoreError = AccessDeniedError(text)
+    elif status in (Status.BAD_REQUEST, Status.TOO_LARGE):
+        exc = InvalidInputError(text)
+    else:
+        exc = TierError(text)
+    return exc
+
+
+def batches(
+    n: int, layout: KVLayout, limits: dict[str, Any], layers: tuple[int, int] | None = None
+) -> Iterator[range]:
+    """Index ranges of at most ``max_batch_blocks`` blocks and ``MAX_REQUEST_BYTES``."""
+    per = wire_nbytes(layout, layers)
+    most_bytes = min(MAX_REQUEST_BYTES, int(limits.get("max_frame_bytes", MAX_REQUEST_BYTES)))
+    step = max(1, min(int(limits.get("max_batch_blocks", 1024)), most_bytes // per))
+    for start in range(0, n, step):
+        yield range(start, min(n, start + step))
+
+
+def check_layers(layout: KVLayout, layers: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``layers`` if a valid, non-whole range; None for whole blocks."""
+    if layers is None:
+        return None
+    first, last = layers
+    if not 0 <= first < last <= layout.num_layers:
+        raise InvalidInputError(f"layer range {tuple(layers)} outside [0, {layout.num_layers})")
+    return None if (first, last) == (0, layout.num_layers) else (first, last)
+
+
+def same_length(keys: Sequence[Any], others: Sequence[Any], what: str) -> None:
+    """InvalidInputError unless there is one ``what`` per key."""
+    if len(keys) != len(others):
+        raise InvalidInputError(f"{len(keys)} keys but {len(others)} {what}")

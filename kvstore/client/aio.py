@@ -1,0 +1,362 @@
+"""The asyncio client of kvstore-server: the same operations as :class:`~kvstore.client.Client`.
+
+>>> async with AsyncClient(layout, ClientOptions(address="unix:/run/kvstore.sock")) as client:
+...     await client.put(keys, blocks)
+...     await client.get(keys, outs)
+
+Connections come from a pool of at most ``pool_size`` (each serves one
+request at a time), every request runs under ``timeout``, a dead pooled
+connection is replaced once at once, and after an outage one probe per
+``retry_interval`` looks for the server (the shared backoff helper's
+policy). Bytes move over the socket and are verified on arrival; shared
+memory is the blocking client's (:class:`~kvstore.client.Client`).
+
+Loop-only: use one AsyncClient from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from kvstore.client._common import (
+    FATAL_STATUSES,
+    ClientOptions,
+    auth_meta,
+    batches,
+    check_layers,
+    check_reply,
+    hello_meta,
+    open_meta,
+    same_length,
+)
+from kvstore.codec import Codec, encode_block
+from kvstore.errors import (
+    AccessDeniedError,
+    ClosedError,
+    CorruptBlockError,
+    KVStoreError,
+    LayoutMismatchError,
+    ProtocolError,
+    TierError,
+)
+from kvstore.keys import BlockKey, check_keys
+from kvstore.layout import KVLayout
+from kvstore.retry import Backoff, Breaker
+from kvstore.server import wire
+from kvstore.server.protocol import (
+    FRAME,
+    Flag,
+    Frame,
+    Op,
+    SlotStatus,
+    decode_count,
+    decode_get_reply,
+    decode_json,
+    decode_put_reply,
+    encode_count,
+    encode_get_request,
+    encode_keys,
+)
+
+__all__ = ["AsyncClient"]
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+_STALE = Backoff(base=0.005, cap=0.02, max_attempts=2, deadline=1.0)
+_HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
+
+
+class _Dead(TierError):
+    """The connection broke mid-request."""
+
+
+class _Conn:
+    """One asyncio connection with a store opened."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.ids = 0
+        self.limits: dict[str, Any] = {}
+
+    async def send(
+        self, op: int, meta: bytes = b"", payload: Sequence[Buffer] = (), flags: int = 0
+    ) -> int:
+        self.ids = (self.ids + 1) & 0xFFFFFFFF
+        size = sum(memoryview(p).nbytes for p in payload)
+        try:
+            self.writer.write(Frame(op, flags, 0, self.ids, len(meta), size).pack() + meta)
+            for part in payload:
+                self.writer.write(part)
+            await self.writer.drain()
+        except OSError as exc:
+            raise _Dead(f"kvstore-server connection lost while sending: {exc}") from None
+        return self.ids
+
+    async def recv(self, nbytes: int) -> bytes:
+        try:
+            return await self.reader.readexactly(nbytes)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise _Dead(f"kvstore-server connection lost while reading: {exc}") from None
+
+    async def reply(self, rid: int, op: int) -> tuple[Frame, bytes]:
+        frame = Frame.unpack(await self.recv(FRAME.size))
+        meta = await self.recv(frame.meta_len)
+        try:
+            check_reply(frame, rid, op, meta)
+        except KVStoreError:
+            if frame.status in FATAL_STATUSES or frame.payload_len:
+                self.close()
+            raise
+        return frame, meta
+
+    async def call(self, op: int, meta: bytes = b"") -> bytes:
+        frame, reply = await self.reply(await self.send(op, meta), op)
+        if frame.payload_len:
+            raise ProtocolError(f"unexpected payload in the reply to {Op(op).name}")
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class AsyncClient:
+    """A pool of asyncio connections to one (namespace, layout) store of a server."""
+
+    def __init__(self, layout: KVLayout, options: ClientOptions | None = None) -> None:
+        self.layout = layout
+        self.options = options or ClientOptions()
+        self._idle: list[_Conn] = []
+        self._slots = asyncio.Semaphore(self.options.pool_size)
+        self._breaker = Breaker(self.options.retry_interval)
+        self._limits: dict[str, Any] = {}
+        self._closed = False
+
+    async def _open(self) -> _Conn:
+        opts = self.options
+        try:
+            if opts.unix_path is not None:
+                connecting = asyncio.open_unix_connection(opts.unix_path)
+            else:
+                host, port = opts.host_port
+                context = opts.ssl_context()
+                name = (opts.tls_server_name or host) if context else None
+                connecting = asyncio.open_connection(host, port, ssl=context, server_hostname=name)
+            reader, writer = await asyncio.wait_for(connecting, opts.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise TierError(f"cannot connect to kvstore-server at {opts.address}: {exc}") from None
+        conn = _Conn(reader, writer)
+        try:
+            hello = decode_json(await conn.call(Op.HELLO, hello_meta()))
+            answer = auth_meta(hello, opts.token)
+            if answer is not None:
+                await conn.call(Op.AUTH, answer)
+            await conn.call(Op.OPEN, open_meta(opts.namespace, self.layout))
+        except BaseException:
+            conn.close()
+            raise
+        limits = hello.get("limits")
+        self._limits = limits if isinstance(limits, dict) else {}
+        return conn
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[_Conn]:
+        async with self._slots:
+            if self._closed:
+                raise ClosedError("the client is closed")
+            conn = self._idle.pop() if self._idle else await self._open()
+            try:
+                yield conn
+            except BaseException:
+                conn.close()
+                raise
+            if self._closed:
+                conn.close()
+            else:
+                self._idle.append(conn)
+
+    async def _run(self, fn: Callable[[_Conn], Awaitable[T]]) -> T:
+        """``fn(conn)`` under the timeout; a dead pooled connection is replaced once."""
+        if not self._breaker.allow():
+            raise TierError(f"kvstore-server at {self.options.address} is unavailable")
+        for attempt in range(_STALE.max_attempts):
+            try:
+                async with self._connection() as conn:
+                    result = await asyncio.wait_for(fn(conn), self.options.timeout)
+                break
+            except _Dead:
+                for stale in self._idle:
+                    stale.close()
+                self._idle.clear()
+                if attempt + 1 >= _STALE.max_attempts:
+                    self._breaker.failed()
+                    raise
+                await asyncio.sleep(random.uniform(0, _STALE.delay(attempt)))
+            except (TierError, OSError, TimeoutError) as exc:
+                if not isinstance(exc, AccessDeniedError):
+                    self._breaker.failed()
+                raise TierError(f"kvstore-server at {self.options.address}: {exc}") from None
+        self._breaker.succeeded()
+        return result
+
+    # -- blocks -------------------------------------------------------------------
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Store ``blocks[i]`` under ``keys[i]``; True where stored or already there."""
+        keys = check_keys(keys)
+        same_length(keys, blocks, "blocks")
+        flags = Flag.DURABLE if self.options.durable else 0
+        done = [False] * len(keys)
+        for idx in batches(len(keys), self.layout, self._limits):
+            chunk_keys, chunk = [keys[i] for i in idx], [blocks[i] for i in idx]
+
+            async def one(
+                c: _Conn, k: list[BlockKey] = chunk_keys, b: list[torch.Tensor] = chunk
+            ) -> list[int]:
+                parts: list[Buffer] = []
+                for key, block in zip(k, b, strict=True):
+                    parts += encode_block(key, self.layout, block, Codec.RAW).parts()
+                _, meta = await c.reply(await c.send(Op.PUT, encode_keys(k), parts, flags), Op.PUT)
+                return decode_put_reply(meta, len(k))
+
+            for i, status in zip(idx, await self._run(one), strict=True):
+                done[i] = status & 0x7F in _HELD
+        return done
+
+    async def get(
+        self,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: tuple[int, int] | None = None,
+    ) -> list[bool]:
+        """Read each stored block (or ``layers``) into ``outs[i]``, verified."""
+        keys = check_keys(keys)
+        same_length(keys, outs, "output tensors")
+        layers = check_layers(self.layout, layers)
+        done = [False] * len(keys)
+        for idx in batches(len(keys), self.layout, self._limits, layers):
+            chunk_keys, chunk = [keys[i] for i in idx], [outs[i] for i in idx]
+
+            async def one(
+                c: _Conn, k: list[BlockKey] = chunk_keys, o: list[torch.Tensor] = chunk
+            ) -> list[bool]:
+                return await self._get_batch(c, k, o, layers)
+
+            for i, ok in zip(idx, await self._run(one), strict=True):
+                done[i] = ok
+        return done
+
+    async def _get_batch(
+        self,
+        conn: _Conn,
+        keys: list[BlockKey],
+        outs: list[torch.Tensor],
+        layers: tuple[int, int] | None,
+    ) -> list[bool]:
+        rid = await conn.send(Op.GET, encode_get_request(keys, layers))
+        frame, meta = await conn.reply(rid, Op.GET)
+        _, slots = decode_get_reply(meta, len(keys))
+        per = wire.wire_nbytes(self.layout, layers)
+        inline = sum(1 for s, _ in slots if s == SlotStatus.INLINE)
+        if frame.payload_len != inline * per or any(s == SlotStatus.SHM for s, _ in slots):
+            conn.close()
+            raise ProtocolError("GET reply does not match what was asked")
+        head_len = wire.wire_nbytes(self.layout) - self.layout.block_nbytes
+        done = [False] * len(keys)
+        for i, (key, out, (status, _)) in enumerate(zip(keys, outs, slots, strict=True)):
+            if status != SlotStatus.INLINE:
+                continue
+            data = await conn.recv(per)
+            done[i] = self._decode(key, data[:head_len], data[head_len:], out, layers)
+        return done
+
+    def _decode(
+        self,
+        key: BlockKey,
+        head: bytes,
+        body: bytes,
+        out: torch.Tensor,
+        layers: tuple[int, int] | None,
+    ) -> bool:
+        host = torch.frombuffer(bytearray(body), dtype=self.layout.dtype).view(tuple(out.shape))
+        try:
+            wire.verify_span(wire.read_header(head, self.layout, key), host, layers)
+        except (CorruptBlockError, LayoutMismatchError):
+            return False
+        out.copy_(host)
+        return True
+
+    # -- queries ------------------------------------------------------------------
+    async def _key_calls(self, op: Op, keys: list[BlockKey]) -> AsyncIterator[tuple[range, bytes]]:
+        """One request of ``op`` per batch of ``keys``: each batch and its reply's meta."""
+        step = int(self._limits.get("max_batch_blocks", 1024))
+        for start in range(0, len(keys), step):
+            chunk = keys[start : start + step]
+            meta = await self._run(lambda c, k=chunk: c.call(op, encode_keys(k)))  # type: ignore[misc]
+            yield range(start, start + len(chunk)), meta
+
+    async def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` the server stores."""
+        found: list[bool] = []
+        async for idx, meta in self._key_calls(Op.EXISTS, check_keys(keys)):
+            if len(meta) != 4 + len(idx):
+                raise TierError("kvstore-server: EXISTS reply has the wrong length")
+            found += [b == 1 for b in meta[4:]]
+        return found
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the server stores."""
+        total = 0
+        async for idx, meta in self._key_calls(Op.LOOKUP, check_keys(keys)):
+            n = decode_count(meta)
+            total += n
+            if n < len(idx):
+                break
+        return total
+
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Delete ``keys``; how many were stored."""
+        total = 0
+        async for _, meta in self._key_calls(Op.DELETE, check_keys(keys)):
+            total += decode_count(meta)
+        return total
+
+    async def list_keys(self, limit: int = 1 << 24) -> list[BlockKey]:
+        """Up to ``limit`` stored keys of this namespace and layout."""
+
+        async def listing(conn: _Conn) -> list[BlockKey]:
+            frame, meta = await conn.reply(await conn.send(Op.LIST, encode_count(limit)), Op.LIST)
+            if frame.payload_len != 16 * decode_count(meta):
+                conn.close()
+                raise ProtocolError("LIST reply payload does not hold its keys")
+            raw = await conn.recv(frame.payload_len)
+            return [BlockKey(raw[i : i + 16]) for i in range(0, len(raw), 16)]
+
+        return await self._run(listing)
+
+    async def server_stats(self) -> dict[str, Any]:
+        """The server's counters and this namespace's stores."""
+        return decode_json(await self._run(lambda c: c.call(Op.STATS)))
+
+    async def ping(self) -> None:
+        """Round trip to the server."""
+        await self._run(lambda c: c.call(Op.PING))
+
+    async def close(self) -> None:
+        """Close every connection (idempotent)."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

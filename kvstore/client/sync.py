@@ -1,0 +1,566 @@
+"""The blocking client of kvstore-server, thread-safe, with a pool of connections.
+
+>>> client = Client(layout, ClientOptions(address="127.0.0.1:7070", namespace="team-a"))
+>>> client.put(keys, blocks)          # one bool per key: stored (or already there)
+>>> client.get(keys, outs)            # one bool per key: read and verified into outs[i]
+
+Bytes move straight between the caller's tensors and the socket (``sendall``
+from the tensor's memory, ``recv_into`` it) and every block received is
+verified against its header before ``get`` reports it. On the same host the
+client maps the server's shared memory and copies blocks in and out of their
+slots itself. A server that is down or restarting costs a bounded wait and a
+:class:`~kvstore.errors.TierError` (the store turns it into a miss); after an
+outage the client probes once per ``retry_interval`` and reconnects by itself.
+
+Lock ownership: ``_lock`` guards the idle-connection list; ``_slots`` bounds
+the connections in use to ``pool_size``. A connection is used by one thread
+at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from kvstore.client._common import (
+    FATAL_STATUSES,
+    ClientOptions,
+    auth_meta,
+    batches,
+    check_layers,
+    check_reply,
+    hello_meta,
+    open_meta,
+    same_length,
+)
+from kvstore.codec import Codec, encode_block, layer_pieces
+from kvstore.errors import (
+    AccessDeniedError,
+    ClosedError,
+    CorruptBlockError,
+    KVStoreError,
+    LayoutMismatchError,
+    ProtocolError,
+    TierError,
+)
+from kvstore.keys import BlockKey, check_keys
+from kvstore.layout import KVLayout
+from kvstore.retry import Backoff, Breaker, retry_call
+from kvstore.server import shm, wire
+from kvstore.server.protocol import (
+    FRAME,
+    Flag,
+    Frame,
+    Op,
+    SlotStatus,
+    decode_count,
+    decode_get_reply,
+    decode_json,
+    decode_put_reply,
+    decode_reserve_reply,
+    encode_commit_request,
+    encode_count,
+    encode_get_request,
+    encode_keys,
+    encode_u64,
+)
+from kvstore.tiers.slab import copy_all
+
+__all__ = ["Client", "Connection"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+# A pooled connection found dead (the server restarted) is replaced once, at once.
+_STALE = Backoff(base=0.005, cap=0.02, max_attempts=2, deadline=1.0)
+
+
+class _Dead(TierError):
+    """The connection broke mid-request (it is dropped; the request may be retried)."""
+
+
+class Connection:
+    """One authenticated connection with a store opened (used by one thread at a time)."""
+
+    def __init__(self, options: ClientOptions, layout: KVLayout) -> None:
+        self.options = options
+        self.layout = layout
+        self._ids = 0
+        self.sock = self._connect()
+        try:
+            self.hello = self._handshake()
+            self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> socket.socket:
+        opts = self.options
+        try:
+            if opts.unix_path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(opts.connect_timeout)
+                sock.connect(opts.unix_path)
+            else:
+                sock = socket.create_connection(opts.host_port, timeout=opts.connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            context = opts.ssl_context()
+            if context is not None:
+                host = opts.tls_server_name or opts.host_port[0]
+                sock = context.wrap_socket(sock, server_hostname=host)
+        except OSError as exc:
+            raise TierError(f"cannot connect to kvstore-server at {opts.address}: {exc}") from None
+        sock.settimeout(opts.timeout)
+        return sock
+
+    def _handshake(self) -> dict[str, Any]:
+        hello = self.call_json(Op.HELLO, hello_meta())
+        answer = auth_meta(hello, self.options.token)
+        if answer is not None:
+            self.call(Op.AUTH, answer)
+        return hello
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The server's limits (frame and batch sizes)."""
+        limits = self.hello.get("limits")
+        return limits if isinstance(limits, dict) else {}
+
+    @property
+    def unix(self) -> bool:
+        """True over a Unix socket."""
+        return self.options.unix_path is not None
+
+    # -- frames ---------------------------------------------------------------
+    def send(
+        self, op: int, meta: bytes = b"", payload: Sequence[Buffer] = (), flags: int = 0
+    ) -> int:
+        """Send a request; its id."""
+        self._ids = (self._ids + 1) & 0xFFFFFFFF
+        size = sum(memoryview(p).nbytes for p in payload)
+        head = Frame(op, flags, 0, self._ids, len(meta), size).pack()
+        try:
+            self.sock.sendall(head + meta)
+            for part in payload:
+                self.sock.sendall(part)
+        except OSError as exc:
+            raise _Dead(f"kvstore-server connection lost while sending: {exc}") from None
+        return self._ids
+
+    def reply(self, request_id: int, op: int, first: bytes | None = None) -> tuple[Frame, bytes]:
+        """Read the reply to ``request_id``: its header and meta (the payload is left
+        to read). ``first``: the header, if already read. Raises its error."""
+        try:
+            head = first if first is not None else self.recv(FRAME.size)
+            frame = Frame.unpack(head)
+            meta = self.recv(frame.meta_len)
+        except OSError as exc:
+            raise _Dead(f"kvstore-server connection lost while reading: {exc}") from None
+        try:
+            check_reply(frame, request_id, op, meta)
+        except KVStoreError:
+            if frame.status in FATAL_STATUSES or frame.payload_len:
+                self.close()
+            raise
+        return frame, meta
+
+    def call(self, op: int, meta: bytes = b"", flags: int = 0) -> tuple[Frame, bytes]:
+        """A request without payload, and its reply (which must carry none)."""
+        frame, meta = self.reply(self.send(op, meta, (), flags), op)
+        if frame.payload_len:
+            raise ProtocolError(f"unexpected payload in the reply to {Op(op).name}")
+        return frame, meta
+
+    def call_json(self, op: int, meta: bytes = b"") -> dict[str, Any]:
+        """A control request and its JSON reply."""
+        return decode_json(self.call(op, meta)[1])
+
+    def recv(self, nbytes: int) -> bytes:
+        """Exactly ``nbytes``."""
+        buf = bytearray(nbytes)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly."""
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as exc:
+                raise _Dead(f"kvstore-server connection lost while reading: {exc}") from None
+            if not n:
+                raise _Dead("kvstore-server closed the connection")
+            got += n
+
+    def attach_shared_memory(self) -> shm.Mapping | None:
+        """Map the store's shared memory, if the server offers it and this host can."""
+        if not self.opened.get("shared_memory"):
+            return None
+        rid = self.send(Op.SHM_ATTACH)
+        fd = None
+        if self.unix:
+            head, fd = shm.receive_fd(self.sock, FRAME.size)
+            if len(head) < FRAME.size:
+                head += self.recv(FRAME.size - len(head))
+            _, meta = self.reply(rid, Op.SHM_ATTACH, head)
+        else:
+            _, meta = self.reply(rid, Op.SHM_ATTACH)
+        try:
+            return shm.attach(decode_json(meta), fd)
+        except (OSError, ProtocolError, KeyError, ValueError) as exc:
+            log.info("kvstore client: no shared memory with the server (%s)", exc)
+            return None
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Client:
+    """A pool of connections to one (namespace, layout) store of a kvstore-server."""
+
+    def __init__(self, layout: KVLayout, options: ClientOptions | None = None) -> None:
+        self.layout = layout
+        self.options = options or ClientOptions()
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.options.pool_size)
+        self._breaker = Breaker(self.options.retry_interval)
+        self._shm: shm.Mapping | None = None
+        self._shm_tried = False
+        self._limits: dict[str, Any] = {}
+        self._closed = False
+        self.stats: dict[str, int] = {"reconnects": 0, "shm_blocks": 0, "socket_blocks": 0}
+
+    # -- connections ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Connection]:
+        if not self._slots.acquire(timeout=self.options.timeout):
+            raise TierError("no kvstore-server connection free within the timeout")
+        conn: Connection | None = None
+        try:
+            with self._lock:
+                if self._closed:
+                    raise ClosedError("the client is closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = self._new_connection()
+            yield conn
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(conn)
+                    conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+
+    def _new_connection(self) -> Connection:
+        conn = Connection(self.options, self.layout)
+        self._limits = conn.limits
+        if self.options.shared_memory and not self._shm_tried:
+            self._shm_tried = True
+            self._shm = conn.attach_shared_memory()
+        return conn
+
+    def _run(self, fn: Callable[[Connection], T]) -> T:
+        """``fn(conn)``; a dead pooled connection is replaced once; outages trip the breaker."""
+        if not self._breaker.allow():
+            raise TierError(f"kvstore-server at {self.options.address} is unavailable")
+
+        def attempt() -> T:
+            with self._connection() as conn:
+                return fn(conn)
+
+        try:
+            result = retry_call(
+                attempt, lambda e: isinstance(e, _Dead), _STALE, on_retry=self._retry
+            )
+        except (TierError, OSError) as exc:
+            if not isinstance(exc, AccessDeniedError) and self._breaker.failed():
+                log.warning("kvstore-server at %s unavailable: %s", self.options.address, exc)
+            raise TierError(str(exc)) from None
+        if self._breaker.succeeded():
+            log.info("kvstore-server at %s is reachable again", self.options.address)
+        return result
+
+    def _retry(self, attempt: int, exc: BaseException) -> None:
+        self.stats["reconnects"] += 1
+        with self._lock:  # the others in the pool went stale with it
+            stale, self._idle = self._idle, []
+        for conn in stale:
+            conn.close()
+
+    # -- blocks -------------------------------------------------------------------
+    def put(
+        self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], durable: bool | None = None
+    ) -> list[bool]:
+        """Store ``blocks[i]`` under ``keys[i]``; True where stored or already there.
+
+        ``durable`` (default: the options'): acknowledged only once on the
+        server's persistent tier (see :meth:`put_statuses` for which were).
+        """
+        return [s & 0x7F in _HELD for s in self.put_statuses(keys, blocks, durable)]
+
+    def put_statuses(
+        self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor], durable: bool | None = None
+    ) -> list[int]:
+        """Like :meth:`put`, with the server's :class:`SlotStatus` per key (STORED,
+        PRESENT, MISS, CORRUPT; or-ed with DURABLE when on a persistent tier)."""
+        keys = check_keys(keys)
+        same_length(keys, blocks, "blocks")
+        for block in blocks:
+            if tuple(block.shape) != self.layout.block_shape or block.dtype != self.layout.dtype:
+                raise LayoutMismatchError(
+                    f"block of shape {tuple(block.shape)} / {block.dtype} does not match layout "
+                    f"{self.layout.block_shape} / {self.layout.dtype}"
+                )
+        flags = Flag.DURABLE if (self.options.durable if durable is None else durable) else 0
+        out: list[int] = [SlotStatus.MISS] * len(keys)
+        for idx in self._batches(len(keys), None):
+            part_keys, part_blocks = [keys[i] for i in idx], [blocks[i] for i in idx]
+
+            def batch(
+                c: Connection, k: list[BlockKey] = part_keys, b: list[torch.Tensor] = part_blocks
+            ) -> list[int]:
+                return self._put_batch(c, k, b, flags)
+
+            for i, status in zip(idx, self._run(batch), strict=True):
+                out[i] = status
+        return out
+
+    def _put_batch(
+        self, conn: Connection, keys: list[BlockKey], blocks: list[torch.Tensor], flags: int
+    ) -> list[int]:
+        if self._shm is not None:
+            return self._put_shared(conn, keys, blocks, flags)
+        parts: list[Buffer] = []
+        for key, block in zip(keys, blocks, strict=True):
+            parts += encode_block(key, self.layout, block, Codec.RAW).parts()
+        rid = conn.send(Op.PUT, encode_keys(keys), parts, flags)
+        _, meta = conn.reply(rid, Op.PUT)
+        self.stats["socket_blocks"] += len(keys)
+        return decode_put_reply(meta, len(keys))
+
+    def _put_shared(
+        self, conn: Connection, keys: list[BlockKey], blocks: list[torch.Tensor], flags: int
+    ) -> list[int]:
+        """RESERVE slots, copy into them through shared memory, COMMIT."""
+        assert self._shm is not None
+        _, meta = conn.call(Op.RESERVE, encode_keys(keys))
+        ident, slots = decode_reserve_reply(meta, len(keys))
+        written = [False] * len(keys)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        inline: list[Buffer] = []
+        try:
+            for i, (key, block, (status, offset)) in enumerate(
+                zip(keys, blocks, slots, strict=True)
+            ):
+                if status == SlotStatus.SHM:
+                    pairs.append((self._slot(offset, block.shape), block))
+                elif status == SlotStatus.INLINE:
+                    inline += encode_block(key, self.layout, block, Codec.RAW).parts()
+                written[i] = status in (SlotStatus.SHM, SlotStatus.INLINE)
+            copy_all(pairs)
+        except BaseException:
+            conn.reply(
+                conn.send(Op.COMMIT, encode_commit_request(ident, [False] * len(keys))), Op.COMMIT
+            )
+            raise
+        rid = conn.send(Op.COMMIT, encode_commit_request(ident, written), inline, flags)
+        _, meta = conn.reply(rid, Op.COMMIT)
+        self.stats["shm_blocks"] += len(pairs)
+        return decode_put_reply(meta, len(keys))
+
+    def _slot(self, offset: int, shape: Sequence[int], nbytes: int | None = None) -> torch.Tensor:
+        assert self._shm is not None
+        size = self.layout.block_nbytes if nbytes is None else nbytes
+        return self._shm.slot(offset, size).view(self.layout.dtype).view(*shape)
+
+    def get(
+        self,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: tuple[int, int] | None = None,
+    ) -> list[bool]:
+        """Read each stored block (or its ``layers``) into ``outs[i]``, verified; False
+        where the server has none (``outs[i]`` untouched) or its bytes failed."""
+        keys = check_keys(keys)
+        same_length(keys, outs, "output tensors")
+        layers = check_layers(self.layout, layers)
+        done: list[bool] = [False] * len(keys)
+        for idx in self._batches(len(keys), layers):
+            part_keys, part_outs = [keys[i] for i in idx], [outs[i] for i in idx]
+
+            def batch(
+                c: Connection, k: list[BlockKey] = part_keys, o: list[torch.Tensor] = part_outs
+            ) -> list[bool]:
+                return self._get_batch(c, k, o, layers)
+
+            for i, ok in zip(idx, self._run(batch), strict=True):
+                done[i] = ok
+        return done
+
+    def _get_batch(
+        self,
+        conn: Connection,
+        keys: list[BlockKey],
+        outs: list[torch.Tensor],
+        layers: tuple[int, int] | None,
+    ) -> list[bool]:
+        flags = Flag.SHM if self._shm is not None else 0
+        rid = conn.send(Op.GET, encode_get_request(keys, layers), (), flags)
+        frame, meta = conn.reply(rid, Op.GET)
+        lease, slots = decode_get_reply(meta, len(keys))
+        inline = sum(1 for s, _ in slots if s == SlotStatus.INLINE)
+        if frame.payload_len != inline * wire.wire_nbytes(self.layout, layers):
+            conn.close()
+            raise ProtocolError("GET reply payload does not match its inline blocks")
+        done = [False] * len(keys)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        first, last = layers if layers is not None else (0, self.layout.num_layers)
+        span = (last - first) * self.layout.layer_nbytes
+        for i, (key, out, (status, offset)) in enumerate(zip(keys, outs, slots, strict=True)):
+            if status == SlotStatus.INLINE:
+                done[i] = self._receive(conn, key, out, layers)
+            elif status == SlotStatus.SHM:
+                if self._shm is None:
+                    raise ProtocolError("the server answered with shared memory not asked for")
+                pairs.append((out, self._slot(offset, out.shape, span)))
+                done[i] = True
+        try:
+            copy_all(pairs)
+        finally:
+            if lease:
+                conn.send(Op.RELEASE, encode_u64(lease), (), Flag.NO_REPLY)
+        self.stats["shm_blocks"] += len(pairs)
+        self.stats["socket_blocks"] += inline
+        return done
+
+    def _receive(
+        self, conn: Connection, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
+    ) -> bool:
+        """One inline block: its header, then its bytes straight into ``out``; verified."""
+        layout = self.layout
+        head = conn.recv(wire.wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
+        pieces = layer_pieces(out)
+        target = out
+        if pieces is None:  # a GPU tensor or an odd view: through a host buffer
+            target = torch.empty(tuple(out.shape), dtype=layout.dtype)
+            pieces = wire.pieces_of(target)
+        for layer in pieces:
+            for piece in layer:
+                conn.recv_into(piece.cast("B"))
+        try:
+            wire.verify_span(wire.read_header(head, layout, key), target, layers)
+        except (CorruptBlockError, LayoutMismatchError) as exc:
+            log.warning("kvstore client: block %s from the server is corrupt: %s", key.hex(), exc)
+            return False
+        if target is not out:
+            out.copy_(target)
+        return True
+
+    # -- queries ------------------------------------------------------------------
+    def _key_calls(self, op: Op, keys: list[BlockKey]) -> Iterator[tuple[range, bytes]]:
+        """One request of ``op`` per batch of ``keys``; each batch and its reply's meta."""
+        for idx in self._batches(len(keys), None, by_bytes=False):
+            chunk = [keys[i] for i in idx]
+            yield idx, self._run(functools.partial(_call_meta, op=op, keys=chunk))
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` the server stores."""
+        found: list[bool] = []
+        for idx, meta in self._key_calls(Op.EXISTS, check_keys(keys)):
+            if len(meta) != 4 + len(idx):
+                raise TierError("kvstore-server: EXISTS reply has the wrong length")
+            found += [b == 1 for b in meta[4:]]
+        return found
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the server stores."""
+        total = 0
+        for idx, meta in self._key_calls(Op.LOOKUP, check_keys(keys)):
+            n = decode_count(meta)
+            total += n
+            if n < len(idx):
+                break
+        return total
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Delete ``keys``; how many were stored."""
+        return sum(decode_count(m) for _, m in self._key_calls(Op.DELETE, check_keys(keys)))
+
+    def list_keys(self, limit: int = 1 << 24) -> list[BlockKey]:
+        """Up to ``limit`` keys the server stores in this namespace and layout."""
+
+        def listing(conn: Connection) -> list[BlockKey]:
+            rid = conn.send(Op.LIST, encode_count(limit))
+            frame, meta = conn.reply(rid, Op.LIST)
+            n = decode_count(meta)
+            if frame.payload_len != 16 * n:
+                conn.close()
+                raise ProtocolError("LIST reply payload does not hold its keys")
+            raw = conn.recv(frame.payload_len)
+            return [BlockKey(raw[i : i + 16]) for i in range(0, len(raw), 16)]
+
+        return self._run(listing)
+
+    def server_stats(self) -> dict[str, Any]:
+        """The server's counters and this namespace's stores."""
+        return self._run(lambda c: c.call_json(Op.STATS))
+
+    def ping(self) -> None:
+        """Round trip to the server (raises TierError when it is unreachable)."""
+        self._run(lambda c: c.call(Op.PING))
+
+    @property
+    def shared_memory(self) -> bool:
+        """True when blocks move through the server's shared memory."""
+        return self._shm is not None
+
+    def _batches(
+        self, n: int, layers: tuple[int, int] | None, by_bytes: bool = True
+    ) -> Iterator[range]:
+        limits = self._limits or {}
+        if not by_bytes:
+            step = int(limits.get("max_batch_blocks", 1024))
+            return iter(range(s, min(n, s + step)) for s in range(0, n, step))
+        return batches(n, self.layout, limits, layers)
+
+    def close(self) -> None:
+        """Close every connection and unmap shared memory (idempotent)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
+
+
+def _call_meta(conn: Connection, op: Op, keys: list[BlockKey]) -> bytes:
+    return conn.call(op, encode_keys(keys))[1]
+
+
+def _span_nbytes(layout: KVLayout, layers: tuple[int, int] | None) -> int:
+    first, last = layers if layers is not None else (0, layout.num_layers)
+    return (last - first) * layout.layer_nbytes

@@ -1,0 +1,59 @@
+"""Token authentication by challenge and response, and what each token may open.
+
+The server sends a fresh random nonce in its HELLO reply; the client answers
+with ``HMAC-SHA256(token, "kvstore-auth-v1|" + nonce)``. The token never
+crosses the wire, a captured answer is useless on another connection, and
+the server compares with :func:`hmac.compare_digest` (constant time) against
+every configured token, so timing tells nothing about which one nearly matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+
+from kvstore.config.server import Credential
+
+__all__ = ["NONCE_BYTES", "Authenticator", "answer", "new_nonce"]
+
+NONCE_BYTES = 32
+_CONTEXT = b"kvstore-auth-v1|"
+
+
+def new_nonce() -> bytes:
+    """A challenge for one connection."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def answer(token: bytes, nonce: bytes) -> bytes:
+    """The client's response to ``nonce`` with ``token``."""
+    return hmac.new(token, _CONTEXT + nonce, hashlib.sha256).digest()
+
+
+class Authenticator:
+    """The tokens a server accepts (none: every client is trusted, all namespaces)."""
+
+    def __init__(self, credentials: Sequence[Credential]) -> None:
+        self._credentials = list(credentials)
+
+    @property
+    def required(self) -> bool:
+        """True when clients must authenticate."""
+        return bool(self._credentials)
+
+    def verify(self, nonce: bytes, response: bytes) -> Credential | None:
+        """The credential whose token produced ``response``, or None."""
+        found = None
+        for cred in self._credentials:  # no early exit: the time taken is the same
+            if hmac.compare_digest(answer(cred.secret, nonce), response):
+                found = cred
+        return found
+
+    @staticmethod
+    def allows(credential: Credential | None, namespace: str) -> bool:
+        """Whether ``credential`` (None: an unauthenticated server) opens ``namespace``."""
+        if credential is None or credential.namespaces is None:
+            return True
+        return namespace in credential.namespaces

@@ -1,0 +1,190 @@
+"""Byte transport of one server connection, on the server's asyncio loop.
+
+:class:`RawChannel` drives a plain TCP or Unix socket with the loop's socket
+methods, so payloads are received straight into the memory they go to
+(``sock_recv_into`` a slab slot) and sent from where they live (a memoryview
+of the slot), with no copy in between. :class:`StreamChannel` carries TLS
+connections through asyncio streams (the cipher copies anyway).
+
+Every receive and send runs under a deadline set by the connection, so a
+client that sends or reads too slowly is cut off instead of holding the
+server's memory.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+__all__ = ["Channel", "RawChannel", "StreamChannel"]
+
+Buffer = bytes | bytearray | memoryview
+_COALESCE = 64 * 1024  # smaller pieces are joined into one send
+_SCRATCH = 1024 * 1024
+
+
+class Channel(ABC):
+    """Receive into buffers and send buffers, each before a deadline (loop time)."""
+
+    #: The peer, for logs ("127.0.0.1:5555" or "unix").
+    peer: str = ""
+    #: True for a Unix socket (file descriptors can be passed over it).
+    unix: bool = False
+
+    @abstractmethod
+    async def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly; ConnectionError if the peer closes first."""
+
+    @abstractmethod
+    async def _send(self, parts: Sequence[Buffer]) -> None:
+        """Send every byte of ``parts``."""
+
+    async def recv_into(self, buf: Buffer, deadline: float) -> None:
+        """Fill ``buf`` before ``deadline`` (``loop.time()``), else TimeoutError."""
+        view = memoryview(buf).cast("B")
+        if view.nbytes:
+            await _before(self._recv_into(view), deadline)
+
+    async def recv(self, nbytes: int, deadline: float) -> bytes:
+        """``nbytes`` bytes before ``deadline``."""
+        buf = bytearray(nbytes)
+        await self.recv_into(buf, deadline)
+        return bytes(buf)
+
+    async def discard(self, nbytes: int, deadline: float) -> None:
+        """Read and drop ``nbytes`` (the payload of a refused request)."""
+        scratch = bytearray(min(nbytes, _SCRATCH))
+        while nbytes:
+            step = min(nbytes, len(scratch))
+            await self.recv_into(memoryview(scratch)[:step], deadline)
+            nbytes -= step
+
+    async def send(self, parts: Sequence[Buffer], deadline: float) -> None:
+        """Send ``parts`` in order before ``deadline``."""
+        await _before(self._send(_coalesce(parts)), deadline)
+
+    async def send_fd(self, data: bytes, fd: int, deadline: float) -> None:
+        """Send ``data`` with file descriptor ``fd`` attached (Unix sockets only)."""
+        raise OSError("file descriptors can only be passed over a Unix socket")
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Cut the connection now: a receive in progress ends as if the peer closed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection (idempotent); after the reader has stopped."""
+
+
+async def _before(awaitable: object, deadline: float) -> None:
+    timeout = deadline - asyncio.get_running_loop().time()
+    if timeout <= 0:
+        raise TimeoutError("deadline passed")
+    await asyncio.wait_for(awaitable, timeout)  # type: ignore[arg-type]
+
+
+def _coalesce(parts: Sequence[Buffer]) -> list[Buffer]:
+    """Join runs of small parts (headers, metas) so each costs no syscall of its own."""
+    out: list[Buffer] = []
+    small: list[Buffer] = []
+    for part in parts:
+        if len(part) >= _COALESCE:
+            if small:
+                out.append(b"".join(small))
+                small = []
+            out.append(part)
+        elif len(part):
+            small.append(part)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
+class RawChannel(Channel):
+    """A plain socket driven by the loop's ``sock_*`` methods (zero-copy both ways)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self.unix = sock.family == socket.AF_UNIX
+        if not self.unix:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = sock.getpeername()
+            self.peer = f"{peer[0]}:{peer[1]}"
+        else:
+            self.peer = "unix"
+        sock.setblocking(False)
+
+    async def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            n = await self._loop.sock_recv_into(self._sock, view[got:])
+            if n == 0:
+                raise ConnectionResetError("the client closed the connection")
+            got += n
+
+    async def _send(self, parts: Sequence[Buffer]) -> None:
+        for part in parts:
+            await self._loop.sock_sendall(self._sock, part)
+
+    async def send_fd(self, data: bytes, fd: int, deadline: float) -> None:
+        if not self.unix:
+            await super().send_fd(data, fd, deadline)
+        fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        while True:  # a small message: the socket buffer takes it at once but when full
+            try:
+                sent = self._sock.sendmsg([data], fds)
+                break
+            except (BlockingIOError, InterruptedError):
+                if self._loop.time() > deadline:
+                    raise TimeoutError("deadline passed") from None
+                await asyncio.sleep(0.001)
+        if sent < len(data):
+            await self._send([memoryview(data)[sent:]])
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class StreamChannel(Channel):
+    """A TLS connection through asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "tls"
+
+    async def _recv_into(self, view: memoryview) -> None:
+        try:
+            got = 0
+            while got < view.nbytes:
+                chunk = await self._reader.read(min(view.nbytes - got, 4 * _SCRATCH))
+                if not chunk:
+                    raise ConnectionResetError("the client closed the connection")
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        except asyncio.IncompleteReadError:
+            raise ConnectionResetError("the client closed the connection") from None
+
+    async def _send(self, parts: Sequence[Buffer]) -> None:
+        for part in parts:
+            self._writer.write(part)
+        await self._writer.drain()
+
+    def abort(self) -> None:
+        self._writer.transport.abort()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()

@@ -1,0 +1,129 @@
+"""``kvstore-server`` (also ``kvstore server``): run the daemon in the foreground.
+
+With no arguments it serves the embedded defaults -- host DRAM over a disk
+tier under ``~/.cache/kvstore`` -- on 127.0.0.1:7070, and prints where it
+listens and how a client connects. The command line overrides the config
+file's ``server:`` section, which overrides ``KVSTORE_SERVER_*`` variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's options (shared by ``kvstore-server`` and ``kvstore server``)."""
+    parser.add_argument("--config", help="store config YAML (tiers and a server: section)")
+    parser.add_argument("--listen", help="TCP HOST:PORT (default 127.0.0.1:7070; '' for none)")
+    parser.add_argument("--unix-socket", help="also listen on this Unix socket path")
+    parser.add_argument("--metrics-listen", help="HOST:PORT for Prometheus /metrics and /healthz")
+    parser.add_argument("--token-file", help="file whose first line is the token clients need")
+    parser.add_argument("--tls-cert", help="PEM certificate chain (enables TLS on TCP)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)"
+    )
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from kvstore.config import StoreConfig
+
+    config = StoreConfig.load(args.config)
+    overrides = {
+        name: getattr(args, name)
+        for name in ("listen", "unix_socket", "metrics_listen", "token_file", "tls_cert", "tls_key")
+        if getattr(args, name) is not None
+    }
+    if "token_file" in overrides:
+        overrides["token"] = None
+    server = dataclasses.replace(config.server, **overrides)
+    server.validate("server")
+    return dataclasses.replace(config, server=server)
+
+
+def _describe(config: Any, addresses: dict[str, str]) -> str:
+    from kvstore.config import format_size
+
+    lines = [f"kvstore-server {_version()} (pid {os.getpid()})"]
+    if "tcp" in addresses:
+        tls = " (TLS)" if config.server.tls_cert else ""
+        lines.append(f"  listening on {addresses['tcp']}{tls}")
+    if "unix" in addresses:
+        lines.append(f"  listening on unix:{addresses['unix']}")
+    if "metrics" in addresses:
+        lines.append(f"  metrics on http://{addresses['metrics']}/metrics (/healthz)")
+    tiers = ", ".join(
+        f"{t.kind} {format_size(t.capacity)}" + (f" at {t.path}" if hasattr(t, "path") else "")
+        for t in config.tiers
+    )
+    lines.append(f"  tiers per namespace and layout: {tiers}")
+    auth = "token required" if config.server.credentials() else "no token (loopback only)"
+    lines.append(f"  authentication: {auth}")
+    address = addresses.get("tcp") or f"unix:{addresses.get('unix')}"
+    lines += [
+        "connect a store (or the vLLM connector, or SGLang) with a remote tier:",
+        f'  tiers: [{{kind: remote, address: "{address}", namespace: default}}]',
+    ]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from kvstore import __version__
+
+    return __version__
+
+
+async def _serve(config: Any) -> None:
+    from kvstore.server.daemon import Server
+
+    server = Server(config)
+    await server.start()
+    server.install_signal_handlers()
+    print(_describe(config, server.addresses), flush=True)
+    await server.serve_forever()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a server from parsed arguments until SIGTERM / SIGINT; the exit code."""
+    from kvstore.errors import KVStoreError
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = _config(args)
+        config.server.check_startable()
+        try:
+            import uvloop
+
+            runner: Any = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        runner(_serve(config))
+    except KVStoreError as exc:
+        print(f"kvstore-server: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstore-server`` console script."""
+    parser = argparse.ArgumentParser(prog="kvstore-server", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

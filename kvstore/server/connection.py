@@ -1,0 +1,466 @@
+"""One client connection of kvstore-server: frames, the handshake, limits, dispatch.
+
+A connection goes NEW -> (HELLO) GREETED -> (AUTH, or no token configured)
+AUTHED -> (OPEN a namespace and layout) OPEN. Data ops need OPEN; anything
+out of order is refused. A frame that is not of this protocol, oversized, or
+unauthenticated gets an error reply and the connection is closed: the stream
+cannot be trusted past it. A well-framed request with bad fields gets an
+error reply, changes nothing, and the connection goes on.
+
+Limits: each frame must arrive whole before ``io_timeout_s`` plus its size
+at ``min_rate`` (slow clients are cut off), an idle connection closes after
+``idle_timeout_s``, at most ``max_inflight_requests`` requests run at once
+per connection (the reader waits for a slot: back-pressure), and payload
+bytes in flight are bounded for the whole server (:class:`ByteBudget`).
+
+Everything here runs on the server's one asyncio loop; store calls run on
+the server's worker threads (:meth:`Connection.run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvstore import __version__
+from kvstore.config import StoreConfig
+from kvstore.config.server import Credential, ServerConfig
+from kvstore.config.tiers import check_namespace
+from kvstore.errors import (
+    AccessDeniedError,
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InvalidInputError,
+    KVStoreError,
+    ProtocolError,
+)
+from kvstore.layout import KVLayout
+from kvstore.lending import Loan, PendingPut
+from kvstore.server import auth, handlers, shm
+from kvstore.server.channel import Buffer, Channel
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.protocol import (
+    FRAME,
+    MAX_JSON_META,
+    Flag,
+    Frame,
+    Op,
+    Status,
+    decode_json,
+    encode_json,
+)
+from kvstore.server.staging import StagingPool
+from kvstore.server.stores import HostedStore, StoreRegistry
+
+__all__ = ["ByteBudget", "Connection", "ServerContext"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ByteBudget:
+    """Payload bytes in flight across the server. Loop-only (no lock needed).
+
+    A request bigger than the whole budget is let through alone, so nothing
+    is refused for its size here (frame limits do that); others wait.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, nbytes: int, deadline: float) -> bool:
+        """Take ``nbytes``; False if they did not free up before ``deadline``."""
+        loop = asyncio.get_running_loop()
+        async with self._cond:
+            while self.used and self.used + nbytes > self.limit:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait(), left)
+            self.used += nbytes
+            return True
+
+    async def release(self, nbytes: int) -> None:
+        """Give ``nbytes`` back."""
+        async with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+
+@dataclass
+class ServerContext:
+    """What every connection of one server shares."""
+
+    config: StoreConfig
+    registry: StoreRegistry
+    authenticator: auth.Authenticator
+    metrics: ServerMetrics
+    budget: ByteBudget
+    executor: Executor
+    staging: StagingPool
+    draining: bool = False
+    connections: set[Connection] = field(default_factory=set)
+
+    @property
+    def server(self) -> ServerConfig:
+        """The ``server:`` section of the config."""
+        return self.config.server
+
+
+class State(enum.IntEnum):
+    """Where a connection is in its handshake."""
+
+    NEW = 0
+    GREETED = 1
+    AUTHED = 2
+    OPEN = 3
+
+
+class Refused(Exception):
+    """A request refused with ``status``; ``fatal``: the connection closes after the reply."""
+
+    def __init__(self, status: Status, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.fatal = fatal
+
+
+_ERRORS: tuple[tuple[type[Exception], Status], ...] = (
+    (AccessDeniedError, Status.FORBIDDEN),
+    (ProtocolError, Status.BAD_REQUEST),
+    (InvalidInputError, Status.BAD_REQUEST),
+    (ConfigError, Status.BAD_REQUEST),
+    (CapacityError, Status.BUSY),
+    (ClosedError, Status.SHUTTING_DOWN),
+)
+_PAYLOAD_OPS = (Op.PUT, Op.COMMIT)
+
+
+class Connection:
+    """Serves one client until it leaves, misbehaves or the server drains."""
+
+    def __init__(self, ctx: ServerContext, chan: Channel) -> None:
+        self.ctx = ctx
+        self.chan = chan
+        self.loop = asyncio.get_running_loop()
+        self.state = State.NEW
+        self.nonce = auth.new_nonce()
+        self.credential: Credential | None = None
+        self.hosted: HostedStore | None = None
+        self.loans: dict[int, Loan] = {}
+        self.reservations: dict[int, handlers.Reservation] = {}
+        self.ids = itertools.count(1)
+        self._send_lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(ctx.server.max_inflight_requests)
+        self._tasks: set[asyncio.Task[bool]] = set()
+        #: Requests being received or served (a draining server waits for 0).
+        self.busy = 0
+
+    # -- plumbing for handlers ------------------------------------------------
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread (store calls never block the loop)."""
+        return await self.loop.run_in_executor(self.ctx.executor, functools.partial(fn, *args))
+
+    def deadline(self, nbytes: int = 0) -> float:
+        """When ``nbytes`` more must have moved: ``io_timeout_s`` plus them at ``min_rate``."""
+        cfg = self.ctx.server
+        return self.loop.time() + cfg.io_timeout_s + nbytes / cfg.min_rate
+
+    async def reply(
+        self,
+        request: Frame,
+        meta: bytes = b"",
+        payload: Sequence[Buffer] = (),
+        flags: int = 0,
+    ) -> None:
+        """Send the reply to ``request`` (unless it asked for none)."""
+        if request.flags & Flag.NO_REPLY:
+            return
+        size = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
+        head = Frame(request.op, Flag.REPLY | flags, 0, request.request_id, len(meta), size)
+        async with self._send_lock:
+            await self.chan.send([head.pack(), meta, *payload], self.deadline(size))
+        self.ctx.metrics.add("bytes_sent", size)
+
+    async def error(self, request: Frame, status: Status, message: str) -> None:
+        """Send an error reply (even to a NO_REPLY request: the client must learn why)."""
+        data = message.encode()[:4096]
+        head = Frame(request.op, Flag.REPLY, status, request.request_id, len(data), 0)
+        self.ctx.metrics.error(status.name.lower())
+        async with self._send_lock:
+            await self.chan.send([head.pack(), data], self.deadline())
+
+    @property
+    def store(self) -> HostedStore:
+        """The store this connection opened."""
+        assert self.hosted is not None
+        return self.hosted
+
+    # -- the loop -------------------------------------------------------------
+    async def serve(self) -> None:
+        """Read and dispatch frames until the client leaves or must be cut off."""
+        self.ctx.metrics.gauge("connections_open", 1)
+        self.ctx.metrics.add("connections")
+        try:
+            while not self.ctx.draining:
+                frame = await self._next_frame()
+                if frame is None:
+                    break
+                keep = await self._handle(frame)
+                if not keep:
+                    break
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("connection %s ended: %s", self.chan.peer, exc)
+        finally:
+            await self._teardown()
+
+    async def _next_frame(self) -> Frame | None:
+        """The next request's header; None when the client leaves or idles out."""
+        head = bytearray(FRAME.size)
+        idle = self.loop.time() + self.ctx.server.idle_timeout_s
+        try:
+            await self.chan.recv_into(memoryview(head)[:1], idle)
+        except (ConnectionError, TimeoutError):
+            return None
+        self.busy += 1  # from the first byte of a frame until its request is served
+        await self.chan.recv_into(memoryview(head)[1:], self.deadline(FRAME.size))
+        try:
+            return Frame.unpack(head)
+        except ProtocolError as exc:
+            bad = Frame(0, 0, 0, 0, 0, 0)
+            with contextlib.suppress(ConnectionError, TimeoutError, OSError):
+                await self.error(bad, Status.BAD_FRAME, str(exc))
+            return None
+
+    def _check_limits(self, frame: Frame) -> None:
+        cfg = self.ctx.server
+        meta_limit = max(MAX_JSON_META, 64 + 17 * cfg.max_batch_blocks)
+        if frame.flags & Flag.REPLY or frame.status:
+            raise Refused(Status.BAD_FRAME, "clients send requests, not replies", fatal=True)
+        if frame.meta_len > meta_limit:
+            raise Refused(
+                Status.TOO_LARGE, f"meta of {frame.meta_len} bytes (at most {meta_limit})", True
+            )
+        if frame.payload_len > cfg.max_frame_bytes:
+            raise Refused(
+                Status.TOO_LARGE,
+                f"payload of {frame.payload_len} bytes (server.max_frame_bytes is "
+                f"{cfg.max_frame_bytes})",
+                fatal=True,
+            )
+        if frame.payload_len and frame.op not in _PAYLOAD_OPS:
+            raise Refused(Status.BAD_FRAME, f"op {frame.op} carries no payload", fatal=True)
+
+    async def _handle(self, frame: Frame) -> bool:
+        """Serve one request; False when the connection must close."""
+        try:
+            self._check_limits(frame)
+            meta = await self.chan.recv(frame.meta_len, self.deadline(frame.meta_len))
+            self._check_state(frame)
+        except Refused as refused:
+            self.busy -= 1
+            await self.error(frame, refused.status, str(refused))
+            return False
+        self.ctx.metrics.request(_op_name(frame.op))
+        self.ctx.metrics.add("bytes_received", frame.meta_len + frame.payload_len)
+        if frame.op in _PAYLOAD_OPS or frame.op == Op.RELEASE or self.state < State.OPEN:
+            try:
+                return await self._guarded(frame, self._inline(frame, meta))
+            finally:
+                self.busy -= 1
+        await self._slots.acquire()  # back-pressure: at most max_inflight_requests at once
+        task = asyncio.create_task(self._guarded(frame, self._concurrent(frame, meta)))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return True
+
+    def _task_done(self, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+        self.busy -= 1
+        if task.cancelled():
+            return
+        if task.exception() is not None or task.result() is False:
+            self.chan.abort()  # the reader sees the end of the stream and leaves
+
+    async def _guarded(self, frame: Frame, work: Awaitable[None]) -> bool:
+        """Run one request; turn refusals and store errors into error replies."""
+        try:
+            await work
+            return True
+        except Refused as refused:
+            await self.error(frame, refused.status, str(refused))
+            return not refused.fatal
+        except KVStoreError as exc:
+            status = next((s for cls, s in _ERRORS if isinstance(exc, cls)), Status.INTERNAL)
+            await self.error(frame, status, str(exc))
+            return True
+        except (ConnectionError, TimeoutError, OSError):
+            raise
+        except Exception as exc:  # a bug: answer, log, keep serving the others
+            log.exception("request %s from %s failed", _op_name(frame.op), self.chan.peer)
+            await self.error(frame, Status.INTERNAL, f"internal error: {type(exc).__name__}")
+            return True
+
+    def _check_state(self, frame: Frame) -> None:
+        """Refuse a request the handshake has not reached (fatal before authentication)."""
+        if frame.op not in Op._value2member_map_:
+            fatal = bool(frame.payload_len) or self.state < State.AUTHED
+            raise Refused(Status.UNKNOWN_OP, f"unknown op {frame.op}", fatal)
+        op = Op(frame.op)
+        if op in (Op.HELLO, Op.AUTH):
+            if self.state != (State.NEW if op == Op.HELLO else State.GREETED):
+                raise Refused(Status.BAD_REQUEST, f"{op.name} out of order", fatal=True)
+            return
+        if self.state < State.GREETED:
+            raise Refused(Status.UNAUTHENTICATED, "say HELLO first", fatal=True)
+        if op == Op.PING:
+            return
+        if self.state < State.AUTHED:
+            raise Refused(Status.UNAUTHENTICATED, "authenticate first (AUTH)", fatal=True)
+        if op in (Op.OPEN, Op.STATS):
+            return
+        if self.state < State.OPEN:
+            raise Refused(Status.NOT_OPEN, "OPEN a namespace and layout first", fatal=True)
+
+    # -- requests ---------------------------------------------------------------
+    async def _inline(self, frame: Frame, meta: bytes) -> None:
+        """Requests served in the reader: handshake, payload-carrying ones, RELEASE."""
+        op = frame.op
+        if op == Op.HELLO:
+            await self._hello(frame, meta)
+        elif op == Op.AUTH:
+            await self._auth(frame, meta)
+        elif op == Op.PING:
+            await self.reply(frame)
+        elif op == Op.OPEN:
+            await self._open(frame, meta)
+        elif op == Op.STATS:
+            await self._stats(frame)
+        elif op == Op.PUT:
+            await handlers.put(self, frame, meta)
+        elif op == Op.COMMIT:
+            await handlers.commit(self, frame, meta)
+        elif op == Op.RELEASE:
+            await handlers.release(self, frame, meta)
+        else:
+            raise Refused(Status.NOT_OPEN, "OPEN a namespace and layout first", fatal=True)
+
+    async def _concurrent(self, frame: Frame, meta: bytes) -> None:
+        """Requests without payload, run beside the reader (pipelining)."""
+        handler = handlers.CONCURRENT.get(frame.op)
+        if handler is not None:
+            await handler(self, frame, meta)
+        elif frame.op == Op.SHM_ATTACH:
+            await self._attach(frame)
+        elif frame.op == Op.STATS:
+            await self._stats(frame)
+        elif frame.op == Op.PING:
+            await self.reply(frame)
+        else:
+            raise Refused(Status.BAD_REQUEST, f"{_op_name(frame.op)} after OPEN")
+
+    async def _hello(self, frame: Frame, meta: bytes) -> None:
+        hello = decode_json(meta)
+        cfg = self.ctx.server
+        self.state = State.GREETED
+        if not self.ctx.authenticator.required:
+            self.state = State.AUTHED
+        log.debug("hello from %s: %s", self.chan.peer, str(hello.get("client", ""))[:64])
+        info = {
+            "server": f"kvstore/{__version__}",
+            "protocol": 1,
+            "auth": "token" if self.ctx.authenticator.required else "none",
+            "nonce": self.nonce.hex(),
+            "limits": {
+                "max_frame_bytes": cfg.max_frame_bytes,
+                "max_batch_blocks": cfg.max_batch_blocks,
+                "max_inflight_requests": cfg.max_inflight_requests,
+            },
+        }
+        await self.reply(frame, encode_json(info))
+
+    async def _auth(self, frame: Frame, meta: bytes) -> None:
+        cred = self.ctx.authenticator.verify(self.nonce, meta)
+        if cred is None:
+            self.ctx.metrics.add("auth_failures")
+            log.warning("authentication failed from %s", self.chan.peer)
+            raise Refused(Status.UNAUTHENTICATED, "authentication failed", fatal=True)
+        self.credential = cred
+        self.state = State.AUTHED
+        names = None if cred.namespaces is None else sorted(cred.namespaces)
+        await self.reply(frame, encode_json({"name": cred.name, "namespaces": names}))
+
+    async def _open(self, frame: Frame, meta: bytes) -> None:
+        if self.state == State.OPEN:
+            raise Refused(Status.BAD_REQUEST, "this connection already opened a store")
+        request = decode_json(meta)
+        namespace = check_namespace(request.get("namespace"), "namespace")
+        if not self.ctx.authenticator.allows(self.credential, namespace):
+            raise AccessDeniedError(f"this token does not open namespace {namespace!r}")
+        layout = KVLayout.from_description(request.get("layout"))
+        if request.get("fingerprint") != layout.fingerprint_hex:
+            raise InvalidInputError("the layout's fingerprint differs from the client's")
+        self.hosted = await self.run(self.ctx.registry.open, namespace, layout)
+        self.state = State.OPEN
+        hosted = self.hosted
+        reply = {
+            "capacity_blocks": max(t.capacity_blocks for t in hosted.store.manager.tiers),
+            "shared_memory": hosted.segment is not None,
+            "unix": self.chan.unix,
+        }
+        await self.reply(frame, encode_json(reply))
+
+    async def _attach(self, frame: Frame) -> None:
+        segment = self.store.segment
+        if segment is None:
+            raise Refused(Status.BAD_REQUEST, "this store has no shared memory")
+        info = encode_json(shm.describe_segment(segment.fd, segment.nbytes))
+        if self.chan.unix:
+            head = Frame(frame.op, Flag.REPLY, 0, frame.request_id, len(info), 0)
+            async with self._send_lock:
+                await self.chan.send_fd(head.pack() + info, segment.fd, self.deadline())
+            return
+        await self.reply(frame, info)
+
+    async def _stats(self, frame: Frame) -> None:
+        allowed = None if self.credential is None else self.credential.namespaces
+        stores = await self.run(self.ctx.registry.stats, allowed)
+        body = {"server": self.ctx.metrics.snapshot(), "stores": stores}
+        await self.reply(frame, encode_json(body))
+
+    # -- the end --------------------------------------------------------------
+    async def _teardown(self) -> None:
+        """Let requests in flight finish, then give back every loan and reservation."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        loans, self.loans = list(self.loans.values()), {}
+        pending: list[PendingPut] = [r.pending for r in self.reservations.values()]
+        self.reservations = {}
+        if loans or pending:
+            await self.run(_give_back, loans, pending)
+        self.chan.close()
+        self.ctx.metrics.gauge("connections_open", -1)
+
+
+def _give_back(loans: list[Loan], pending: list[PendingPut]) -> None:
+    for loan in loans:
+        loan.release()
+    for put in pending:
+        put.abort()
+
+
+def _op_name(op: int) -> str:
+    return Op(op).name.lower() if op in Op._value2member_map_ else f"op{op}"

@@ -1,0 +1,334 @@
+"""The kvstore-server process: listeners, connections, metrics, and an orderly end.
+
+:class:`Server` runs on one asyncio loop (uvloop where installed). It listens
+on TCP (plain, or TLS with a certificate), on a Unix socket, and optionally
+serves Prometheus metrics over HTTP. Store operations run on ``server.threads``
+worker threads, never on the loop.
+
+Stopping (SIGTERM, SIGINT, or :meth:`Server.stop`) drains: listeners close at
+once, requests in flight get up to ``drain_timeout_s`` to finish, then the
+connections close and every store flushes its memory tiers to disk, so the
+disk tier is consistent and a restart finds the blocks. A kill -9 loses only
+blocks that were not yet on disk -- never one acknowledged as durable.
+
+:class:`ServerThread` runs a server on a background thread of the calling
+process (tests, benchmarks, notebooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import ssl
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.server.auth import Authenticator
+from kvstore.server.channel import Channel, RawChannel, StreamChannel
+from kvstore.server.connection import ByteBudget, Connection, ServerContext
+from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
+from kvstore.server.staging import StagingPool
+from kvstore.server.stores import StoreRegistry
+
+__all__ = ["Server", "ServerThread"]
+
+log = logging.getLogger(__name__)
+
+_BACKLOG = 512
+_STAGING_IDLE = 512 * 1024**2
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Server:
+    """One kvstore-server (see the module docstring). Start it with :meth:`start`."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        config.server.check_startable()
+        self.config = config
+        cfg = config.server
+        self.metrics = ServerMetrics()
+        self._executor = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-server")
+        self.registry = StoreRegistry(config)
+        self._ctx: ServerContext | None = None
+        self._authenticator = Authenticator(cfg.credentials())
+        self._listeners: list[socket.socket] = []
+        self._tls_servers: list[asyncio.AbstractServer] = []
+        self._accepting: list[asyncio.Task[None]] = []
+        self._serving: set[asyncio.Task[None]] = set()
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._stopped: asyncio.Event | None = None
+        #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``.
+        self.addresses: dict[str, str] = {}
+
+    @property
+    def ctx(self) -> ServerContext:
+        """The state its connections share (after :meth:`start`)."""
+        assert self._ctx is not None, "start() the server first"
+        return self._ctx
+
+    # -- start ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind every listener and begin accepting."""
+        cfg = self.config.server
+        self._stopped = asyncio.Event()
+        self._ctx = ServerContext(
+            config=self.config,
+            registry=self.registry,
+            authenticator=self._authenticator,
+            metrics=self.metrics,
+            budget=ByteBudget(cfg.max_inflight_bytes),
+            executor=self._executor,
+            staging=StagingPool(_STAGING_IDLE),
+        )
+        try:
+            if cfg.listen:
+                await self._listen_tcp(cfg.listen)
+            if cfg.unix_socket:
+                self._listen_unix(cfg.unix_socket)
+            if cfg.metrics_listen:
+                await self._listen_metrics(cfg.metrics_listen)
+        except OSError as exc:
+            await self._close_listeners()
+            raise ConfigError(f"cannot listen: {exc.strerror or exc}") from None
+
+    async def _listen_tcp(self, address: str) -> None:
+        host, port = _split(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        bound = sock.getsockname()
+        self.addresses["tcp"] = f"{host}:{bound[1]}"
+        if self.config.server.tls_cert:
+            server = await asyncio.start_server(
+                self._tls_client,
+                sock=sock,
+                ssl=self._tls_context(),
+                ssl_handshake_timeout=self.config.server.io_timeout_s,
+                backlog=_BACKLOG,
+            )
+            self._tls_servers.append(server)
+            return
+        self._accept_on(sock)
+
+    def _listen_unix(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.exists(path) and not _socket_in_use(path):
+                os.unlink(path)  # a stale socket of a server that was killed
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # only this user may connect (and map shared memory)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        self.addresses["unix"] = path
+        self._accept_on(sock)
+
+    def _accept_on(self, sock: socket.socket) -> None:
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+        self._listeners.append(sock)
+        self._accepting.append(asyncio.create_task(self._accept_loop(sock)))
+
+    async def _listen_metrics(self, address: str) -> None:
+        endpoint = MetricsEndpoint(self._render_metrics, lambda: not self.ctx.draining)
+        host, port = await endpoint.start(*_split(address))
+        self._metrics_endpoint = endpoint
+        self.addresses["metrics"] = f"{host}:{port}"
+
+    def _tls_context(self) -> ssl.SSLContext:
+        cfg = self.config.server
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(cfg.tls_cert or "", cfg.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"server.tls_cert / tls_key: cannot load them: {exc}") from None
+        return context
+
+    def _render_metrics(self) -> str:
+        stores = self.registry.stats()
+        for stats in stores:
+            stats.setdefault("layout_fp", "")
+        return self.metrics.render(stores)
+
+    # -- connections ------------------------------------------------------------
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: wait instead of spinning
+                if listener.fileno() < 0:
+                    return
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if not self._admit():
+                sock.close()
+                continue
+            self._spawn(RawChannel(sock))
+
+    async def _tls_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._admit():
+            writer.close()
+            return
+        conn = Connection(self.ctx, StreamChannel(reader, writer))
+        self.ctx.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.ctx.connections.discard(conn)
+
+    def _admit(self) -> bool:
+        ctx = self.ctx
+        if ctx.draining or len(ctx.connections) >= self.config.server.max_connections:
+            self.metrics.add("connections_refused")
+            return False
+        return True
+
+    def _spawn(self, chan: Channel) -> None:
+        conn = Connection(self.ctx, chan)
+        self.ctx.connections.add(conn)
+        task = asyncio.create_task(conn.serve())
+        self._serving.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._serving.discard(t)
+            self.ctx.connections.discard(conn)
+
+        task.add_done_callback(done)
+
+    # -- stop -------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the server to drain and stop (safe from a signal handler)."""
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        """Serve until :meth:`stop`, then drain and close."""
+        assert self._stopped is not None, "start() the server first"
+        await self._stopped.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        """Drain: stop accepting, let requests in flight finish, close, flush stores."""
+        ctx = self.ctx
+        if ctx.draining:
+            return
+        ctx.draining = True
+        await self._close_listeners()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.server.drain_timeout_s
+        while any(c.busy for c in ctx.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(ctx.connections):
+            conn.chan.abort()
+        if self._serving:
+            await asyncio.wait(list(self._serving), timeout=self.config.server.io_timeout_s)
+        for server in self._tls_servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 5.0)
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.close()
+        await loop.run_in_executor(self._executor, self.registry.close)
+        self._executor.shutdown(wait=True)
+        if "unix" in self.addresses:
+            with contextlib.suppress(OSError):
+                os.unlink(self.addresses["unix"])
+        log.info("kvstore-server stopped")
+
+    async def _close_listeners(self) -> None:
+        for task in self._accepting:
+            task.cancel()
+        for listener in self._listeners:
+            listener.close()
+        for server in self._tls_servers:
+            server.close()
+        self._accepting.clear()
+        self._listeners.clear()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT drain the server (main thread only)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+
+
+def _socket_in_use(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class ServerThread:
+    """A :class:`Server` on a thread of its own; a context manager.
+
+    >>> with ServerThread(config) as server:
+    ...     client = Client(server.address, layout)
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.server = Server(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kvstore-server", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.server.start())
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_until_complete(self.server.serve_forever())
+        self._loop.close()
+
+    def start(self) -> ServerThread:
+        """Start and wait until it listens."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def address(self) -> str:
+        """The TCP address (else ``unix:<path>``)."""
+        addrs = self.server.addresses
+        return addrs["tcp"] if "tcp" in addrs else f"unix:{addrs['unix']}"
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters."""
+        return self.server.metrics.snapshot()
+
+    def stop(self) -> None:
+        """Drain and stop; wait for the thread."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.server.stop)
+            self._thread.join()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

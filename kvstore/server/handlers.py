@@ -1,0 +1,391 @@
+"""The data requests of kvstore-server: PUT, RESERVE/COMMIT, GET/RELEASE, and the key queries.
+
+Bytes never take a detour through a buffer of the server's own where a tier
+can hold them directly:
+
+- PUT reserves each new block's slot first (:meth:`KVStore.begin_put`), then
+  receives its bytes straight into that slot, verifies every layer against
+  the block's header, and only then commits it (visible to lookups). A block
+  that fails verification is dropped and answered CORRUPT; nothing else
+  changes.
+- GET lends the blocks (:meth:`KVStore.lend`: pinned, not copied) and sends
+  each from the memory that holds it; blocks only a disk holds are read
+  (verified) into a staging buffer first. With shared memory, a same-host
+  client is told where each block lies instead, copies it itself, and sends
+  RELEASE; an unreleased loan ends with its lease or the connection.
+- RESERVE/COMMIT is PUT through shared memory: the client copies into the
+  slots it was given, then COMMIT publishes them (blocks the host tier could
+  not take come inline in COMMIT's payload, verified like PUT's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.errors import CorruptBlockError, LayoutMismatchError, ProtocolError
+from kvstore.lending import Loan, PendingPut
+from kvstore.server import wire
+from kvstore.server.channel import Buffer
+from kvstore.server.protocol import (
+    Flag,
+    Frame,
+    Op,
+    SlotStatus,
+    Status,
+    decode_commit_request,
+    decode_count,
+    decode_get_request,
+    decode_keys,
+    decode_u64,
+    encode_count,
+    encode_get_reply,
+    encode_put_reply,
+    encode_reserve_reply,
+)
+from kvstore.server.staging import StagingPool
+
+if TYPE_CHECKING:
+    from kvstore.server.connection import Connection
+    from kvstore.store import KVStore
+    from kvstore.tiers.slab import SharedSegment
+
+__all__ = ["CONCURRENT", "Reservation", "commit", "expire_reservations", "put", "release"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    """A RESERVE waiting for its COMMIT."""
+
+    pending: PendingPut
+    slots: list[tuple[int, int]]
+    created: float
+
+
+# -- PUT ---------------------------------------------------------------------
+async def put(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Receive whole blocks into reserved slots, verify, commit."""
+    hosted = conn.store
+    each = wire.wire_nbytes(hosted.layout)
+    try:
+        keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+        if frame.payload_len != len(keys) * each:
+            raise ProtocolError(
+                f"PUT of {len(keys)} blocks needs {len(keys) * each} payload bytes, "
+                f"got {frame.payload_len}"
+            )
+    except ProtocolError:
+        await conn.chan.discard(frame.payload_len, conn.deadline(frame.payload_len))
+        raise
+    await _acquire(conn, frame.payload_len)
+    try:
+        pending = await conn.run(hosted.store.begin_put, keys)
+        try:
+            got = await _receive_blocks(conn, frame, pending.views)
+        except BaseException:
+            await conn.run(pending.abort)
+            raise
+    finally:
+        await conn.ctx.budget.release(frame.payload_len)
+    statuses = await _commit(conn, frame, pending, got)
+    await conn.reply(frame, encode_put_reply(statuses))
+
+
+async def _acquire(conn: Connection, nbytes: int) -> None:
+    if not await conn.ctx.budget.acquire(nbytes, conn.deadline()):
+        raise _busy(nbytes)
+
+
+def _busy(nbytes: int) -> Exception:
+    return _refused(Status.BUSY, f"{nbytes} payload bytes do not fit in flight now; retry")
+
+
+async def _receive_blocks(
+    conn: Connection, frame: Frame, views: list[torch.Tensor | None]
+) -> list[bytes | None]:
+    """Receive each block's header, and its bytes into its view (dropped where None).
+
+    Returns the headers of the blocks received into a view (None elsewhere).
+    """
+    layout = conn.store.layout
+    size = wire.wire_nbytes(layout) - layout.block_nbytes
+    deadline = conn.deadline(frame.payload_len)
+    headers: list[bytes | None] = []
+    for view in views:
+        head = await conn.chan.recv(size, deadline)
+        if view is None:
+            await conn.chan.discard(layout.block_nbytes, deadline)
+            headers.append(None)
+            continue
+        await conn.chan.recv_into(_bytes_of(view), deadline)
+        headers.append(head)
+    return headers
+
+
+def _bytes_of(view: torch.Tensor) -> memoryview:
+    return memoryview(view.view(torch.uint8).reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+async def _commit(
+    conn: Connection, frame: Frame, pending: PendingPut, arrived: list[bytes | None]
+) -> list[int]:
+    """Verify what arrived, commit the good blocks, persist if asked; per-key statuses."""
+    hosted = conn.store
+    statuses = await conn.run(_verify_and_commit, hosted.store, pending, arrived)
+    if frame.flags & Flag.DURABLE:
+        held = [k for k, s in zip(pending.keys, statuses, strict=True) if _holds(s)]
+        durable = dict(zip(held, await conn.run(hosted.store.persist, held), strict=True))
+        statuses = [
+            s | SlotStatus.DURABLE if durable.get(k) else s
+            for k, s in zip(pending.keys, statuses, strict=True)
+        ]
+    corrupt = statuses.count(SlotStatus.CORRUPT)
+    if corrupt:
+        conn.ctx.metrics.add("blocks_corrupt_received", corrupt)
+    conn.ctx.metrics.add("blocks_stored", sum(1 for s in statuses if s & 0x7F == SlotStatus.STORED))
+    return statuses
+
+
+def _holds(status: int) -> bool:
+    return status in (SlotStatus.STORED, SlotStatus.PRESENT)
+
+
+def _verify_and_commit(
+    store: KVStore, pending: PendingPut, arrived: list[bytes | None]
+) -> list[int]:
+    """On a worker thread: check each block, commit the good ones, report per key.
+
+    ``arrived[i]``: the wire header of a block received over the socket
+    (verified here), ``b""`` for one the client wrote through shared memory,
+    None for one that did not come (its room is given back).
+    """
+    ok: list[bool] = []
+    verdict: list[int] = []
+    for key, view, head in zip(pending.keys, pending.views, arrived, strict=True):
+        good, status = view is not None and head is not None, SlotStatus.STORED
+        if view is None:
+            status = SlotStatus.PRESENT
+        elif head is None:
+            status = SlotStatus.MISS
+        elif head:
+            try:
+                wire.verify_span(wire.read_header(head, store.layout, key), view)
+            except (CorruptBlockError, LayoutMismatchError) as exc:
+                log.warning("dropping block %s from a client: %s", key.hex(), exc)
+                good, status = False, SlotStatus.CORRUPT
+        ok.append(good)
+        verdict.append(status)
+    pending.commit(ok)
+    return [
+        v if v != SlotStatus.STORED or store.contains(k) else SlotStatus.MISS
+        for k, v in zip(pending.keys, verdict, strict=True)
+    ]
+
+
+# -- RESERVE / COMMIT (puts through shared memory) ----------------------------
+async def reserve(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Room for new blocks: a shared-memory offset each, or INLINE (send in COMMIT)."""
+    hosted = conn.store
+    keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    if len(conn.reservations) >= conn.ctx.server.max_inflight_requests:
+        raise _refused(Status.BUSY, "too many reservations waiting for COMMIT")
+    pending = await conn.run(hosted.store.begin_put, keys)
+    segment = hosted.segment
+    slots: list[tuple[int, int]] = []
+    for view in pending.views:
+        offset = None if view is None or segment is None else segment.offset_of(view)
+        if view is None:
+            slots.append((SlotStatus.PRESENT, 0))
+        elif offset is None:
+            slots.append((SlotStatus.INLINE, 0))
+        else:
+            slots.append((SlotStatus.SHM, offset))
+    ident = next(conn.ids)
+    conn.reservations[ident] = Reservation(pending, slots, conn.loop.time())
+    await conn.reply(frame, encode_reserve_reply(ident, slots))
+
+
+async def commit(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Publish a reservation: shared-memory blocks as written, inline ones received."""
+    layout = conn.store.layout
+    each = wire.wire_nbytes(layout)
+    try:
+        ident, written = decode_commit_request(meta, conn.ctx.server.max_batch_blocks)
+        res = conn.reservations.get(ident)
+        if res is None:
+            raise ProtocolError(f"no reservation {ident} on this connection")
+        if len(written) != len(res.slots):
+            raise ProtocolError(f"COMMIT lists {len(written)} keys, RESERVE had {len(res.slots)}")
+        inline = [i for i, (s, _) in enumerate(res.slots) if s == SlotStatus.INLINE and written[i]]
+        if frame.payload_len != len(inline) * each:
+            raise ProtocolError(f"COMMIT needs {len(inline) * each} payload bytes")
+    except ProtocolError:
+        await conn.chan.discard(frame.payload_len, conn.deadline(frame.payload_len))
+        raise
+    del conn.reservations[ident]
+    pending = res.pending
+    try:
+        views = [pending.views[i] if i in inline else None for i in range(len(written))]
+        got = await _receive_blocks(conn, frame, [v for v in views if v is not None])
+    except BaseException:
+        await conn.run(pending.abort)
+        raise
+    arrived: list[bytes | None] = [None] * len(written)
+    heads = iter(got)
+    for i, (status, _) in enumerate(res.slots):
+        if status == SlotStatus.SHM and written[i]:
+            arrived[i] = b""
+        elif i in inline:
+            arrived[i] = next(heads)
+    await conn.reply(frame, encode_put_reply(await _commit(conn, frame, pending, arrived)))
+
+
+def expire_reservations(conn: Connection, older_than: float) -> list[PendingPut]:
+    """Forget reservations made before ``older_than`` (loop time); their puts, to abort."""
+    old = [k for k, r in conn.reservations.items() if r.created < older_than]
+    return [conn.reservations.pop(k).pending for k in old]
+
+
+# -- GET / RELEASE --------------------------------------------------------------
+async def get(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Send blocks (or layer ranges) from the memory holding them, or their places in
+    shared memory; misses are marked, never an error."""
+    hosted = conn.store
+    layout = hosted.layout
+    keys, layers = decode_get_request(meta, layout.num_layers, conn.ctx.server.max_batch_blocks)
+    shared = bool(frame.flags & Flag.SHM) and hosted.segment is not None
+    if len(conn.loans) >= conn.ctx.server.max_inflight_requests:
+        shared = False  # this client holds enough loans already: send bytes instead
+    loan = await conn.run(hosted.store.lend, keys)
+    kept = False
+    try:
+        slots = _slots(loan, hosted.segment if shared else None, layers)
+        inline = [i for i, (s, _) in enumerate(slots) if s == SlotStatus.INLINE]
+        nbytes = len(inline) * wire.wire_nbytes(layout, layers)
+        await _acquire(conn, nbytes)
+        staged: list[torch.Tensor] = []
+        try:
+            parts = await conn.run(_inline_parts, conn.ctx.staging, loan, inline, layers, staged)
+            for i in inline:
+                if i not in parts:
+                    slots[i] = (SlotStatus.MISS, 0)
+            lease = 0
+            if any(s == SlotStatus.SHM for s, _ in slots):
+                lease = next(conn.ids)
+                conn.loans[lease] = loan
+                kept = True
+            payload = [p for i in inline if i in parts for p in parts[i]]
+            await conn.reply(frame, encode_get_reply(lease, slots), payload)
+        finally:
+            conn.ctx.staging.give(layout, staged)
+            await conn.ctx.budget.release(nbytes)
+        conn.ctx.metrics.add("blocks_served", sum(1 for s, _ in slots if s != SlotStatus.MISS))
+    finally:
+        if not kept:
+            await conn.run(loan.release)
+
+
+def _slots(
+    loan: Loan, segment: SharedSegment | None, layers: tuple[int, int] | None
+) -> list[tuple[int, int]]:
+    """Per key: MISS, SHM at an offset, or INLINE."""
+    first, last = layers if layers is not None else (0, None)
+    slots: list[tuple[int, int]] = []
+    for found, view in zip(loan.found, loan.views, strict=True):
+        offset = None
+        if view is not None and segment is not None:
+            offset = segment.offset_of(view[first:last])
+        if not found:
+            slots.append((SlotStatus.MISS, 0))
+        elif offset is not None:
+            slots.append((SlotStatus.SHM, offset))
+        else:
+            slots.append((SlotStatus.INLINE, 0))
+    return slots
+
+
+def _inline_parts(
+    staging: StagingPool,
+    loan: Loan,
+    inline: list[int],
+    layers: tuple[int, int] | None,
+    staged: list[torch.Tensor],
+) -> dict[int, list[Buffer]]:
+    """On a worker thread: wire header and bytes of each inline block, read into
+    staging buffers (appended to ``staged``) where no memory tier holds it."""
+    layout = loan.layout
+    first, last = layers if layers is not None else (0, layout.num_layers)
+    parts: dict[int, list[Buffer]] = {}
+    for i in inline:
+        block = loan.views[i]
+        if block is None:
+            block = staging.take(layout)
+            staged.append(block)
+            if not loan.read_into(i, block[first:last], layers):
+                continue
+        header, pieces = wire.encode_span(loan.keys[i], layout, block, layers)
+        parts[i] = [header, *pieces]
+    return parts
+
+
+async def release(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """End a loan of shared-memory blocks (the client has copied them)."""
+    loan = conn.loans.pop(decode_u64(meta), None)
+    if loan is not None:
+        await conn.run(loan.release)
+    await conn.reply(frame)
+
+
+# -- queries ------------------------------------------------------------------
+async def exists(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """One byte per key: 1 if stored."""
+    store = conn.store.store
+    keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    found = await conn.run(lambda: bytes(1 if store.contains(k) else 0 for k in keys))
+    await conn.reply(frame, encode_count(len(keys)) + found)
+
+
+async def lookup(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """How many leading keys are stored (rechecked with shared tiers)."""
+    store = conn.store.store
+    keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    await conn.reply(frame, encode_count(await conn.run(store.lookup, keys)))
+
+
+async def delete(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Delete keys from every tier of this namespace's store."""
+    store = conn.store.store
+    keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    await conn.reply(frame, encode_count(await conn.run(store.delete, keys)))
+
+
+async def list_keys(conn: Connection, frame: Frame, meta: bytes) -> None:
+    """Up to ``limit`` stored keys of this namespace's store, as the payload."""
+    store = conn.store.store
+    limit = min(decode_count(meta), conn.ctx.server.max_frame_bytes // 16)
+    keys = await conn.run(store.stored_keys)
+    await conn.reply(frame, encode_count(min(limit, len(keys))), [b"".join(keys[:limit])])
+
+
+def _refused(status: Status, message: str) -> Exception:
+    from kvstore.server.connection import Refused
+
+    return Refused(status, message)
+
+
+Handler = Callable[["Connection", Frame, bytes], Awaitable[None]]
+#: Requests served beside the reader, several at once per connection.
+CONCURRENT: dict[int, Handler] = {
+    Op.GET: get,
+    Op.RESERVE: reserve,
+    Op.EXISTS: exists,
+    Op.LOOKUP: lookup,
+    Op.DELETE: delete,
+    Op.LIST: list_keys,
+}

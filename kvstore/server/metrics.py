@@ -1,0 +1,184 @@
+"""Server counters, rendered as Prometheus text, and the small HTTP endpoint serving them.
+
+``GET /metrics`` answers the Prometheus text format (version 0.0.4);
+``GET /healthz`` answers 200 while the server serves and 503 while it drains.
+Everything else gets 404. The endpoint reads only a request line and headers
+(bounded), never a body, and carries counters only -- never block data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MetricsEndpoint", "ServerMetrics"]
+
+_MAX_REQUEST = 8192
+
+
+class ServerMetrics:
+    """Counters of a server. Thread-safe: ``_lock`` guards every field."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = defaultdict(float)
+        self._requests: dict[str, int] = defaultdict(int)
+        self._errors: dict[str, int] = defaultdict(int)
+        self._gauges: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, value: float = 1) -> None:
+        """Add to counter ``name`` (``kvstore_server_<name>_total``)."""
+        with self._lock:
+            self._counters[name] += value
+
+    def request(self, op: str) -> None:
+        """Count one request of ``op``."""
+        with self._lock:
+            self._requests[op] += 1
+
+    def error(self, status: str) -> None:
+        """Count one error reply of ``status``."""
+        with self._lock:
+            self._errors[status] += 1
+
+    def gauge(self, name: str, delta: float) -> None:
+        """Move gauge ``name`` (``kvstore_server_<name>``) by ``delta``."""
+        with self._lock:
+            self._gauges[name] += delta
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as a JSON-friendly dict."""
+        with self._lock:
+            return {
+                **{k: v for k, v in self._counters.items()},
+                **{k: v for k, v in self._gauges.items()},
+                "requests": dict(self._requests),
+                "errors": dict(self._errors),
+            }
+
+    def render(self, stores: list[dict[str, Any]]) -> str:
+        """Prometheus text: server counters, then per-store gauges."""
+        with self._lock:
+            counters = dict(self._counters)
+            gauges = dict(self._gauges)
+            requests = dict(self._requests)
+            errors = dict(self._errors)
+        lines: list[str] = []
+        for name, value in sorted(counters.items()):
+            _metric(lines, f"kvstore_server_{name}_total", "counter", [("", value)])
+        for name, value in sorted(gauges.items()):
+            _metric(lines, f"kvstore_server_{name}", "gauge", [("", value)])
+        _metric(
+            lines,
+            "kvstore_server_requests_total",
+            "counter",
+            [(f'op="{op}"', n) for op, n in sorted(requests.items())],
+        )
+        _metric(
+            lines,
+            "kvstore_server_errors_total",
+            "counter",
+            [(f'status="{s}"', n) for s, n in sorted(errors.items())],
+        )
+        _store_metrics(lines, stores)
+        return "\n".join(lines) + "\n"
+
+
+def _metric(lines: list[str], name: str, kind: str, samples: list[tuple[str, float]]) -> None:
+    if not samples:
+        return
+    lines.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        lines.append(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}")
+
+
+_STORE_GAUGES = (
+    ("blocks", "gauge", "blocks"),
+    ("block_nbytes", "gauge", "block_bytes"),
+    ("lookup_hit_rate", "gauge", "lookup_hit_rate"),
+    ("bytes_written", "counter", "bytes_written_total"),
+    ("bytes_read", "counter", "bytes_read_total"),
+    ("evictions_total", "counter", "evictions_total"),
+)
+
+
+def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
+    for field, kind, name in _STORE_GAUGES:
+        samples = []
+        for stats in stores:
+            value = stats.get(field)
+            if field == "evictions_total":
+                value = sum(stats.get("evictions", []) or [0])
+            if isinstance(value, (int, float)):
+                labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
+                samples.append((labels, float(value)))
+        _metric(lines, f"kvstore_store_{name}", kind, samples)
+    tier_samples = []
+    for stats in stores:
+        for i, tier in enumerate(stats.get("tiers", [])):
+            labels = (
+                f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}",'
+                f'tier="{i}",kind="{tier.get("kind", "")}"'
+            )
+            for key in ("blocks", "capacity_blocks"):
+                if isinstance(tier.get(key), (int, float)):
+                    tier_samples.append((labels + f',what="{key}"', float(tier[key])))
+    _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples)
+
+
+class MetricsEndpoint:
+    """``/metrics`` and ``/healthz`` over HTTP/1.0 on the server's loop."""
+
+    def __init__(self, render: Callable[[], str], healthy: Callable[[], bool]) -> None:
+        self._render = render
+        self._healthy = healthy
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Listen; return the bound address."""
+        self._server = await asyncio.start_server(self._handle, host, port)
+        sockname = self._server.sockets[0].getsockname()
+        return str(sockname[0]), int(sockname[1])
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+            status, ctype, body = self._answer(head[:_MAX_REQUEST])
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
+            status, ctype, body = "400 Bad Request", "text/plain", "bad request\n"
+        except ConnectionError:
+            writer.close()
+            return
+        data = body.encode()
+        writer.write(
+            f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    def _answer(self, head: bytes) -> tuple[str, str, str]:
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or parts[0] != b"GET":
+            return "405 Method Not Allowed", "text/plain", "only GET\n"
+        path = parts[1].split(b"?", 1)[0]
+        if path == b"/metrics":
+            return "200 OK", "text/plain; version=0.0.4", self._render()
+        if path == b"/healthz":
+            if self._healthy():
+                return "200 OK", "text/plain", "ok\n"
+            return "503 Service Unavailable", "text/plain", "draining\n"
+        return "404 Not Found", "text/plain", "not found\n"
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None

@@ -1,0 +1,149 @@
+"""The stores a server hosts: one :class:`~kvstore.store.KVStore` per (namespace, layout).
+
+A namespace is a tenant's partition. Each one gets stores of its own, built
+from the server's tier list with the namespace folded into every place the
+tiers keep blocks (``<disk path>/ns-<namespace>``, an S3 prefix, a Redis key
+prefix), and its own capacity in every tier: one tenant can neither read,
+list nor delete another's blocks, nor evict them by filling the cache. A
+store opens on the first client that asks for it (finding what its disk tier
+kept across restarts) and closes with the server (flushing to disk).
+
+Lock ownership: ``_lock`` guards ``_stores`` and ``_closed``; opening a store
+happens under it (on a worker thread, never on the event loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.config.tiers import (
+    DiskTierConfig,
+    HostTierConfig,
+    RedisTierConfig,
+    S3TierConfig,
+    TierConfig,
+)
+from kvstore.errors import CapacityError, ClosedError
+from kvstore.layout import KVLayout
+from kvstore.store import KVStore
+from kvstore.tiers.slab import SharedSegment, SlabTier
+
+__all__ = ["HostedStore", "StoreRegistry", "namespaced_config"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostedStore:
+    """A store the server hosts, and the shared memory of its host tier (if any)."""
+
+    namespace: str
+    layout: KVLayout
+    store: KVStore
+    segment: SharedSegment | None
+
+    @property
+    def label(self) -> str:
+        """``namespace/fingerprint`` (for logs and metrics)."""
+        return f"{self.namespace}/{self.layout.fingerprint_hex}"
+
+
+def _namespaced_tier(tier: TierConfig, namespace: str, shared_memory: bool) -> TierConfig:
+    if isinstance(tier, DiskTierConfig):
+        return dataclasses.replace(tier, path=os.path.join(tier.path, f"ns-{namespace}"))
+    if isinstance(tier, S3TierConfig):
+        return dataclasses.replace(tier, prefix=f"{tier.prefix}/ns-{namespace}")
+    if isinstance(tier, RedisTierConfig):
+        return dataclasses.replace(tier, key_prefix=f"{tier.key_prefix}:ns-{namespace}")
+    if isinstance(tier, HostTierConfig) and shared_memory:
+        return dataclasses.replace(tier, shared_memory=True, pinned=None)
+    return tier
+
+
+def namespaced_config(config: StoreConfig, namespace: str, shared_memory: bool) -> StoreConfig:
+    """``config`` with each tier's location made private to ``namespace``.
+
+    ``shared_memory``: the first host tier's slab becomes mappable by clients.
+    """
+    tiers = []
+    shared_done = not shared_memory
+    for tier in config.tiers:
+        share = not shared_done and isinstance(tier, HostTierConfig)
+        shared_done = shared_done or share
+        tiers.append(_namespaced_tier(tier, namespace, share))
+    return dataclasses.replace(config, tiers=tuple(tiers))
+
+
+class StoreRegistry:
+    """Opens, finds and closes the hosted stores (at most ``max_stores``)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._stores: dict[tuple[str, bytes], HostedStore] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def open(self, namespace: str, layout: KVLayout) -> HostedStore:
+        """The store of (``namespace``, ``layout``), opened now if it is not yet.
+
+        Raises :class:`CapacityError` past ``server.max_stores`` and
+        :class:`~kvstore.errors.ConfigError` when the layout does not fit the
+        tiers (a block larger than a tier).
+        """
+        key = (namespace, layout.fingerprint)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the server is shutting down")
+            hosted = self._stores.get(key)
+            if hosted is not None:
+                return hosted
+            limit = self.config.server.max_stores
+            if len(self._stores) >= limit:
+                raise CapacityError(
+                    f"this server hosts {limit} stores (server.max_stores); "
+                    f"namespace {namespace!r} with layout {layout.fingerprint_hex} is one too many"
+                )
+            share = self.config.server.shared_memory
+            store = KVStore(layout, namespaced_config(self.config, namespace, share))
+            first = store.manager.tiers[0]
+            segment = first.segment if isinstance(first, SlabTier) else None
+            hosted = self._stores[key] = HostedStore(namespace, layout, store, segment)
+        log.info(
+            "opened store %s: %d blocks found, tiers %s",
+            hosted.label,
+            len(store.manager),
+            ", ".join(t.kind for t in store.manager.tiers),
+        )
+        return hosted
+
+    def hosted(self) -> list[HostedStore]:
+        """The stores open now."""
+        with self._lock:
+            return list(self._stores.values())
+
+    def stats(self, namespaces: frozenset[str] | None = None) -> list[dict[str, Any]]:
+        """Each open store's stats (only ``namespaces``' when given)."""
+        out = []
+        for hosted in self.hosted():
+            if namespaces is None or hosted.namespace in namespaces:
+                stats = hosted.store.stats()
+                out.append({"namespace": hosted.namespace, **stats})
+        return out
+
+    def close(self) -> None:
+        """Close every store: flush memory to persistent tiers, release the tiers."""
+        with self._lock:
+            self._closed = True
+            stores = list(self._stores.values())
+            self._stores.clear()
+        for hosted in stores:
+            try:
+                hosted.store.close()
+            except Exception:  # one store failing to close must not keep the others open
+                log.exception("closing store %s failed", hosted.label)

@@ -1,0 +1,117 @@
+"""Remote tier: a ``kvstore-server`` (same host or another), as a tier of any store.
+
+``{"kind": "remote", "address": "127.0.0.1:7070" | "unix:/path", "namespace": ...,
+"token": ..., "shared_memory": true}``. Several engine processes (a prefill and
+a decode process, TP ranks, hosts) that name the same server and namespace
+share its blocks. Bytes move over the socket, verified on both ends, or --
+on the server's host -- through its shared memory with one copy.
+
+The server outlives this process and holds blocks others wrote, so the tier
+is ``persistent`` (the manager lists what it holds on open and flushes into
+it at close) and ``shared`` (keys the index lacks are asked about). The
+server evicts by itself; ``capacity`` (1 TiB by default) only bounds what
+this process counts as stored there.
+
+A server that is down or restarting makes calls raise
+:class:`~kvstore.errors.TierError` within the timeouts (the manager serves a
+miss and keeps its books); the client probes once per ``retry_interval`` and
+reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvstore.client._common import ClientOptions
+from kvstore.client.sync import Client
+from kvstore.config import RemoteTierConfig, TierConfig
+from kvstore.errors import ClosedError, ConfigError, TierError
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.tiers._remote import check_get_args, check_put_args
+from kvstore.tiers.base import LayerRange, Tier
+
+__all__ = ["RemoteTier"]
+
+log = logging.getLogger(__name__)
+
+
+class RemoteTier(Tier):
+    """Blocks on a kvstore-server (see the module docstring)."""
+
+    kind = "remote"
+    persistent = True
+    shared = True
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        if not isinstance(config, RemoteTierConfig):
+            raise ConfigError(f"remote tier needs a RemoteTierConfig, got {type(config).__name__}")
+        config.validate("remote")
+        super().__init__(config, layout)
+        self.cfg = config
+        self._capacity = config.capacity // layout.block_nbytes
+        if self._capacity < 1:
+            raise ConfigError(
+                f"remote tier capacity {config.capacity} bytes is smaller than one block "
+                f"({layout.block_nbytes} bytes for this layout)"
+            )
+        self._client = Client(layout, ClientOptions.from_config(config))
+        self._closed = False
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    @property
+    def client(self) -> Client:
+        """The client this tier talks through."""
+        return self._client
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        self._check_open()
+        check_put_args(self.layout, keys, blocks)
+        return self._client.put(keys, blocks)
+
+    def get(
+        self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor], layers: LayerRange = None
+    ) -> list[bool]:
+        self._check_open()
+        check_get_args(self.layout, keys, outs, layers)
+        return self._client.get(keys, outs, layers)
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        self._check_open()
+        self._client.delete(keys)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self._check_open()
+        return self._client.exists(keys)
+
+    def stored_keys(self) -> Iterator[BlockKey]:
+        self._check_open()
+        try:
+            return iter(self._client.list_keys(self._capacity))
+        except TierError as exc:  # a server down at open: nothing to adopt yet, no crash
+            log.warning("remote tier %s: cannot list blocks: %s", self.cfg.address, exc)
+            return iter([])
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "address": self.cfg.address,
+            "namespace": self.cfg.namespace,
+            "shared_memory": self._client.shared_memory,
+            **self._client.stats,
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the remote tier is closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client.close()
