@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from kvstore import KVLayout, KVStore
+from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.server import ServerThread
 from kvstore.testing.data import host_config, small_layout
+from kvstore.testing.kvserver import server_test_config
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,3 +47,23 @@ def layout() -> KVLayout:
 def store(layout: KVLayout) -> Iterator[KVStore]:
     with KVStore(layout, host_config(layout, 64)) as s:
         yield s
+
+
+@pytest.fixture
+def kv_server() -> Iterator[Callable[..., ServerThread]]:
+    """Start in-process kvstore-servers (``kv_server(tiers=None, **server_settings)``);
+    each gets a short scratch directory (Unix socket paths are limited to 107 bytes)
+    and is drained and removed at the end of the test."""
+    started: list[tuple[ServerThread, str]] = []
+
+    def start(tiers: list[dict[str, Any]] | None = None, **server: Any) -> ServerThread:
+        work = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+        config = StoreConfig.from_dict(server_test_config(work, tiers, **server), environ={})
+        thread = ServerThread(config)
+        started.append((thread, work))
+        return thread.start()
+
+    yield start
+    for thread, work in started:
+        thread.stop()
+        shutil.rmtree(work, ignore_errors=True)

@@ -93,6 +93,8 @@ class Connection:
         self.options = options
         self.layout = layout
         self._ids = 0
+        #: The client's mapping of this server's shared memory (None: move bytes by socket).
+        self.shm: shm.Mapping | None = None
         self.sock = self._connect()
         try:
             self.hello = self._handshake()
@@ -200,9 +202,15 @@ class Connection:
                 raise _Dead("kvstore-server closed the connection")
             got += n
 
+    @property
+    def segment_id(self) -> str | None:
+        """The id of the shared memory the server offers on this connection (None: none)."""
+        offered = self.opened.get("shared_memory")
+        return str(offered.get("id")) if isinstance(offered, dict) else None
+
     def attach_shared_memory(self) -> shm.Mapping | None:
         """Map the store's shared memory, if the server offers it and this host can."""
-        if not self.opened.get("shared_memory"):
+        if self.segment_id is None:
             return None
         rid = self.send(Op.SHM_ATTACH)
         fd = None
@@ -214,10 +222,14 @@ class Connection:
         else:
             _, meta = self.reply(rid, Op.SHM_ATTACH)
         try:
-            return shm.attach(decode_json(meta), fd)
+            mapping = shm.attach(decode_json(meta), fd)
         except (OSError, ProtocolError, KeyError, ValueError) as exc:
             log.info("kvstore client: no shared memory with the server (%s)", exc)
             return None
+        if mapping.ident != self.segment_id:
+            mapping.close()
+            raise ProtocolError("the server attached another segment than it offered")
+        return mapping
 
     def close(self) -> None:
         """Close the socket (idempotent)."""
@@ -235,11 +247,17 @@ class Client:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.options.pool_size)
         self._breaker = Breaker(self.options.retry_interval)
-        self._shm: shm.Mapping | None = None
-        self._shm_tried = False
+        # Segment id -> this client's mapping of it (None: this host cannot map it). A
+        # server restart brings a new segment; connections to it use the new mapping.
+        self._mappings: dict[str, shm.Mapping | None] = {}
         self._limits: dict[str, Any] = {}
         self._closed = False
-        self.stats: dict[str, int] = {"reconnects": 0, "shm_blocks": 0, "socket_blocks": 0}
+        self.stats: dict[str, int] = {
+            "reconnects": 0,
+            "shm_blocks": 0,
+            "socket_blocks": 0,
+            "corrupt_retries": 0,
+        }
 
     # -- connections ------------------------------------------------------------
     @contextlib.contextmanager
@@ -267,9 +285,16 @@ class Client:
     def _new_connection(self) -> Connection:
         conn = Connection(self.options, self.layout)
         self._limits = conn.limits
-        if self.options.shared_memory and not self._shm_tried:
-            self._shm_tried = True
-            self._shm = conn.attach_shared_memory()
+        ident = conn.segment_id
+        if self.options.shared_memory and ident is not None:
+            with self._lock:
+                known = ident in self._mappings
+                mapping = self._mappings.get(ident)
+            if not known:
+                mapping = conn.attach_shared_memory()
+                with self._lock:
+                    mapping = self._mappings.setdefault(ident, mapping)
+            conn.shm = mapping
         return conn
 
     def _run(self, fn: Callable[[Connection], T]) -> T:
@@ -341,7 +366,7 @@ class Client:
     def _put_batch(
         self, conn: Connection, keys: list[BlockKey], blocks: list[torch.Tensor], flags: int
     ) -> list[int]:
-        if self._shm is not None:
+        if conn.shm is not None:
             return self._put_shared(conn, keys, blocks, flags)
         parts: list[Buffer] = []
         for key, block in zip(keys, blocks, strict=True):
@@ -355,7 +380,7 @@ class Client:
         self, conn: Connection, keys: list[BlockKey], blocks: list[torch.Tensor], flags: int
     ) -> list[int]:
         """RESERVE slots, copy into them through shared memory, COMMIT."""
-        assert self._shm is not None
+        assert conn.shm is not None
         _, meta = conn.call(Op.RESERVE, encode_keys(keys))
         ident, slots = decode_reserve_reply(meta, len(keys))
         written = [False] * len(keys)
@@ -366,7 +391,7 @@ class Client:
                 zip(keys, blocks, slots, strict=True)
             ):
                 if status == SlotStatus.SHM:
-                    pairs.append((self._slot(offset, block.shape), block))
+                    pairs.append((_slot(conn.shm, self.layout, offset, block.shape), block))
                 elif status == SlotStatus.INLINE:
                     inline += encode_block(key, self.layout, block, Codec.RAW).parts()
                 written[i] = status in (SlotStatus.SHM, SlotStatus.INLINE)
@@ -381,11 +406,6 @@ class Client:
         self.stats["shm_blocks"] += len(pairs)
         return decode_put_reply(meta, len(keys))
 
-    def _slot(self, offset: int, shape: Sequence[int], nbytes: int | None = None) -> torch.Tensor:
-        assert self._shm is not None
-        size = self.layout.block_nbytes if nbytes is None else nbytes
-        return self._shm.slot(offset, size).view(self.layout.dtype).view(*shape)
-
     def get(
         self,
         keys: Sequence[BlockKey],
@@ -393,17 +413,35 @@ class Client:
         layers: tuple[int, int] | None = None,
     ) -> list[bool]:
         """Read each stored block (or its ``layers``) into ``outs[i]``, verified; False
-        where the server has none (``outs[i]`` untouched) or its bytes failed."""
+        where the server has none (``outs[i]`` untouched) or its bytes failed twice.
+
+        A block that arrives damaged is asked for once more before it counts as
+        lost: damage on the wire is usually transient, and a miss makes the
+        store drop the server's (good) copy.
+        """
         keys = check_keys(keys)
         same_length(keys, outs, "output tensors")
         layers = check_layers(self.layout, layers)
-        done: list[bool] = [False] * len(keys)
+        done = self._get_once(keys, outs, layers)
+        again = [i for i, ok in enumerate(done) if ok is None]
+        if again:
+            self.stats["corrupt_retries"] += len(again)
+            retried = self._get_once([keys[i] for i in again], [outs[i] for i in again], layers)
+            for i, ok in zip(again, retried, strict=True):
+                done[i] = ok
+        return [ok is True for ok in done]
+
+    def _get_once(
+        self, keys: list[BlockKey], outs: Sequence[torch.Tensor], layers: tuple[int, int] | None
+    ) -> list[bool | None]:
+        """One pass of :meth:`get`: True read, False a miss, None damaged on arrival."""
+        done: list[bool | None] = [False] * len(keys)
         for idx in self._batches(len(keys), layers):
             part_keys, part_outs = [keys[i] for i in idx], [outs[i] for i in idx]
 
             def batch(
                 c: Connection, k: list[BlockKey] = part_keys, o: list[torch.Tensor] = part_outs
-            ) -> list[bool]:
+            ) -> list[bool | None]:
                 return self._get_batch(c, k, o, layers)
 
             for i, ok in zip(idx, self._run(batch), strict=True):
@@ -416,8 +454,8 @@ class Client:
         keys: list[BlockKey],
         outs: list[torch.Tensor],
         layers: tuple[int, int] | None,
-    ) -> list[bool]:
-        flags = Flag.SHM if self._shm is not None else 0
+    ) -> list[bool | None]:
+        flags = Flag.SHM if conn.shm is not None else 0
         rid = conn.send(Op.GET, encode_get_request(keys, layers), (), flags)
         frame, meta = conn.reply(rid, Op.GET)
         lease, slots = decode_get_reply(meta, len(keys))
@@ -425,7 +463,7 @@ class Client:
         if frame.payload_len != inline * wire.wire_nbytes(self.layout, layers):
             conn.close()
             raise ProtocolError("GET reply payload does not match its inline blocks")
-        done = [False] * len(keys)
+        done: list[bool | None] = [False] * len(keys)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         first, last = layers if layers is not None else (0, self.layout.num_layers)
         span = (last - first) * self.layout.layer_nbytes
@@ -433,9 +471,9 @@ class Client:
             if status == SlotStatus.INLINE:
                 done[i] = self._receive(conn, key, out, layers)
             elif status == SlotStatus.SHM:
-                if self._shm is None:
+                if conn.shm is None:
                     raise ProtocolError("the server answered with shared memory not asked for")
-                pairs.append((out, self._slot(offset, out.shape, span)))
+                pairs.append((out, _slot(conn.shm, self.layout, offset, out.shape, span)))
                 done[i] = True
         try:
             copy_all(pairs)
@@ -448,8 +486,9 @@ class Client:
 
     def _receive(
         self, conn: Connection, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
-    ) -> bool:
-        """One inline block: its header, then its bytes straight into ``out``; verified."""
+    ) -> bool | None:
+        """One inline block: its header, then its bytes straight into ``out``; verified
+        (None if it arrived damaged)."""
         layout = self.layout
         head = conn.recv(wire.wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
         pieces = layer_pieces(out)
@@ -463,8 +502,8 @@ class Client:
         try:
             wire.verify_span(wire.read_header(head, layout, key), target, layers)
         except (CorruptBlockError, LayoutMismatchError) as exc:
-            log.warning("kvstore client: block %s from the server is corrupt: %s", key.hex(), exc)
-            return False
+            log.warning("kvstore client: block %s arrived damaged: %s", key.hex(), exc)
+            return None
         if target is not out:
             out.copy_(target)
         return True
@@ -524,8 +563,10 @@ class Client:
 
     @property
     def shared_memory(self) -> bool:
-        """True when blocks move through the server's shared memory."""
-        return self._shm is not None
+        """True when blocks move through the server's shared memory (as of the latest
+        connection made)."""
+        with self._lock:
+            return any(m is not None for m in self._mappings.values())
 
     def _batches(
         self, n: int, layers: tuple[int, int] | None, by_bytes: bool = True
@@ -543,9 +584,11 @@ class Client:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        with self._lock:
+            mappings, self._mappings = list(self._mappings.values()), {}
+        for mapping in mappings:
+            if mapping is not None:
+                mapping.close()
 
     def __enter__(self) -> Client:
         return self
@@ -555,6 +598,18 @@ class Client:
 
 
 _HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
+
+
+def _slot(
+    mapping: shm.Mapping,
+    layout: KVLayout,
+    offset: int,
+    shape: Sequence[int],
+    nbytes: int | None = None,
+) -> torch.Tensor:
+    """The block (or layers) at ``offset`` in shared memory, as a tensor of ``shape``."""
+    size = layout.block_nbytes if nbytes is None else nbytes
+    return mapping.slot(offset, size).view(layout.dtype).view(*shape)
 
 
 def _call_meta(conn: Connection, op: Op, keys: list[BlockKey]) -> bytes:

@@ -266,7 +266,7 @@ class StoreConfig:
             "tiers": [t.to_dict() for t in self.tiers],
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
-            "server": dataclasses.asdict(self.server),
+            "server": self.server.to_dict(),
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }

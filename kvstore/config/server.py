@@ -16,6 +16,7 @@ secrets: a token is given inline (``token``), or better in a file
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -124,7 +125,7 @@ def is_loopback(address: str) -> bool:
 class ServerConfig:
     """Settings of ``kvstore-server`` (see the module docstring and docs/server.md).
 
-    Listening: ``listen`` (``HOST:PORT``; ``""``: no TCP), ``unix_socket``,
+    Listening: ``listen`` (``HOST:PORT``; null: no TCP), ``unix_socket``,
     ``metrics_listen`` (Prometheus ``/metrics`` and ``/healthz``). Security:
     ``token`` / ``token_file`` (all namespaces), ``tokens`` (limited ones),
     ``tls_cert`` / ``tls_key``. A server listening beyond loopback with no
@@ -136,7 +137,7 @@ class ServerConfig:
     ``shared_memory`` offers same-host clients the host tier's memory directly.
     """
 
-    listen: str = opt("127.0.0.1:7070", parse_str)
+    listen: str | None = opt("127.0.0.1:7070", parse_optional_str)
     unix_socket: str | None = opt(None, parse_optional_str)
     metrics_listen: str | None = opt(None, parse_optional_str)
     token: str | None = opt(None, parse_optional_str)
@@ -188,6 +189,12 @@ class ServerConfig:
             "drain_timeout_s",
             "threads",
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-friendly dict that the config reads back to an equal section."""
+        data = dataclasses.asdict(self)
+        data["tokens"] = [{**t, "namespaces": list(t["namespaces"])} for t in data["tokens"]]
+        return data
 
     def credentials(self) -> list[Credential]:
         """Every accepted token, secrets read from their files (ConfigError if unreadable)."""

@@ -43,6 +43,8 @@ def _config(args: argparse.Namespace) -> Any:
         for name in ("listen", "unix_socket", "metrics_listen", "token_file", "tls_cert", "tls_key")
         if getattr(args, name) is not None
     }
+    if overrides.get("listen") == "":
+        overrides["listen"] = None  # --listen '': no TCP (a Unix socket only)
     if "token_file" in overrides:
         overrides["token"] = None
     server = dataclasses.replace(config.server, **overrides)

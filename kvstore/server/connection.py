@@ -272,7 +272,7 @@ class Connection:
         except Refused as refused:
             self.busy -= 1
             await self.error(frame, refused.status, str(refused))
-            return False
+            return not refused.fatal  # a refused request that carries no payload is consumed
         self.ctx.metrics.request(_op_name(frame.op))
         self.ctx.metrics.add("bytes_received", frame.meta_len + frame.payload_len)
         if frame.op in _PAYLOAD_OPS or frame.op == Op.RELEASE or self.state < State.OPEN:
@@ -416,10 +416,12 @@ class Connection:
         self.hosted = await self.run(self.ctx.registry.open, namespace, layout)
         self.state = State.OPEN
         hosted = self.hosted
+        shared = None
+        if hosted.segment is not None:
+            shared = {"id": hosted.segment_id, "nbytes": hosted.segment.nbytes}
         reply = {
             "capacity_blocks": max(t.capacity_blocks for t in hosted.store.manager.tiers),
-            "shared_memory": hosted.segment is not None,
-            "unix": self.chan.unix,
+            "shared_memory": shared,
         }
         await self.reply(frame, encode_json(reply))
 
@@ -427,7 +429,8 @@ class Connection:
         segment = self.store.segment
         if segment is None:
             raise Refused(Status.BAD_REQUEST, "this store has no shared memory")
-        info = encode_json(shm.describe_segment(segment.fd, segment.nbytes))
+        described = shm.describe_segment(segment.fd, segment.nbytes)
+        info = encode_json({**described, "id": self.store.segment_id})
         if self.chan.unix:
             head = Frame(frame.op, Flag.REPLY, 0, frame.request_id, len(info), 0)
             async with self._send_lock:
@@ -447,17 +450,17 @@ class Connection:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         loans, self.loans = list(self.loans.values()), {}
+        for loan in loans:
+            loan.release()  # on the loop: workers may be waiting for these pins
         pending: list[PendingPut] = [r.pending for r in self.reservations.values()]
         self.reservations = {}
-        if loans or pending:
-            await self.run(_give_back, loans, pending)
+        if pending:
+            await self.run(_abort, pending)
         self.chan.close()
         self.ctx.metrics.gauge("connections_open", -1)
 
 
-def _give_back(loans: list[Loan], pending: list[PendingPut]) -> None:
-    for loan in loans:
-        loan.release()
+def _abort(pending: list[PendingPut]) -> None:
     for put in pending:
         put.abort()
 

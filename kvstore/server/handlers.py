@@ -288,7 +288,7 @@ async def get(conn: Connection, frame: Frame, meta: bytes) -> None:
         conn.ctx.metrics.add("blocks_served", sum(1 for s, _ in slots if s != SlotStatus.MISS))
     finally:
         if not kept:
-            await conn.run(loan.release)
+            loan.release()  # on the loop: see release()
 
 
 def _slots(
@@ -335,10 +335,15 @@ def _inline_parts(
 
 
 async def release(conn: Connection, frame: Frame, meta: bytes) -> None:
-    """End a loan of shared-memory blocks (the client has copied them)."""
+    """End a loan of shared-memory blocks (the client has copied them).
+
+    On the loop, not a worker thread: unpinning is a short critical section, and
+    workers may all be waiting for exactly these pins to drop (an eviction or a
+    delete of a lent block), so a release queued behind them would deadlock.
+    """
     loan = conn.loans.pop(decode_u64(meta), None)
     if loan is not None:
-        await conn.run(loan.release)
+        loan.release()
     await conn.reply(frame)
 
 

@@ -163,7 +163,9 @@ class Frame:
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Frame:
-        """Parse a header; ProtocolError for a wrong magic or version."""
+        """Parse a header; ProtocolError for a wrong size, magic or version."""
+        if len(data) != FRAME.size:
+            raise ProtocolError(f"a frame header has {FRAME.size} bytes, got {len(data)}")
         magic, version, op, flags, status, rid, meta_len, payload_len = FRAME.unpack(data)
         if magic != MAGIC:
             raise ProtocolError(f"not a kvstore frame (magic {bytes(magic)!r})")

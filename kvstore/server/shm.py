@@ -69,6 +69,8 @@ class Mapping:
 
     region: mmap.mmap
     tensor: torch.Tensor
+    #: The segment's random id (the server's OPEN reply names the one to use).
+    ident: str = ""
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         """The bytes at ``offset`` (checked against the segment's size)."""
@@ -98,4 +100,4 @@ def attach(info: dict[str, Any], fd: int | None) -> Mapping:
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)  # the mapping keeps the memory
-    return Mapping(region, torch.frombuffer(region, dtype=torch.uint8))
+    return Mapping(region, torch.frombuffer(region, dtype=torch.uint8), str(info.get("id", "")))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,9 @@ class HostedStore:
     layout: KVLayout
     store: KVStore
     segment: SharedSegment | None
+    #: Random per segment: a client that mapped another server's (or an earlier
+    #: run's) memory sees that this is not it.
+    segment_id: str = ""
 
     @property
     def label(self) -> str:
@@ -113,7 +117,8 @@ class StoreRegistry:
             store = KVStore(layout, namespaced_config(self.config, namespace, share))
             first = store.manager.tiers[0]
             segment = first.segment if isinstance(first, SlabTier) else None
-            hosted = self._stores[key] = HostedStore(namespace, layout, store, segment)
+            ident = secrets.token_hex(16) if segment is not None else ""
+            hosted = self._stores[key] = HostedStore(namespace, layout, store, segment, ident)
         log.info(
             "opened store %s: %d blocks found, tiers %s",
             hosted.label,

@@ -27,9 +27,33 @@ import yaml
 from kvstore.errors import TierError
 from kvstore.testing.servers import HOST, free_port
 
-__all__ = ["KVStoreServerProcess"]
+__all__ = ["KVStoreServerProcess", "server_test_config"]
 
 _START_TIMEOUT = 30.0
+
+
+def server_test_config(
+    workdir: str | os.PathLike[str], tiers: list[dict[str, Any]] | None = None, **server: Any
+) -> dict[str, Any]:
+    """A small server config for tests: 16 MiB of host memory over 256 MiB of disk in
+    ``workdir``, any free port, a Unix socket in ``workdir``; ``server`` overrides.
+    Disk tiers of ``tiers`` without a ``path`` get ``workdir/disk``."""
+    work = Path(workdir)
+    default_tiers = [
+        {"kind": "host", "capacity": "16MiB"},
+        {"kind": "disk", "capacity": "256MiB"},
+    ]
+    tiers = [dict(t) for t in (tiers if tiers is not None else default_tiers)]
+    for tier in tiers:
+        if tier.get("kind") == "disk" and not tier.get("path"):
+            tier["path"] = str(work / "disk")
+    settings = {
+        "listen": f"{HOST}:0",
+        "unix_socket": str(work / "kvstore.sock"),
+        "max_stores": 256,
+        **server,
+    }
+    return {"tiers": tiers, "server": settings}
 
 
 class KVStoreServerProcess:

@@ -1,0 +1,352 @@
+"""Limits and hostile clients: oversized, malformed and slow frames, idle and excess
+connections, corrupt blocks, abandoned loans and reservations, and fuzzed frames -- after
+which the server still serves good clients and has changed nothing."""
+
+from __future__ import annotations
+
+import random
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.client import Client, ClientOptions
+from kvstore.codec import Codec, encode_block
+from kvstore.config import StoreConfig
+from kvstore.errors import TierError
+from kvstore.server import ServerThread
+from kvstore.server.protocol import (
+    FRAME,
+    MAGIC,
+    VERSION,
+    Flag,
+    Frame,
+    Op,
+    SlotStatus,
+    Status,
+    decode_get_reply,
+    decode_put_reply,
+    decode_reserve_reply,
+    encode_commit_request,
+    encode_get_request,
+    encode_keys,
+)
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.kvserver import server_test_config
+
+Start = Callable[..., ServerThread]
+LAYOUT = small_layout()
+
+
+def blocks(n: int, seed: int) -> list[torch.Tensor]:
+    kv = random_blocks(LAYOUT, n, seed)
+    step = LAYOUT.block_tokens
+    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
+
+
+def wire(keys: list[bytes], data: list[torch.Tensor]) -> bytes:
+    return b"".join(
+        encode_block(k, LAYOUT, b, Codec.RAW).tobytes() for k, b in zip(keys, data, strict=True)
+    )
+
+
+def hosted_store(server: ServerThread) -> Any:
+    return server.server.registry.hosted()[0].store
+
+
+def test_oversized_frames_are_refused_and_closed(kv_server: Start, raw: Any) -> None:
+    server = kv_server(max_frame_bytes="1MiB")
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    conn.send(Op.PUT, encode_keys(make_keys(1)), payload_len=2 * 1024**2)
+    frame, meta, _ = conn.read()
+    assert frame.status == Status.TOO_LARGE and b"max_frame_bytes" in meta
+    assert conn.closed_by_server()
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    conn.send(Op.GET, b"", meta_len=10**8)  # a meta no request needs
+    assert conn.read()[0].status == Status.TOO_LARGE
+    assert conn.closed_by_server()
+
+
+def test_frames_that_are_not_ours_close_the_connection(kv_server: Start, raw: Any) -> None:
+    server = kv_server()
+    conn = raw(server.address)
+    conn.sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert conn.read()[0].status == Status.BAD_FRAME
+    assert conn.closed_by_server()
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    conn.send(Op.EXISTS, encode_keys(make_keys(1)), b"unexpected payload")
+    assert conn.read()[0].status == Status.BAD_FRAME
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    conn.send(Op.PING, flags=Flag.REPLY)  # clients send requests
+    assert conn.read()[0].status == Status.BAD_FRAME and conn.closed_by_server()
+
+
+def test_bad_fields_get_an_error_and_change_nothing(kv_server: Start, raw: Any) -> None:
+    server = kv_server()
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    keys = make_keys(2)
+    body = wire(keys, blocks(2, seed=1))
+    frame, meta, _ = conn.call(Op.PUT, encode_keys(keys), body[:-1])  # one byte short
+    assert frame.status == Status.BAD_REQUEST and b"payload bytes" in meta
+    assert conn.call(Op.PING)[0].status == Status.OK  # the connection goes on
+    assert conn.call(Op.GET, encode_get_request(keys, (2, 1)))[0].status == Status.BAD_REQUEST
+    assert conn.call(Op.COMMIT, encode_commit_request(99, [True]))[0].status == Status.BAD_REQUEST
+    frame, _, _ = conn.call(200)  # an op nobody knows
+    assert frame.status == Status.UNKNOWN_OP
+    assert conn.call(Op.OPEN, b"{}")[0].status == Status.BAD_REQUEST  # already open
+    assert hosted_store(server).stored_keys() == []
+
+
+def test_corrupt_blocks_in_a_put_are_dropped_alone(kv_server: Start, raw: Any) -> None:
+    server = kv_server()
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    keys, data = make_keys(3), blocks(3, seed=2)
+    body = bytearray(wire(keys, data))
+    each = len(body) // 3
+    body[each + each - 5] ^= 0xFF  # a payload byte of block 1: its layer checksum fails
+    wrong_key = wire([keys[0]], data[:1])  # block 2's bytes claim to be block 0
+    body[2 * each :] = wrong_key
+    frame, meta, _ = conn.call(Op.PUT, encode_keys(keys), bytes(body))
+    assert frame.status == Status.OK
+    assert decode_put_reply(meta, 3) == [SlotStatus.STORED, SlotStatus.CORRUPT, SlotStatus.CORRUPT]
+    store = hosted_store(server)
+    assert [store.contains(k) for k in keys] == [True, False, False]
+    assert server.stats()["blocks_corrupt_received"] == 2
+    assert store.manager.pinned_blocks() == 0
+
+
+def test_abandoned_reservations_and_loans_end_with_the_connection(
+    kv_server: Start, raw: Any
+) -> None:
+    server = kv_server()
+    with Client(LAYOUT, ClientOptions(server.address)) as c:
+        assert all(c.put(make_keys(2), blocks(2, seed=3)))
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(3, salt=1)))
+    assert frame.status == Status.OK
+    assert decode_reserve_reply(meta, 3)[1][0][0] == SlotStatus.SHM
+    frame, meta, _payload = conn.call(
+        Op.GET, encode_get_request(make_keys(2), None), flags=Flag.SHM
+    )
+    lease, slots = decode_get_reply(meta, 2)
+    assert lease and all(s == SlotStatus.SHM for s, _ in slots)
+    store = hosted_store(server)
+    assert store.manager.pinned_blocks() == 5  # 3 being written, 2 lent
+    conn.close()  # a client that dies without COMMIT or RELEASE
+    deadline = time.monotonic() + 5
+    while store.manager.pinned_blocks() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.manager.pinned_blocks() == 0
+    assert store.contains(make_keys(3, salt=1)[0]) is False
+
+
+def test_slow_and_idle_clients_are_cut_off_without_stalling_others(
+    kv_server: Start, raw: Any
+) -> None:
+    server = kv_server(io_timeout_s=0.5, idle_timeout_s=0.5, min_rate="1MiB")
+    slow = raw(server.address, timeout=10)
+    idle = raw(server.address, timeout=10)
+    idle.handshake()
+    head = Frame(Op.HELLO, 0, 0, 1, 2, 0).pack() + b"{}"
+    stop = threading.Event()
+    pings: list[float] = []
+
+    def good_client() -> None:
+        with Client(LAYOUT, ClientOptions(server.address)) as c:
+            while not stop.is_set():
+                start = time.perf_counter()
+                c.ping()
+                pings.append(time.perf_counter() - start)
+                time.sleep(0.01)
+
+    worker = threading.Thread(target=good_client)
+    worker.start()
+    start = time.monotonic()
+    try:
+        for byte in head:  # slow-loris: a byte every 0.2 s
+            slow.sock.sendall(bytes([byte]))
+            time.sleep(0.2)
+    except OSError:
+        pass
+    assert slow.closed_by_server()
+    assert time.monotonic() - start < 3
+    assert idle.closed_by_server()
+    stop.set()
+    worker.join()
+    assert pings and max(pings) < 0.5  # nobody else waited on the slow client
+
+
+def test_a_slow_payload_is_cut_off(kv_server: Start, raw: Any) -> None:
+    server = kv_server(io_timeout_s=0.3, min_rate="1MiB")
+    conn = raw(server.address, timeout=10)
+    conn.handshake(LAYOUT)
+    keys = make_keys(64)
+    conn.send(Op.PUT, encode_keys(keys), payload_len=64 * len(wire(keys[:1], blocks(1, 4))))
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 5:
+            conn.sock.sendall(b"\0" * 100)  # 1 KB/s: far below min_rate
+            time.sleep(0.1)
+    except OSError:
+        pass
+    assert conn.closed_by_server()
+    assert time.monotonic() - start < 3
+    assert hosted_store(server).manager.pinned_blocks() == 0  # the reservation was undone
+
+
+def test_connections_beyond_the_limit_are_refused(kv_server: Start, raw: Any) -> None:
+    server = kv_server(max_connections=2)
+    first, second = raw(server.address), raw(server.address)
+    first.handshake()
+    second.handshake()
+    third = raw(server.address)
+    assert third.closed_by_server(timeout=2)
+    assert server.stats()["connections_refused"] >= 1
+
+
+def test_pipelined_requests_beyond_the_inflight_limit_are_all_answered(
+    kv_server: Start, raw: Any
+) -> None:
+    server = kv_server(max_inflight_requests=2)
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    for _ in range(20):
+        conn.send(Op.GET, encode_get_request(make_keys(4), None))
+    replies = [conn.read() for _ in range(20)]
+    assert sorted(f.request_id for f, _, _ in replies) == list(range(3, 23))
+    assert all(f.status == Status.OK for f, _, _ in replies)
+
+
+# -- fuzzing -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    work = tmp_path_factory.mktemp("fuzz")
+    sock_dir = __import__("tempfile").mkdtemp(prefix="kvs-", dir="/tmp")
+    config = server_test_config(work, None, unix_socket=f"{sock_dir}/s.sock", io_timeout_s=2.0)
+    with ServerThread(StoreConfig.from_dict(config, environ={})) as server:
+        with Client(LAYOUT, ClientOptions(server.address)) as c:
+            assert all(c.put(make_keys(8, salt=42), blocks(8, seed=42)))
+        yield server
+
+
+def _good_client_still_served(server: ServerThread) -> None:
+    with Client(LAYOUT, ClientOptions(server.address, shared_memory=False)) as c:
+        outs = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in range(8)]
+        assert c.get(make_keys(8, salt=42), outs) == [True] * 8
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks(8, seed=42), strict=True))
+
+
+def _random_frame(rng: random.Random, rid: int) -> bytes:
+    """A well-framed request with random fields (op, flags, meta, payload)."""
+    op = rng.choice([*list(Op), rng.randint(0, 255)])
+    meta = rng.randbytes(rng.choice([0, 1, 4, 8, 12, 20, 36, rng.randint(0, 200)]))
+    if rng.random() < 0.3:  # a key list that decodes
+        meta = struct.pack("<I", 2) + rng.randbytes(32)
+    payload = rng.randbytes(rng.randint(0, 64)) if op in (Op.PUT, Op.COMMIT) else b""
+    flags = rng.choice([0, 0, 0, Flag.SHM, Flag.NO_REPLY, Flag.DURABLE])
+    if rng.random() < 0.02:
+        flags = rng.randint(0, 65535)
+    head = struct.pack(
+        "<2sBBHHIIQ", MAGIC, VERSION, int(op), flags, 0, rid, len(meta), len(payload)
+    )
+    return head + meta + payload
+
+
+def _until_pong(conn: Any, rid: int) -> bool:
+    """Read replies until PING ``rid`` answers; False if the server hung up."""
+    try:
+        while True:
+            frame, _, _ = conn.read()
+            if frame.op == Op.PING and frame.request_id == rid:
+                return True
+    except (ConnectionError, OSError):
+        return False
+
+
+def test_fuzzed_frames_change_nothing(fuzz_server: ServerThread, raw: Any) -> None:
+    """10^5 random byte strings -- 95,000 well-framed requests with random fields, each
+    answered before the next, and 5,000 strings of noise: the server answers or hangs
+    up, and serves good clients the same bytes afterwards."""
+    rng = random.Random(1234)
+    address = fuzz_server.address
+    conn, hangups = None, 0
+    for rid in range(1, 95_001):
+        if conn is None:
+            conn = raw(address, timeout=5)
+            conn.handshake(LAYOUT)
+        pong = 0xFFFF0000 + rid % 0xFFFF
+        ping = Frame(Op.PING, 0, 0, pong, 0, 0).pack()
+        try:
+            conn.sock.sendall(_random_frame(rng, rid) + ping)
+        except OSError:
+            conn = None
+            continue
+        if not _until_pong(conn, pong):
+            conn.close()
+            conn, hangups = None, hangups + 1
+    for _ in range(5_000):
+        noise = raw(address, timeout=5)
+        noise.handshake(LAYOUT)
+        noise.sock.sendall(rng.randbytes(rng.randint(1, 64)))
+        noise.close()
+    _good_client_still_served(fuzz_server)
+    store = fuzz_server.server.registry.hosted()[0].store
+    assert sorted(store.stored_keys()) == sorted(make_keys(8, salt=42))
+    served = sum(fuzz_server.stats()["requests"].values())
+    assert served >= 2 * 95_000 - 2 * hangups  # every frame reached a handler or a refusal
+    assert hangups > 100  # and many were refused hard enough to close the connection
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    op=st.integers(0, 255),
+    flags=st.integers(0, 65535),
+    meta=st.binary(max_size=300),
+    payload=st.binary(max_size=300),
+)
+def test_hypothesis_frames(
+    fuzz_server: ServerThread, raw: Any, op: int, flags: int, meta: bytes, payload: bytes
+) -> None:
+    conn = raw(fuzz_server.address, timeout=5)
+    conn.handshake(LAYOUT)
+    head = struct.pack("<2sBBHHIIQ", MAGIC, VERSION, op, flags, 0, 7, len(meta), len(payload))
+    conn.sock.sendall(head + meta + payload)
+    conn.sock.settimeout(0.2)
+    try:
+        data = conn.sock.recv(FRAME.size)
+        if len(data) == FRAME.size:
+            reply = Frame.unpack(data)
+            assert reply.is_reply and reply.request_id in (0, 7)
+    except (TimeoutError, OSError):
+        pass
+    conn.close()
+    _good_client_still_served(fuzz_server)
+
+
+def test_server_down_is_a_bounded_tier_error(kv_server: Start) -> None:
+    server = kv_server()
+    address = server.address
+    server.stop()
+    with Client(LAYOUT, ClientOptions(address, connect_timeout=0.5, timeout=1.0)) as c:
+        start = time.monotonic()
+        with pytest.raises(TierError, match="cannot connect"):
+            c.ping()
+        with pytest.raises(TierError, match="unavailable"):  # the breaker: no wait at all
+            c.ping()
+        assert time.monotonic() - start < 2
