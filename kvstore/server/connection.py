@@ -50,6 +50,7 @@ from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
 from kvstore.server.protocol import (
     FRAME,
+    MAGIC,
     MAX_JSON_META,
     Flag,
     Frame,
@@ -239,9 +240,11 @@ class Connection:
         try:
             return Frame.unpack(head)
         except ProtocolError as exc:
+            ours = head[:2] == MAGIC
+            status = Status.UNSUPPORTED_VERSION if ours else Status.BAD_FRAME
             bad = Frame(0, 0, 0, 0, 0, 0)
             with contextlib.suppress(ConnectionError, TimeoutError, OSError):
-                await self.error(bad, Status.BAD_FRAME, str(exc))
+                await self.error(bad, status, str(exc))
             return None
 
     def _check_limits(self, frame: Frame) -> None:

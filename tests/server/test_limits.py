@@ -92,6 +92,16 @@ def test_frames_that_are_not_ours_close_the_connection(kv_server: Start, raw: An
     assert conn.read()[0].status == Status.BAD_FRAME and conn.closed_by_server()
 
 
+def test_another_protocol_version_is_named(kv_server: Start, raw: Any) -> None:
+    server = kv_server()
+    conn = raw(server.address)
+    head = bytearray(Frame(Op.HELLO, 0, 0, 1, 0, 0).pack())
+    head[2] = VERSION + 1
+    conn.sock.sendall(bytes(head))
+    assert conn.read()[0].status == Status.UNSUPPORTED_VERSION
+    assert conn.closed_by_server()
+
+
 def test_bad_fields_get_an_error_and_change_nothing(kv_server: Start, raw: Any) -> None:
     server = kv_server()
     conn = raw(server.address)

@@ -131,7 +131,7 @@ def test_namespace_isolation_between_tokens(kv_server: Start) -> None:
 
 
 def test_access_denied_is_its_own_error(kv_server: Start) -> None:
-    from kvstore.client.sync import Connection
+    from kvstore.client.connection import Connection
 
     server = kv_server(**tokens())
     with pytest.raises(AccessDeniedError):

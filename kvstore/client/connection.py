@@ -1,0 +1,187 @@
+"""One blocking connection to kvstore-server: connect, HELLO, AUTH, OPEN, then frames.
+
+Used by :class:`~kvstore.client.sync.Client`, one thread at a time per connection.
+A connection that breaks mid-request raises :class:`Dead` (a
+:class:`~kvstore.errors.TierError`) and must not be used again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.client._common import (
+    FATAL_STATUSES,
+    ClientOptions,
+    auth_meta,
+    check_reply,
+    hello_meta,
+    open_meta,
+)
+from kvstore.errors import KVStoreError, ProtocolError, TierError
+from kvstore.layout import KVLayout
+from kvstore.server import shm
+from kvstore.server.protocol import FRAME, Frame, Op, decode_json
+
+__all__ = ["Connection", "Dead"]
+
+log = logging.getLogger(__name__)
+Buffer = bytes | bytearray | memoryview
+
+
+class Dead(TierError):
+    """The connection broke mid-request (it is dropped; the request may be retried)."""
+
+
+class Connection:
+    """One authenticated connection with a store opened (used by one thread at a time)."""
+
+    def __init__(self, options: ClientOptions, layout: KVLayout) -> None:
+        self.options = options
+        self.layout = layout
+        self._ids = 0
+        #: The client's mapping of this server's shared memory (None: move bytes by socket).
+        self.shm: shm.Mapping | None = None
+        self.sock = self._connect()
+        try:
+            self.hello = self._handshake()
+            self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> socket.socket:
+        opts = self.options
+        try:
+            if opts.unix_path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(opts.connect_timeout)
+                sock.connect(opts.unix_path)
+            else:
+                sock = socket.create_connection(opts.host_port, timeout=opts.connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            context = opts.ssl_context()
+            if context is not None:
+                host = opts.tls_server_name or opts.host_port[0]
+                sock = context.wrap_socket(sock, server_hostname=host)
+        except OSError as exc:
+            raise TierError(f"cannot connect to kvstore-server at {opts.address}: {exc}") from None
+        sock.settimeout(opts.timeout)
+        return sock
+
+    def _handshake(self) -> dict[str, Any]:
+        hello = self.call_json(Op.HELLO, hello_meta())
+        answer = auth_meta(hello, self.options.token)
+        if answer is not None:
+            self.call(Op.AUTH, answer)
+        return hello
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The server's limits (frame and batch sizes)."""
+        limits = self.hello.get("limits")
+        return limits if isinstance(limits, dict) else {}
+
+    @property
+    def unix(self) -> bool:
+        """True over a Unix socket."""
+        return self.options.unix_path is not None
+
+    # -- frames ---------------------------------------------------------------
+    def send(
+        self, op: int, meta: bytes = b"", payload: Sequence[Buffer] = (), flags: int = 0
+    ) -> int:
+        """Send a request; its id."""
+        self._ids = (self._ids + 1) & 0xFFFFFFFF
+        size = sum(memoryview(p).nbytes for p in payload)
+        head = Frame(op, flags, 0, self._ids, len(meta), size).pack()
+        try:
+            self.sock.sendall(head + meta)
+            for part in payload:
+                self.sock.sendall(part)
+        except OSError as exc:
+            raise Dead(f"kvstore-server connection lost while sending: {exc}") from None
+        return self._ids
+
+    def reply(self, request_id: int, op: int, first: bytes | None = None) -> tuple[Frame, bytes]:
+        """Read the reply to ``request_id``: its header and meta (the payload is left
+        to read). ``first``: the header, if already read. Raises its error."""
+        try:
+            head = first if first is not None else self.recv(FRAME.size)
+            frame = Frame.unpack(head)
+            meta = self.recv(frame.meta_len)
+        except OSError as exc:
+            raise Dead(f"kvstore-server connection lost while reading: {exc}") from None
+        try:
+            check_reply(frame, request_id, op, meta)
+        except KVStoreError:
+            if frame.status in FATAL_STATUSES or frame.payload_len:
+                self.close()
+            raise
+        return frame, meta
+
+    def call(self, op: int, meta: bytes = b"", flags: int = 0) -> tuple[Frame, bytes]:
+        """A request without payload, and its reply (which must carry none)."""
+        frame, meta = self.reply(self.send(op, meta, (), flags), op)
+        if frame.payload_len:
+            raise ProtocolError(f"unexpected payload in the reply to {Op(op).name}")
+        return frame, meta
+
+    def call_json(self, op: int, meta: bytes = b"") -> dict[str, Any]:
+        """A control request and its JSON reply."""
+        return decode_json(self.call(op, meta)[1])
+
+    def recv(self, nbytes: int) -> bytes:
+        """Exactly ``nbytes``."""
+        buf = bytearray(nbytes)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly."""
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as exc:
+                raise Dead(f"kvstore-server connection lost while reading: {exc}") from None
+            if not n:
+                raise Dead("kvstore-server closed the connection")
+            got += n
+
+    @property
+    def segment_id(self) -> str | None:
+        """The id of the shared memory the server offers on this connection (None: none)."""
+        offered = self.opened.get("shared_memory")
+        return str(offered.get("id")) if isinstance(offered, dict) else None
+
+    def attach_shared_memory(self) -> shm.Mapping | None:
+        """Map the store's shared memory, if the server offers it and this host can."""
+        if self.segment_id is None:
+            return None
+        rid = self.send(Op.SHM_ATTACH)
+        fd = None
+        if self.unix:
+            head, fd = shm.receive_fd(self.sock, FRAME.size)
+            if len(head) < FRAME.size:
+                head += self.recv(FRAME.size - len(head))
+            _, meta = self.reply(rid, Op.SHM_ATTACH, head)
+        else:
+            _, meta = self.reply(rid, Op.SHM_ATTACH)
+        try:
+            mapping = shm.attach(decode_json(meta), fd)
+        except (OSError, ProtocolError, KeyError, ValueError) as exc:
+            log.info("kvstore client: no shared memory with the server (%s)", exc)
+            return None
+        if mapping.ident != self.segment_id:
+            mapping.close()
+            raise ProtocolError("the server attached another segment than it offered")
+        return mapping
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
