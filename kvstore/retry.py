@@ -8,14 +8,15 @@ down, calls fail fast and one probe per interval looks for it again.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Backoff", "Breaker", "retry_call"]
+__all__ = ["Backoff", "Breaker", "retry_async", "retry_call"]
 
 T = TypeVar("T")
 
@@ -68,6 +69,31 @@ def retry_call(
             if on_retry is not None:
                 on_retry(attempt, exc)
             sleep(pause)
+
+
+async def retry_async(
+    fn: Callable[[], Awaitable[T]],
+    retryable: Callable[[BaseException], bool],
+    policy: Backoff = Backoff(),
+    on_retry: Callable[[int, BaseException], None] | None = None,
+) -> T:
+    """The asyncio form of :func:`retry_call`: the same policy, awaiting between tries."""
+    clock = time.monotonic
+    start = clock()
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            attempt += 1
+            if not retryable(exc) or attempt >= policy.max_attempts:
+                raise
+            pause = policy.delay(attempt - 1)
+            if clock() + pause - start > policy.deadline:
+                raise
+            if on_retry is not None:
+                on_retry(attempt, exc)
+            await asyncio.sleep(pause)
 
 
 class Breaker:

@@ -82,3 +82,32 @@ def test_delay_is_full_jitter_capped() -> None:
     delays = [policy.delay(n, rng) for n in range(10) for _ in range(50)]
     assert all(0 <= d <= 0.5 for d in delays)
     assert max(policy.delay(0, rng) for _ in range(200)) <= 0.1
+
+
+def test_retry_async_follows_the_same_policy() -> None:
+    import asyncio
+
+    from kvstore.retry import retry_async
+
+    calls: list[int] = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("not yet")
+        return "ok"
+
+    policy = Backoff(base=0.001, cap=0.002, max_attempts=5, deadline=5)
+    retried: list[int] = []
+    result = asyncio.run(
+        retry_async(
+            flaky, lambda e: isinstance(e, ConnectionError), policy, lambda n, _: retried.append(n)
+        )
+    )
+    assert result == "ok" and len(calls) == 3 and retried == [1, 2]
+
+    async def broken() -> str:
+        raise ValueError("not retryable")
+
+    with pytest.raises(ValueError):
+        asyncio.run(retry_async(broken, lambda e: isinstance(e, ConnectionError), policy))

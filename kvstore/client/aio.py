@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -37,7 +36,6 @@ from kvstore.client._common import (
 )
 from kvstore.codec import Codec, encode_block
 from kvstore.errors import (
-    AccessDeniedError,
     ClosedError,
     CorruptBlockError,
     KVStoreError,
@@ -47,7 +45,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
-from kvstore.retry import Backoff, Breaker
+from kvstore.retry import Backoff, Breaker, retry_async
 from kvstore.server import wire
 from kvstore.server.protocol import (
     FRAME,
@@ -183,28 +181,30 @@ class AsyncClient:
                 self._idle.append(conn)
 
     async def _run(self, fn: Callable[[_Conn], Awaitable[T]]) -> T:
-        """``fn(conn)`` under the timeout; a dead pooled connection is replaced once."""
+        """``fn(conn)`` under the timeout; a dead pooled connection is replaced once;
+        outages trip the breaker."""
         if not self._breaker.allow():
             raise TierError(f"kvstore-server at {self.options.address} is unavailable")
-        for attempt in range(_STALE.max_attempts):
-            try:
-                async with self._connection() as conn:
-                    result = await asyncio.wait_for(fn(conn), self.options.timeout)
-                break
-            except _Dead:
-                for stale in self._idle:
-                    stale.close()
-                self._idle.clear()
-                if attempt + 1 >= _STALE.max_attempts:
-                    self._breaker.failed()
-                    raise
-                await asyncio.sleep(random.uniform(0, _STALE.delay(attempt)))
-            except (TierError, OSError, TimeoutError) as exc:
-                if not isinstance(exc, AccessDeniedError):
-                    self._breaker.failed()
-                raise TierError(f"kvstore-server at {self.options.address}: {exc}") from None
+
+        async def attempt() -> T:
+            async with self._connection() as conn:
+                return await asyncio.wait_for(fn(conn), self.options.timeout)
+
+        try:
+            result = await retry_async(
+                attempt, lambda e: isinstance(e, _Dead), _STALE, on_retry=self._drop_idle
+            )
+        except (TierError, OSError, TimeoutError) as exc:
+            self._breaker.failed()
+            raise TierError(f"kvstore-server at {self.options.address}: {exc}") from None
         self._breaker.succeeded()
         return result
+
+    def _drop_idle(self, attempt: int, exc: BaseException) -> None:
+        """A pooled connection died: the others went stale with it."""
+        for stale in self._idle:
+            stale.close()
+        self._idle.clear()
 
     # -- blocks -------------------------------------------------------------------
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:

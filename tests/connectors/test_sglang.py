@@ -206,3 +206,23 @@ def test_clear_and_stats(tmp_path: Path) -> None:
     b.clear()
     assert b.batch_exists(["a", "b"]) == 0
     b.close()
+
+
+def test_pages_move_between_two_backends_through_a_server(tmp_path: Path, kv_server: Any) -> None:
+    """The backend with a kvstore-server as its only tier: what one SGLang process
+    stores, another finds, with no other change than the config."""
+    server = kv_server()
+    extra = dict(storage_config(tmp_path).extra_config)
+    extra["kvstore_config"] = {"tiers": [{"kind": "remote", "address": server.address}]}
+    src = HostPool("page_first")
+    src.fill(seed=9)
+    writer = backend(tmp_path, src, extra_config=extra)
+    keys = [f"s{i}" for i in range(4)]
+    assert writer.batch_set_v1(keys, torch.arange(4 * PAGE)) == [True] * 4
+    writer.close()
+    dst = HostPool("page_first")
+    reader = backend(tmp_path, dst, extra_config=extra)
+    assert reader.batch_exists(keys) == 4
+    assert reader.batch_get_v1(keys, torch.arange(4 * PAGE)) == [True] * 4
+    assert torch.equal(dst.buffer[:4], src.buffer[:4])
+    reader.close()
