@@ -9,6 +9,14 @@ Runs with the vLLM virtualenv (``bash scripts/setup-vllm.sh`` creates it)::
     .venv-vllm/bin/python examples/vllm_offline.py --workdir /tmp/kv \\
         --prompts second --out /tmp/kv/base.json         # no connector: the reference
 
+``--store-config`` gives the connector any store config instead (a YAML path or
+inline JSON), e.g. a kvstore-server as a tier (examples/server_prefill_decode.py)::
+
+    --store-config '{"tiers": [{"kind": "remote", "address": "127.0.0.1:7070"}]}'
+
+``--kv-role kv_producer`` only saves (a prefill pool), ``kv_consumer`` only loads
+(a decode pool); ``--logprobs`` also records each generated token's logprob.
+
 The model is a small random Llama written to ``<workdir>/model`` (config.json
 and safetensors weights drawn from a fixed seed, so every process has the same
 model, and no tokenizer: prompts are token ids). Decoding is greedy. The JSON
@@ -117,17 +125,26 @@ def make_prompts(which: str, prefix_tokens: int, seed: int = 7) -> list[list[int
     return [first[0], prefixes[0] + suffix[301], prefixes[1] + suffix[411], first[2]]
 
 
+def store_config(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The connector's ``kvstore_config``: ``--store-config`` (inline JSON, else a YAML
+    path), or host memory over a disk store at ``--store``."""
+    if args.store_config:
+        text = args.store_config.strip()
+        return json.loads(text) if text.startswith("{") else text
+    return {
+        "tiers": [
+            {"kind": "host", "capacity": "512MiB"},
+            {"kind": "disk", "path": args.store, "capacity": "4GiB"},
+        ]
+    }
+
+
 def connector_config(args: argparse.Namespace) -> Any:
-    """The KVTransferConfig that loads the kvstore connector on a disk store at ``--store``."""
+    """The KVTransferConfig that loads the kvstore connector on :func:`store_config`."""
     from vllm.config import KVTransferConfig
 
     extra: dict[str, Any] = {
-        "kvstore_config": {
-            "tiers": [
-                {"kind": "host", "capacity": "512MiB"},
-                {"kind": "disk", "path": args.store, "capacity": "4GiB"},
-            ]
-        },
+        "kvstore_config": store_config(args),
         "model_id": "kvstore-example-llama-12l",
     }
     if args.stats_dir:
@@ -135,7 +152,7 @@ def connector_config(args: argparse.Namespace) -> Any:
     return KVTransferConfig(
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore.connectors.vllm",
-        kv_role="kv_both",
+        kv_role=args.kv_role,
         kv_connector_extra_config=extra,
     )
 
@@ -146,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     model = write_model(Path(args.workdir) / "model")
+    connector = bool(args.store or args.store_config)
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -154,11 +172,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=8192,
         max_num_batched_tokens=8192,
         enable_prefix_caching=args.prefix_caching,
-        kv_transfer_config=connector_config(args) if args.store else None,
+        kv_transfer_config=connector_config(args) if connector else None,
         disable_log_stats=False,
         seed=0,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        seed=0,
+        logprobs=0 if args.logprobs else None,  # 0: the sampled token's only
+    )
     results = []
     for tokens in make_prompts(args.prompts, args.prefix_tokens):
         start = time.perf_counter()
@@ -166,17 +190,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         total = time.perf_counter() - start
         metrics = out.metrics
         ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
-        results.append(
-            {
-                "prompt_tokens": len(tokens),
-                "output": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens or 0,
-                "ttft_s": ttft,
-                "total_s": total,
-            }
-        )
+        result: dict[str, Any] = {
+            "prompt_tokens": len(tokens),
+            "output": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens or 0,
+            "ttft_s": ttft,
+            "total_s": total,
+        }
+        if args.logprobs:
+            steps = zip(out.outputs[0].token_ids, out.outputs[0].logprobs or [], strict=True)
+            result["logprobs"] = [step[token].logprob for token, step in steps]
+        results.append(result)
     del llm  # shuts the engine down: workers close their stores (flushing them)
-    return {"prompts": args.prompts, "connector": bool(args.store), "results": results}
+    return {"prompts": args.prompts, "connector": connector, "results": results}
 
 
 def read_stats(stats_dir: str | None) -> dict[str, dict[str, float]]:
@@ -195,7 +221,20 @@ def main() -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="holds the generated model")
-    parser.add_argument("--store", help="kvstore disk directory (omit: no connector)")
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument("--store", help="kvstore disk directory (omit both: no connector)")
+    store.add_argument(
+        "--store-config",
+        metavar="PATH_OR_JSON",
+        help="the connector's kvstore_config: a YAML path or inline JSON (instead of --store)",
+    )
+    parser.add_argument(
+        "--kv-role",
+        default="kv_both",
+        choices=("kv_both", "kv_producer", "kv_consumer"),
+        help="kv_producer: save only (prefill); kv_consumer: load only (decode)",
+    )
+    parser.add_argument("--logprobs", action="store_true", help="record each token's logprob")
     parser.add_argument("--stats-dir", help="where the connector writes its counters")
     parser.add_argument("--prompts", choices=("first", "second"), default="first")
     parser.add_argument("--prefix-tokens", type=int, default=3300)

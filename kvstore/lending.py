@@ -114,6 +114,7 @@ def lend(m: BlockManager, keys: Sequence[BlockKey], duration: float | None = Non
             pinned[i] = entry
         lease = m._leases.add(list(pinned.values()), duration or m.config.lease_s)
         m.counters.gets += 1
+        m.counters.blocks_read += len(pinned)
         m.counters.blocks_missed += len(keys) - len(pinned)
         views = [
             _host_view(m, keys[i], pinned[i]) if i in pinned else None for i in range(len(keys))

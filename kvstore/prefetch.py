@@ -189,13 +189,18 @@ class Prefetcher:
         views: list[torch.Tensor],
         plan: tuple[str, int],
     ) -> None:
+        # An engine that made ``out`` under torch.inference_mode() (vLLM does) gets an
+        # "inference tensor": copying into it in place is refused outside that mode, and
+        # the mode is per thread. The loader runs in the mode its destination was made in.
+        inference = bool(views) and views[0].is_inference()
         try:
             device = views[0].device if views else torch.device("cpu")
-            if device.type == "cuda":  # copies on a side stream: the engine's stream runs on
-                with torch.cuda.stream(torch.cuda.Stream(device)):  # type: ignore[no-untyped-call]
+            with torch.inference_mode(inference):
+                if device.type == "cuda":  # copies on a side stream: the engine's runs on
+                    with torch.cuda.stream(torch.cuda.Stream(device)):  # type: ignore[no-untyped-call]
+                        self._load(handle, lease, views, plan)
+                else:
                     self._load(handle, lease, views, plan)
-            else:
-                self._load(handle, lease, views, plan)
         finally:
             self.m.release(lease)
             handle._finish()

@@ -273,3 +273,16 @@ def _eventually(check: object, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+def test_prefetch_into_an_inference_tensor_from_host_memory(
+    store: KVStore, layout: KVLayout
+) -> None:
+    """The loader thread fills a destination made under torch.inference_mode()."""
+    kv = random_blocks(layout, 2, seed=8)
+    keys = store.hash_tokens(list(range(2 * layout.block_tokens)), namespace="m")
+    store.put(keys, kv)
+    with torch.inference_mode():
+        handle = store.prefetch(keys)
+    assert handle.result() == 2 and handle.error is None
+    assert torch.equal(handle.out, kv)

@@ -6,8 +6,9 @@
 ...     server.start()                 # same port, same disk directory
 
 The server listens on a free 127.0.0.1 port and on a Unix socket in
-``workdir``; its output goes to ``workdir/server.log``. Stopping sends
-SIGTERM (the server drains and flushes to disk) and waits.
+``workdir`` (whatever the config's ``listen`` and ``unix_socket`` say); its output goes
+to ``workdir/server.log``. Stopping sends SIGTERM (the server drains and flushes to
+disk) and waits.
 """
 
 from __future__ import annotations
@@ -71,11 +72,13 @@ class KVStoreServerProcess:
         self.port = free_port()
         self.metrics_port = free_port() if metrics else None
         self.unix_path = str(self.workdir / "kvstore.sock")
+        # Its own port and socket always (a config made for an in-process server may
+        # name port 0, which this object could not find).
         server = dict(config.get("server") or {})
-        server.setdefault("listen", f"{HOST}:{self.port}")
-        server.setdefault("unix_socket", self.unix_path)
+        server["listen"] = f"{HOST}:{self.port}"
+        server["unix_socket"] = self.unix_path
         if self.metrics_port is not None:
-            server.setdefault("metrics_listen", f"{HOST}:{self.metrics_port}")
+            server["metrics_listen"] = f"{HOST}:{self.metrics_port}"
         self.config = {**config, "server": server}
         self.config_path = self.workdir / "server.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))

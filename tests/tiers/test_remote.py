@@ -170,3 +170,30 @@ def test_bad_remote_configs_are_clear_errors() -> None:
         StoreConfig.from_dict(
             {"tiers": [{"kind": "remote", "token": "x" * 20, "token_file": "/f"}]}, environ={}
         )
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_prefetch_into_an_inference_tensor(
+    shared_server: ServerThread, shared_memory: bool
+) -> None:
+    """vLLM starts loads under torch.inference_mode(): the loader thread must be able to
+    fill the tensor it allocated there (found with real vLLM, shared memory path)."""
+    layout = small_layout()
+    kv = random_blocks(layout, 3, seed=6)
+    config = {
+        "tiers": [
+            {
+                "kind": "remote",
+                "address": shared_server.address,
+                "namespace": f"inference-{shared_memory}",
+                "shared_memory": shared_memory,
+            }
+        ]
+    }
+    with KVStore(layout, config) as store:
+        keys = store.hash_tokens(list(range(3 * layout.block_tokens)), namespace="m")
+        assert store.put(keys, kv) == 3
+        with torch.inference_mode():
+            handle = store.prefetch(keys)
+        assert handle.result() == 3 and handle.error is None
+        assert handle.out is not None and torch.equal(handle.out, kv)
