@@ -122,6 +122,6 @@ def adopt(m: BlockManager, key: BlockKey, bits: int) -> None:
         return
     for level in m._levels:
         if bits & level.bit and not entry.tiers & level.bit:
-            entry.tiers |= level.bit
+            m.note_copy(key, entry, level.bit)
             level.policy.insert(key)
             level.resident += 1

@@ -6,6 +6,7 @@ under the block manager's lock (see :mod:`kvstore.manager`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ __all__ = [
     "DELETING",
     "READY",
     "WRITING",
+    "ChangeFeed",
     "Entry",
     "HeatClock",
     "Level",
@@ -113,6 +115,31 @@ class Level:
     def bit(self) -> int:
         """This tier's bit in :attr:`Entry.tiers`."""
         return 1 << self.index
+
+
+class ChangeFeed:
+    """Keys that gained their first copy in a local tier, or lost their last one.
+
+    For a watcher outside the manager (a cluster node publishing what it holds):
+    the manager records each change under its own lock; :meth:`drain` hands over
+    the net change since the last drain (a key added and removed meanwhile is
+    neither). ``_lock`` guards ``_state`` (drains come from the watcher's thread).
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[BlockKey, bool] = {}
+        self._lock = threading.Lock()
+
+    def record(self, key: BlockKey, held: bool) -> None:
+        """``key`` is now held locally (True) or not (False)."""
+        with self._lock:
+            self._state[key] = held
+
+    def drain(self) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Keys added and keys removed since the last drain."""
+        with self._lock:
+            state, self._state = self._state, {}
+        return [k for k, held in state.items() if held], [k for k, h in state.items() if not h]
 
 
 @dataclass

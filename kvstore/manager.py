@@ -35,8 +35,18 @@ from kvstore import lending, reads
 from kvstore.config import StoreConfig
 from kvstore.discovery import adopt_persistent, discover
 from kvstore.discovery import recheck as recheck_shared
-from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError, TierError
-from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Level, ManagerCounters, Move
+from kvstore.errors import CapacityError, ClosedError, TierError
+from kvstore.index import (
+    DELETING,
+    READY,
+    WRITING,
+    ChangeFeed,
+    Entry,
+    HeatClock,
+    Level,
+    ManagerCounters,
+    Move,
+)
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -76,6 +86,9 @@ class BlockManager:
             self.config.replication.half_life_s, self._half_life_accesses(), clock
         )
         self._persistent = sum(lv.bit for lv in self._levels if lv.tier.persistent)
+        self._local = sum(lv.bit for lv in self._levels if lv.tier.local)
+        #: Changes of what local tiers hold, for a watcher (None until :meth:`watch`).
+        self.changes: ChangeFeed | None = None
         self._index: dict[BlockKey, Entry] = {}
         self._cond = threading.Condition(threading.Lock())
         self._leases = LeaseTable(clock)
@@ -140,6 +153,16 @@ class BlockManager:
             self._check_open()
             entry = self._index.get(key)
             return entry is not None and entry.state == READY
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` are readable, after asking shared tiers about missing ones."""
+        with self._cond:
+            self._check_open()
+            n = self._leading(keys)
+        if n < len(keys):
+            discover(self, keys[n:])
+        with self._cond:
+            return [(e := self._index.get(k)) is not None and e.state == READY for k in keys]
 
     def where(self, key: BlockKey) -> list[int]:
         """Indexes of the tiers holding a copy of ``key`` (fastest first)."""
@@ -238,7 +261,7 @@ class BlockManager:
                 if not ok:
                     level.resident -= 1
                     continue
-                move.entry.tiers |= level.bit
+                self.note_copy(move.key, move.entry, level.bit)
                 if move.entry.state == WRITING:
                     move.entry.state = READY
                 level.policy.insert(move.key)
@@ -338,40 +361,7 @@ class BlockManager:
         longest loadable prefix is loaded and its length returned; ``outs``
         past it hold unspecified data.
         """
-        entries = self._pin_for_read(keys, prefix)
-        try:
-            done = self.read(keys[: len(entries)], entries, outs, layers)
-        finally:
-            with self._cond:
-                self._unpin(entries)
-        n = next((i for i, ok in enumerate(done) if not ok), len(done))
-        with self._cond:
-            self.counters.blocks_read += n
-            self.counters.blocks_missed += len(keys) - n
-        self._moves.promote_later(list(keys[:n]), entries[:n])
-        if not prefix and n < len(keys):
-            raise BlockNotFoundError(
-                f"block {n} (key {keys[n].hex()}) failed to load from every tier"
-            )
-        return n
-
-    def _pin_for_read(self, keys: Sequence[BlockKey], prefix: bool) -> list[Entry]:
-        """Pin the leading readable entries (asking shared tiers about missing ones)."""
-        with self._cond:
-            self._check_open()
-            self.counters.gets += 1
-            entries = self._pin_leading(keys)
-        if len(entries) < len(keys) and discover(self, keys[len(entries) :]):
-            with self._cond:
-                self._unpin(entries)
-                entries = self._pin_leading(keys)
-        if not prefix and len(entries) < len(keys):
-            with self._cond:
-                self._unpin(entries)
-                self.counters.blocks_missed += len(keys) - len(entries)
-            missing = keys[len(entries)]
-            raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
-        return entries
+        return reads.load(self, keys, outs, layers, prefix)
 
     def _pin_leading(self, keys: Sequence[BlockKey]) -> list[Entry]:
         """Pin (and touch) the leading readable entries. Called with the lock held."""
@@ -476,11 +466,18 @@ class BlockManager:
         """Write ``keys`` to the first persistent tier now; which are there afterwards."""
         return self._moves.persist(list(keys))
 
-    def stored_keys(self) -> list[BlockKey]:
+    def stored_keys(self, local: bool = False) -> list[BlockKey]:
         """Every readable key the index knows (after :func:`~kvstore.discovery.rescan`:
-        also what other processes stored in persistent tiers)."""
+        also what other processes stored in persistent tiers); with ``local``, only
+        those with a copy in a tier of this machine (memory, local disk)."""
+        mask = self._local if local else -1
         with self._cond:
-            return [k for k, e in self._index.items() if e.state == READY]
+            return [k for k, e in self._index.items() if e.state == READY and e.tiers & mask]
+
+    def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
+        """Copy ``keys`` into tier ``tier`` now (where they are stored and not there yet);
+        how many were copied."""
+        return self._moves.promote_now(list(keys), tier)
 
     def abort_layers(self, keys: Sequence[BlockKey]) -> int:
         """Give up unfinished layerwise writes of ``keys``; return how many."""
@@ -529,9 +526,24 @@ class BlockManager:
         if not entry.tiers & level.bit:
             return False
         entry.tiers &= ~level.bit
+        if self.changes is not None and level.bit & self._local and not entry.tiers & self._local:
+            self.changes.record(key, False)
         entry.dropping |= level.bit
         level.policy.remove(key)
         return True
+
+    def note_copy(self, key: BlockKey, entry: Entry, bit: int) -> None:
+        """Record a new copy of ``key`` in the tier of ``bit``. Called with the lock held."""
+        if self.changes is not None and bit & self._local and not entry.tiers & self._local:
+            self.changes.record(key, True)
+        entry.tiers |= bit
+
+    def watch(self) -> ChangeFeed:
+        """Start recording which keys gain or lose their copies in local tiers."""
+        with self._cond:
+            if self.changes is None:
+                self.changes = ChangeFeed()
+            return self.changes
 
     def _end_drop(self, level: Level, entries: list[Entry]) -> None:
         """The tier deleted these copies: give their room back. Called with the lock held."""

@@ -34,7 +34,7 @@ class Mover:
         self._closed = False
         self.failures = 0
 
-    def submit(self, job: Callable[[], None], key: Hashable | None = None) -> bool:
+    def submit(self, job: Callable[[], object], key: Hashable | None = None) -> bool:
         """Queue ``job``; False if closed or a job with ``key`` is already queued."""
         with self._cond:
             if self._closed or (key is not None and key in self._keys):
@@ -45,7 +45,7 @@ class Mover:
         self._pool.submit(self._run, job, key)
         return True
 
-    def _run(self, job: Callable[[], None], key: Hashable | None) -> None:
+    def _run(self, job: Callable[[], object], key: Hashable | None) -> None:
         try:
             job()
         except Exception:  # a failed move is a missed optimisation, never an error to users

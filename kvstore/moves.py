@@ -56,6 +56,8 @@ class Migrations:
                 if not entry.tiers or entry.state != READY:
                     continue
                 fastest = (entry.tiers & -entry.tiers).bit_length() - 1
+                if not m._levels[fastest].tier.promotable:
+                    continue  # another node's block: the cluster decides where copies go
                 copies = bin(entry.tiers & ~m._persistent).count("1")
                 target = m.placement.promotion_target(fastest, m.heat.heat(entry), copies)
                 if target is not None:
@@ -151,19 +153,26 @@ class Migrations:
         if victims:
             self.evict_victims(level, victims)
 
-    def _copy_up(self, key: BlockKey, target: int) -> None:
-        """Promote (or replicate) ``key`` into tier ``target``, if still worth it."""
+    def promote_now(self, keys: list[BlockKey], target: int) -> int:
+        """Copy ``keys`` into tier ``target`` on the caller's thread; how many landed."""
+        return sum(self._copy_up(key, target) for key in keys)
+
+    def _copy_up(self, key: BlockKey, target: int) -> bool:
+        """Promote (or replicate) ``key`` into tier ``target``, if still worth it; True
+        if a copy landed."""
         m = self.m
         bit = m._levels[target].bit
         with m._cond:
             entry = m._index.get(key)
             if m._closed or entry is None or entry.state != READY or entry.tiers & bit:
-                return
+                return False
             entry.pins += 1
         try:
-            if self._copy([key], [entry], target, target + 1):
+            landed = bool(self._copy([key], [entry], target, target + 1))
+            if landed:
                 with m._cond:
                     m.counters.promotions[target] += 1
+            return landed
         finally:
             with m._cond:
                 m._unpin([entry])

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.discovery import discover
+from kvstore.errors import BlockNotFoundError
 from kvstore.index import DELETING, Entry, Level
 from kvstore.keys import BlockKey
 from kvstore.tiers.base import LayerRange
@@ -23,7 +25,50 @@ from kvstore.tiers.base import LayerRange
 if TYPE_CHECKING:
     from kvstore.manager import BlockManager
 
-__all__ = ["lose_copy", "read", "tier_get"]
+__all__ = ["load", "lose_copy", "read", "tier_get"]
+
+
+def load(
+    m: BlockManager,
+    keys: Sequence[BlockKey],
+    outs: Sequence[torch.Tensor],
+    layers: LayerRange,
+    prefix: bool,
+) -> int:
+    """The manager's ``get``: pin, read, unpin, count, promote; the leading blocks loaded."""
+    entries = _pin_for_read(m, keys, prefix)
+    try:
+        done = m.read(keys[: len(entries)], entries, outs, layers)
+    finally:
+        with m._cond:
+            m._unpin(entries)
+    n = next((i for i, ok in enumerate(done) if not ok), len(done))
+    with m._cond:
+        m.counters.blocks_read += n
+        m.counters.blocks_missed += len(keys) - n
+    m._moves.promote_later(list(keys[:n]), entries[:n])
+    if not prefix and n < len(keys):
+        raise BlockNotFoundError(f"block {n} (key {keys[n].hex()}) failed to load from every tier")
+    return n
+
+
+def _pin_for_read(m: BlockManager, keys: Sequence[BlockKey], prefix: bool) -> list[Entry]:
+    """Pin the leading readable entries (asking shared tiers about missing ones)."""
+    with m._cond:
+        m._check_open()
+        m.counters.gets += 1
+        entries = m._pin_leading(keys)
+    if len(entries) < len(keys) and discover(m, keys[len(entries) :]):
+        with m._cond:
+            m._unpin(entries)
+            entries = m._pin_leading(keys)
+    if not prefix and len(entries) < len(keys):
+        with m._cond:
+            m._unpin(entries)
+            m.counters.blocks_missed += len(keys) - len(entries)
+        missing = keys[len(entries)]
+        raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
+    return entries
 
 
 def read(

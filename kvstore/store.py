@@ -24,7 +24,7 @@ import torch
 from kvstore import stats as report
 from kvstore.config import StoreConfig
 from kvstore.discovery import rescan as rescan_tiers
-from kvstore.errors import ClosedError, InvalidInputError
+from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
 from kvstore.leases import Pin
@@ -73,6 +73,8 @@ class KVStore:
             if tiers is None:
                 for tier_config in self.config.tiers:
                     built.append(create_tier(tier_config, layout))
+                if self.config.cluster.enabled:
+                    built.append(_cluster_tier(layout, self.config))
             self._manager = BlockManager(layout, built, self.config, clock)
         except BaseException:
             for tier in built:
@@ -143,6 +145,11 @@ class KVStore:
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored."""
         return self._manager.contains(check_keys([key], "key")[0])
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` are stored, asking shared tiers (a disk directory, a
+        server, the cluster) about leading keys the index lacks."""
+        return self._manager.exists(check_keys(keys))
 
     def put(self, keys: Sequence[BlockKey], kv: torch.Tensor) -> int:
         """Store the KV of ``len(keys)`` chunks; ``kv`` has ``layout.tensor_shape(len(keys))``.
@@ -354,3 +361,15 @@ class KVStore:
         kinds = ",".join(t.kind for t in self._manager.tiers)
         layout = self.layout.fingerprint_hex
         return f"<KVStore tiers={kinds} blocks={len(self._manager)} layout={layout}>"
+
+
+def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
+    """The other nodes of the cluster, as the last tier (imported only when used: redis)."""
+    try:
+        from kvstore.cluster.tier import ClusterTier
+    except ImportError as exc:
+        raise ConfigError(
+            f"cluster: needs a missing dependency ({exc.name}); install it with: "
+            "pip install 'kvstore[redis]'"
+        ) from exc
+    return ClusterTier(layout, config.cluster, config.cluster.namespace)

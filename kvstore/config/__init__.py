@@ -50,6 +50,7 @@ from kvstore.config._fields import build as _build
 from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
+from kvstore.config.cluster import ClusterConfig
 from kvstore.config.server import ServerConfig, TokenConfig
 from kvstore.config.tiers import (
     DeviceTierConfig,
@@ -68,6 +69,7 @@ from kvstore.errors import ConfigError
 
 __all__ = [
     "PREFETCH_POLICIES",
+    "ClusterConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
     "HostTierConfig",
@@ -154,6 +156,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "replication": ReplicationConfig,
     "prefetch": PrefetchConfig,
     "server": ServerConfig,
+    "cluster": ClusterConfig,
 }
 _SCALARS: dict[str, Parser] = {"lease_s": parse_float, "mover_threads": parse_int}
 
@@ -171,6 +174,8 @@ class StoreConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     #: ``kvstore-server``'s own settings (the library ignores them).
     server: ServerConfig = field(default_factory=ServerConfig)
+    #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     #: Seconds a lease pins blocks (prefetches, layerwise writes) unless renewed or released.
     lease_s: float = 30.0
     #: Threads moving blocks between tiers in the background.
@@ -187,6 +192,7 @@ class StoreConfig:
         self.replication.validate("replication")
         self.prefetch.validate("prefetch")
         self.server.validate("server")
+        self.cluster.validate("cluster")
         _check_positive(self, "config", "lease_s", "mover_threads")
 
     # -- sources ----------------------------------------------------------
@@ -267,6 +273,7 @@ class StoreConfig:
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
             "server": self.server.to_dict(),
+            "cluster": self.cluster.to_dict(),
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }

@@ -26,6 +26,7 @@ from kvstore.config._fields import opt as _opt
 from kvstore.errors import ConfigError
 
 __all__ = [
+    "ClusterTierConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
     "HostTierConfig",
@@ -287,6 +288,15 @@ class RemoteTierConfig(TierConfig):
                 return f.readline().strip().encode()
         except OSError as exc:
             raise ConfigError(f"token_file {self.token_file!r}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class ClusterTierConfig(TierConfig):
+    """The other nodes of a cluster, as a store's last tier (made by the store itself
+    from the ``cluster:`` section; never listed in ``tiers``)."""
+
+    kind: ClassVar[str] = "cluster"
+    capacity: int = _opt(1024**5, parse_size)
 
 
 def default_tiers() -> tuple[TierConfig, ...]:

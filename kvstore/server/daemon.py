@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import ssl
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +37,7 @@ from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import ByteBudget, Connection, ServerContext
 from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
 from kvstore.server.staging import StagingPool
-from kvstore.server.stores import StoreRegistry
+from kvstore.server.stores import HostedStore, StoreRegistry
 
 __all__ = ["Server", "ServerThread"]
 
@@ -59,7 +61,10 @@ class Server:
         cfg = config.server
         self.metrics = ServerMetrics()
         self._executor = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-server")
-        self.registry = StoreRegistry(config)
+        self.registry = StoreRegistry(config, on_open=self._on_open)
+        #: This server's membership in a cluster (None: standalone), from ``start()``.
+        self.cluster: Any = None
+        self._load = _RequestRate(self.metrics)
         self._ctx: ServerContext | None = None
         self._authenticator = Authenticator(cfg.credentials())
         self._listeners: list[socket.socket] = []
@@ -101,6 +106,38 @@ class Server:
         except OSError as exc:
             await self._close_listeners()
             raise ConfigError(f"cannot listen: {exc.strerror or exc}") from None
+        if self.config.cluster.enabled:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._join_cluster)
+
+    def _join_cluster(self) -> None:
+        """Publish this server's blocks in the cluster (if peers can reach it)."""
+        from kvstore.cluster.node import ClusterNode  # redis is imported only for clusters
+
+        cluster = self.config.cluster
+        advertise = cluster.advertise or self._default_advertise()
+        if advertise is None:
+            log.warning(
+                "cluster: no cluster.advertise and listening on %s: this node fetches from "
+                "its peers but serves nothing to them",
+                self.config.server.listen,
+            )
+            return
+        node = ClusterNode(dataclasses.replace(cluster, advertise=advertise), self._load)
+        for hosted in self.registry.hosted():
+            node.track(hosted.namespace, hosted.store)
+        self.cluster = node
+        node.start()
+
+    def _default_advertise(self) -> str | None:
+        """The TCP address, when it is one peers can dial (not a wildcard)."""
+        tcp = self.addresses.get("tcp")
+        if tcp is None or tcp.startswith(("0.0.0.0:", "[::]:", ":::")):
+            return None
+        return tcp
+
+    def _on_open(self, hosted: HostedStore) -> None:
+        if self.cluster is not None:
+            self.cluster.track(hosted.namespace, hosted.store)
 
     async def _listen_tcp(self, address: str) -> None:
         host, port = _split(address)
@@ -242,6 +279,8 @@ class Server:
                 await asyncio.wait_for(server.wait_closed(), 5.0)
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.close()
+        if self.cluster is not None:  # leave first: peers stop asking for our blocks
+            await loop.run_in_executor(self._executor, self.cluster.stop)
         await loop.run_in_executor(self._executor, self.registry.close)
         self._executor.shutdown(wait=True)
         if "unix" in self.addresses:
@@ -264,6 +303,21 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
+
+
+class _RequestRate:
+    """Requests per second since the previous call: the load a node reports."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last = (time.monotonic(), 0)
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        total = int(sum(self._metrics.snapshot()["requests"].values()))
+        then, before = self._last
+        self._last = (now, total)
+        return (total - before) / max(now - then, 1e-3)
 
 
 def _socket_in_use(path: str) -> bool:

@@ -352,8 +352,8 @@ async def exists(conn: Connection, frame: Frame, meta: bytes) -> None:
     """One byte per key: 1 if stored."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
-    found = await conn.run(lambda: bytes(1 if store.contains(k) else 0 for k in keys))
-    await conn.reply(frame, encode_count(len(keys)) + found)
+    found = await conn.run(store.exists, keys)
+    await conn.reply(frame, encode_count(len(keys)) + bytes(found))
 
 
 async def lookup(conn: Connection, frame: Frame, meta: bytes) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +82,18 @@ def namespaced_config(config: StoreConfig, namespace: str, shared_memory: bool) 
         share = not shared_done and isinstance(tier, HostTierConfig)
         shared_done = shared_done or share
         tiers.append(_namespaced_tier(tier, namespace, share))
-    return dataclasses.replace(config, tiers=tuple(tiers))
+    cluster = dataclasses.replace(config.cluster, namespace=namespace)
+    return dataclasses.replace(config, tiers=tuple(tiers), cluster=cluster)
 
 
 class StoreRegistry:
     """Opens, finds and closes the hosted stores (at most ``max_stores``)."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(
+        self, config: StoreConfig, on_open: Callable[[HostedStore], None] | None = None
+    ) -> None:
         self.config = config
+        self._on_open = on_open
         self._stores: dict[tuple[str, bytes], HostedStore] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -119,6 +124,8 @@ class StoreRegistry:
             segment = first.segment if isinstance(first, SlabTier) else None
             ident = secrets.token_hex(16) if segment is not None else ""
             hosted = self._stores[key] = HostedStore(namespace, layout, store, segment, ident)
+            if self._on_open is not None:
+                self._on_open(hosted)
         log.info(
             "opened store %s: %d blocks found, tiers %s",
             hosted.label,

@@ -51,6 +51,12 @@ class Tier(ABC):
     #: True if other processes may add blocks while we run (the manager asks the
     #: tier about keys its index lacks before calling them misses).
     shared: bool = False
+    #: True for media of this machine (memory, local disks): a cluster node
+    #: publishes the blocks it holds in these. False for S3, Redis, a server.
+    local: bool = True
+    #: False for a tier whose blocks the manager must not copy up on reads by
+    #: itself (another node's blocks: the cluster decides where copies go).
+    promotable: bool = True
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config

@@ -122,6 +122,7 @@ class RedisTier(Tier):
     kind = "redis"
     persistent = True
     shared = True  # other processes write the same keys
+    local = False
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, RedisTierConfig):

@@ -46,6 +46,7 @@ class RemoteTier(Tier):
     kind = "remote"
     persistent = True
     shared = True
+    local = False
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, RemoteTierConfig):

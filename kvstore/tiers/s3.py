@@ -127,6 +127,7 @@ class S3Tier(Tier):
     kind = "s3"
     persistent = True
     shared = True  # other processes and nodes write the same bucket
+    local = False
     #: Objects per listing request (S3 returns at most 1000).
     list_page = 1000
 
