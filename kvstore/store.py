@@ -73,8 +73,9 @@ class KVStore:
             if tiers is None:
                 for tier_config in self.config.tiers:
                     built.append(create_tier(tier_config, layout))
-                if self.config.cluster.enabled:
-                    built.append(_cluster_tier(layout, self.config))
+                if self.config.cluster.enabled:  # peers answer faster than S3 or Redis
+                    at = next((i for i, t in enumerate(built) if not t.local), len(built))
+                    built.insert(at, _cluster_tier(layout, self.config))
             self._manager = BlockManager(layout, built, self.config, clock)
         except BaseException:
             for tier in built:
@@ -364,7 +365,8 @@ class KVStore:
 
 
 def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
-    """The other nodes of the cluster, as the last tier (imported only when used: redis)."""
+    """The other nodes of the cluster, as a tier after this machine's own ones and
+    before shared remote media such as S3 (imported only when used: it needs redis)."""
     try:
         from kvstore.cluster.tier import ClusterTier
     except ImportError as exc:

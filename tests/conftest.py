@@ -1,4 +1,5 @@
-"""Shared fixtures; CUDA tests are skipped cleanly where no GPU exists."""
+"""Shared fixtures: CUDA tests skipped where no GPU exists; real servers (kvstore-server,
+redis-server, a 3-node Redis Cluster, moto S3) on free ports, stopped at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.server import ServerThread
 from kvstore.testing.data import host_config, small_layout
 from kvstore.testing.kvserver import server_test_config
+from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,3 +69,33 @@ def kv_server() -> Iterator[Callable[..., ServerThread]]:
     for thread, work in started:
         thread.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dummy credentials for moto; no profile, config file or endpoint from outside."""
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/kvstore-test-aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/kvstore-test-aws-creds")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in DUMMY_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    with RedisCluster() as cluster:
+        yield cluster

@@ -212,3 +212,42 @@ def test_bench_prefetch() -> None:
     assert isinstance(result["meets_target"], bool)
     if result["device"] == "cpu" and result["cores"] is not None:
         assert not set(result["cores"]["compute"]) & set(result["cores"]["store"])
+
+
+@pytest.mark.timeout(120)
+def test_bench_server() -> None:
+    result = run_bench("bench_server.py")
+    assert result["benchmark"] == "server"
+    assert result["quick"] is True
+    redis = "skipped" not in result["redis"]  # skipped (with a reason) without redis-server
+    ratios = ["tcp_get_ratio_vs_socket", "shm_get_ratio_vs_memcpy", "clients8_scaling"]
+    ratios += ["tcp_ratio_vs_redis", "tcp_ratio_vs_redis_min"] if redis else []
+    gbps = [f"{t}_{op}_gbps" for t in ("tcp", "unix", "shm") for op in ("put", "get")]
+    assert_positive(result, *ratios, *gbps, "socket_tcp_get_gbps", "memcpy_gbps")
+    if not redis:
+        assert result["tcp_ratio_vs_redis"] is None and result["redis"]["skipped"]
+    assert result["targets"] == {
+        "tcp_get_ratio_vs_socket": 0.6,
+        "tcp_ratio_vs_redis": 4.0,
+        "shm_get_ratio_vs_memcpy": 0.7,
+        "clients8_scaling": 1.5,
+    }
+    assert set(result["meets_target"]) == set(result["targets"])
+    assert all(isinstance(v, bool) for v in result["meets_target"].values())
+    assert result["clients"] == 8 and isinstance(result["shared_memory_attached"], bool)
+    assert isinstance(result["lmcache"]["skipped"], str)
+    systems = {"kvstore": 6, "socket": 4, "memcpy": 1, **({"redis": 2} if redis else {})}
+    for size in ("large", "small"):
+        figures = result["gbps"][size]
+        assert set(figures) == set(systems)
+        for system, count in systems.items():
+            cells = [by_k for by_op in figures[system].values() for by_k in by_op.values()]
+            assert len(cells) == count, (size, system)
+            for by_k in cells:
+                assert_positive(by_k, "c1", "c8")
+        assert_positive(result["ratios_by_block"][size], "tcp_put_ratio_vs_socket")
+        assert_positive(result["first_fill_put_gbps"], size)
+        premap = result["premap_shm_put_gbps"][size]
+        assert len(premap) == 8 and all(v > 0 for v in premap)
+    assert len(result["page_faults_per_rep"]) == len(result["reps"])
+    assert_reps(result)

@@ -147,9 +147,13 @@ class ClusterIndex:
         commands += [("SADD", held, *chunk) for chunk in _chunks(keys)]
         self._pipeline([*commands, ("PEXPIRE", held, self._lease_ms)])
 
-    def refresh(self, namespace: str, fp: str, node: str) -> None:
-        """Extend the lease of ``node``'s entries."""
-        self._pipeline([("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms)])
+    def refresh(self, namespace: str, fp: str, node: str) -> bool:
+        """Extend the lease of ``node``'s entries; False if Redis has none of them (it
+        restarted empty, say: the node must write them all again)."""
+        (found,) = self._pipeline(
+            [("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms)]
+        )
+        return bool(found)
 
     def leave(self, node: str, stores: Sequence[tuple[str, str]]) -> None:
         """``node`` is leaving: its entries go now rather than at the end of the lease."""

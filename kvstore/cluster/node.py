@@ -47,6 +47,7 @@ class _Tracked:
     store: KVStore
     feed: ChangeFeed
     full_sync: bool = True
+    registered: int = 0  # keys in the node's set, as far as this node knows
     replicas: set[BlockKey] = field(default_factory=set)
 
     @property
@@ -55,8 +56,7 @@ class _Tracked:
 
     @property
     def cluster_tier(self) -> ClusterTier | None:
-        last = self.store.manager.tiers[-1]
-        return last if isinstance(last, ClusterTier) else None
+        return next((t for t in self.store.manager.tiers if isinstance(t, ClusterTier)), None)
 
 
 class ClusterNode:
@@ -112,10 +112,13 @@ class ClusterNode:
 
     def _register(self, t: _Tracked) -> None:
         node = self.config.node
+        if not t.full_sync and t.registered and not self.index.refresh(t.namespace, t.fp, node):
+            t.full_sync = True  # Redis lost the set (restarted empty between two beats)
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
-            self.index.replace(t.namespace, t.fp, node, t.store.manager.stored_keys(local=True))
-            t.full_sync = False
+            keys = t.store.manager.stored_keys(local=True)
+            self.index.replace(t.namespace, t.fp, node, keys)
+            t.full_sync, t.registered = False, len(keys)
             return
         added, removed = t.feed.drain()
         try:
@@ -123,10 +126,10 @@ class ClusterNode:
                 self.index.add(t.namespace, t.fp, node, added)
             if removed:
                 self.index.remove(t.namespace, t.fp, node, removed)
-            self.index.refresh(t.namespace, t.fp, node)
         except TierError:
             t.full_sync = True  # the drained changes are lost: write everything next time
             raise
+        t.registered = max(0, t.registered + len(added) - len(removed))
 
     def _redis_down(self, tracked: list[_Tracked], exc: TierError) -> None:
         for t in tracked:

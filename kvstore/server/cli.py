@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # kill -USR1 <pid> prints every thread's stack to the log: what is it waiting for?
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         config = _config(args)
         config.server.check_startable()

@@ -1,0 +1,291 @@
+"""Three kvstore-server processes on loopback ports, one real redis-server (or a 3-node Redis
+Cluster) for the shared index, one S3 endpoint (moto) as the shared cold tier.
+
+A block stored on node A is found and fetched byte-exact through node B; routing ranks the
+nodes by the prefix they hold; a hot block gets a copy on a second node and loses it once it
+cools down; node A killed mid-run: B serves A's blocks from S3 and A's entries expire; a
+node that stops answering is skipped; Redis restarted mid-run: the nodes work on and
+register their blocks again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore import KVStore
+from kvstore.client import Client, ClientOptions
+from kvstore.cluster import ClusterIndex, Router
+from kvstore.config import ClusterConfig
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.kvserver import KVStoreServerProcess
+from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
+
+LAYOUT = small_layout(head_dim=32)
+HEARTBEAT = 0.3
+_names = itertools.count()
+
+
+class Nodes:
+    """Node processes a, b, c sharing one Redis and one bucket."""
+
+    def __init__(self, root: Path, redis_url: str, clustered: bool, s3: S3Server) -> None:
+        self.cluster = ClusterConfig(
+            redis_url=redis_url,
+            redis_cluster=clustered,
+            name=f"c{next(_names)}-{os.getpid()}",
+            heartbeat_s=HEARTBEAT,
+            lease_heartbeats=3,
+            replicas=2,
+            hot_threshold=3,
+            heat_half_life_s=1.0,
+            peer_timeout_s=1.0,
+        )
+        self.s3 = s3
+        self.procs: dict[str, KVStoreServerProcess] = {}
+        env = {**DUMMY_AWS_ENV, "AWS_EC2_METADATA_DISABLED": "true"}
+        for name in "abc":
+            self.procs[name] = KVStoreServerProcess(self._config(root, name), root / name, env)
+
+    def s3_tier(self, prefix: str) -> dict[str, Any]:
+        return {
+            "kind": "s3",
+            "bucket": self.s3.bucket,
+            "prefix": prefix,
+            "endpoint_url": self.s3.url,
+            "region": "us-east-1",
+            "connect_timeout": 1.0,
+            "read_timeout": 2.0,
+            "deadline": 5.0,
+        }
+
+    def on_s3(self, keys: list[bytes]) -> bool:
+        """Whether every key reached the bucket (the servers put their namespace's
+        objects under ``<prefix>/ns-default``)."""
+        config = {"tiers": [self.s3_tier(f"{self.cluster.name}/ns-default")]}
+        with KVStore(LAYOUT, config) as probe:
+            return probe.exists(keys) == [True] * len(keys)
+
+    def _config(self, root: Path, name: str) -> dict[str, Any]:
+        cluster = {**self.cluster.to_dict(), "node_id": name}
+        tiers = [
+            {"kind": "host", "capacity": "8MiB", "write_policy": "write_through"},
+            {
+                "kind": "disk",
+                "path": str(root / name / "disk"),
+                "capacity": "64MiB",
+                "write_policy": "write_through",
+            },
+            self.s3_tier(self.cluster.name),
+        ]
+        return {"tiers": tiers, "cluster": cluster}
+
+    def start(self) -> Nodes:
+        for proc in self.procs.values():
+            proc.start()
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.pid is not None:
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.stop()
+
+    def client(self, name: str) -> Client:
+        return Client(LAYOUT, ClientOptions(self.procs[name].address, shared_memory=False))
+
+    def router(self) -> Router:
+        return Router(self.cluster, LAYOUT)
+
+    def holders(self, keys: list[bytes]) -> dict[str, list[bool]]:
+        index = ClusterIndex(self.cluster)
+        try:
+            return index.locate("default", LAYOUT.fingerprint_hex, keys, ["a", "b", "c"])
+        finally:
+            index.close()
+
+
+def blocks(n: int, seed: int) -> list[torch.Tensor]:
+    kv = random_blocks(LAYOUT, n, seed)
+    step = LAYOUT.block_tokens
+    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
+
+
+def read(client: Client, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
+    outs = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in keys]
+    return client.get(keys, outs), outs
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def nodes(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_server: RedisServer,
+    redis_cluster: RedisCluster,
+    s3_server: S3Server,
+) -> Iterator[Nodes]:
+    clustered = request.param == "redis-cluster"
+    url = redis_cluster.url if clustered else redis_server.url
+    group = Nodes(tmp_path_factory.mktemp("nodes"), url, clustered, s3_server).start()
+    yield group
+    group.stop()
+
+
+def test_a_block_stored_on_a_is_fetched_byte_exact_through_b(nodes: Nodes) -> None:
+    keys, data = make_keys(4, salt=1), blocks(4, seed=1)
+    with nodes.client("a") as a, nodes.client("b") as b, nodes.client("c") as c:
+        assert all(a.put(keys, data))
+        assert eventually(lambda: nodes.holders(keys)["a"] == [True] * 4)
+        assert b.exists(keys) == [True] * 4  # b's server asked the index
+        for client in (b, c):
+            ok, outs = read(client, keys)
+            assert ok == [True] * 4
+            assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
+        ranged = [torch.zeros((1, *LAYOUT.block_shape[1:]), dtype=LAYOUT.dtype) for _ in keys]
+        assert b.get(keys, ranged, layers=(2, 3)) == [True] * 4  # layer by layer from a peer
+        assert all(torch.equal(r, d[2:3]) for r, d in zip(ranged, data, strict=True))
+        tiers = b.server_stats()["stores"][0]["tiers"]
+    assert [t["kind"] for t in tiers] == ["host", "disk", "cluster", "s3"]
+    assert tiers[2]["fetched"] >= 4  # from a's server, not from S3
+
+
+def test_an_in_process_store_with_a_cluster_config_reads_from_the_nodes(nodes: Nodes) -> None:
+    """No server of its own: the cluster is just its last tier (prefix lookup, then
+    layer-by-layer prefetch from the node that holds the blocks)."""
+    keys, data = make_keys(3, salt=8), blocks(3, seed=8)
+    with nodes.client("c") as c:
+        assert all(c.put(keys, data))
+    cluster = {**nodes.cluster.to_dict(), "node_id": "in-process"}
+    config = {"tiers": [{"kind": "host", "capacity": "4MiB"}], "cluster": cluster}
+    with KVStore(LAYOUT, config) as store:
+        assert eventually(lambda: store.lookup(keys) == 3)
+        handle = store.prefetch(keys)
+        assert handle.result() == 3
+        assert handle.out is not None
+        assert torch.equal(handle.out, torch.cat(data, dim=2))
+        assert [t.kind for t in store.manager.tiers] == ["host", "cluster"]
+
+
+def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes) -> None:
+    keys, data = make_keys(6, salt=2), blocks(6, seed=2)
+    with nodes.client("a") as a, nodes.client("c") as c:
+        assert all(a.put(keys, data))
+        assert all(c.put(keys[:2], data[:2]))
+    with nodes.router() as router:
+        assert eventually(lambda: router.rank(keys)[0].prefix_blocks == 6)
+        assert eventually(
+            lambda: (
+                [(r.node_id, r.prefix_blocks) for r in router.rank(keys)][:2]
+                == [("a", 6), ("c", 2)]
+            )
+        )
+        ranked = router.rank(keys)
+        assert ranked[2].node_id == "b" and ranked[2].prefix_blocks == 0
+        assert router.best(make_keys(3, salt=99)) is not None  # nobody holds it: any node
+
+
+def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes) -> None:
+    keys, data = make_keys(1, salt=3), blocks(1, seed=3)
+    with nodes.client("a") as a, nodes.client("b") as b, nodes.client("c") as c:
+        assert all(a.put(keys, data))
+        assert eventually(lambda: nodes.holders(keys)["a"] == [True])
+        for _ in range(4):  # fetched through b often enough to be hot (threshold 3)
+            assert read(b, keys)[0] == [True]
+        assert eventually(lambda: nodes.holders(keys)["b"] == [True])  # b copied it
+        for _ in range(4):  # hot through c too, but a and b hold it: replicas=2 reached
+            assert read(c, keys)[0] == [True]
+        time.sleep(4 * HEARTBEAT)
+        assert nodes.holders(keys)["c"] == [False]
+        # No fetches any more: heat halves each second; below 1.5 the replica goes.
+        assert eventually(
+            lambda: nodes.holders(keys) == {"a": [True], "b": [False], "c": [False]}, 15
+        )
+        ok, outs = read(b, keys)
+        assert ok == [True] and torch.equal(outs[0], data[0])
+
+
+@pytest.fixture
+def own_nodes(tmp_path: Path, s3_server: S3Server) -> Iterator[tuple[Nodes, RedisServer]]:
+    """Nodes with a Redis of their own, for tests that kill things."""
+    with RedisServer() as redis:
+        group = Nodes(tmp_path, redis.url, False, s3_server).start()
+        try:
+            yield group, redis
+        finally:
+            group.stop()
+
+
+def test_node_killed_mid_run_b_serves_from_s3_and_its_entries_expire(
+    own_nodes: tuple[Nodes, RedisServer], aws_env: None
+) -> None:
+    nodes, _ = own_nodes
+    keys, data = make_keys(5, salt=4), blocks(5, seed=4)
+    with nodes.client("a") as a:
+        assert all(a.put(keys, data))
+    assert eventually(lambda: nodes.on_s3(keys))  # written through host -> disk -> S3
+    nodes.procs["a"].kill()
+    with nodes.client("b") as b:
+        ok, outs = read(b, keys)
+    assert ok == [True] * 5
+    assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
+    with nodes.router() as router:
+        assert eventually(lambda: "a" not in {r.node_id for r in router.rank(keys)}, 5)
+    assert nodes.holders(keys)["a"] == [False] * 5  # a's entries expired with its lease
+
+
+def test_a_node_that_stops_answering_is_skipped(
+    own_nodes: tuple[Nodes, RedisServer], aws_env: None
+) -> None:
+    nodes, _ = own_nodes
+    keys, data = make_keys(3, salt=5), blocks(3, seed=5)
+    with nodes.client("a") as a:
+        assert all(a.put(keys, data))
+    assert eventually(lambda: nodes.on_s3(keys))
+    pid = nodes.procs["a"].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with nodes.client("b") as b:
+            start = time.monotonic()
+            ok, outs = read(b, keys)
+            assert time.monotonic() - start < 10  # the peer deadline, then S3
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ok == [True] * 3
+    assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
+
+
+def test_redis_restarted_mid_run(own_nodes: tuple[Nodes, RedisServer]) -> None:
+    nodes, redis = own_nodes
+    keys, data = make_keys(3, salt=6), blocks(3, seed=6)
+    with nodes.client("a") as a, nodes.client("b") as b:
+        assert all(a.put(keys, data))
+        assert eventually(lambda: nodes.holders(keys)["a"] == [True] * 3)
+        redis.kill()  # the index is gone (nothing saved): nodes serve on from their tiers
+        more, more_data = make_keys(2, salt=7), blocks(2, seed=7)
+        assert all(a.put(more, more_data))
+        ok, outs = read(a, keys + more)
+        assert ok == [True] * 5
+        redis.start()  # empty: every node writes its whole set again
+        assert eventually(lambda: nodes.holders(keys + more)["a"] == [True] * 5, 10)
+        ok, outs = read(b, more)
+        assert ok == [True] * 2
+        assert all(torch.equal(o, d) for o, d in zip(outs, more_data, strict=True))
