@@ -1,8 +1,9 @@
-"""The ``kvstore`` command: ``demo``, ``server``, ``stats`` and ``config``."""
+"""The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats`` and ``config``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -45,6 +46,18 @@ def _parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
     config.add_argument("--config", help="store config YAML to check")
+
+    route = sub.add_parser(
+        "route", help="rank a cluster's nodes for a prompt (cache-aware routing)"
+    )
+    route.add_argument("--config", help="config YAML with a cluster: section")
+    route.add_argument("--namespace", help="server namespace (default: cluster.namespace)")
+    what = route.add_mutually_exclusive_group(required=True)
+    what.add_argument("--keys", help="file of chunk keys, one hex key per line ('-': stdin)")
+    what.add_argument("--tokens", help="file of token ids (whitespace-separated; '-': stdin)")
+    route.add_argument("--model", help="with --tokens: the model id the engines hash under")
+    route.add_argument("--json", action="store_true")
+    _layout_args(route)
 
     from kvstore.server.cli import add_arguments
 
@@ -114,16 +127,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from kvstore.layout import KVLayout
     from kvstore.store import KVStore
 
-    layout = KVLayout(
-        num_layers=args.layers,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        block_tokens=args.block_tokens,
-        dtype=args.dtype,
-    )
+    layout = _layout(args)
     with KVStore(layout, args.config) as store:
         stats = store.stats()
     if args.json:
@@ -156,6 +162,57 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_text(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    from kvstore.cluster.router import Router
+    from kvstore.config import StoreConfig
+    from kvstore.errors import ConfigError, InvalidInputError
+    from kvstore.keys import Namespace, check_keys
+
+    config = StoreConfig.load(args.config)
+    if not config.cluster.enabled:
+        raise ConfigError("cluster.redis_url: not set; `kvstore route` needs a cluster config")
+    layout = _layout(args)
+    with Router(config.cluster, layout, args.namespace) as router:
+        if args.keys is not None:
+            lines = [x.strip() for x in _read_text(args.keys).split() if x.strip()]
+            try:
+                keys = check_keys([bytes.fromhex(x) for x in lines])
+            except ValueError:
+                raise InvalidInputError("--keys: expected one hex key per line") from None
+            ranked = router.rank(keys)
+        else:
+            if not args.model:
+                raise InvalidInputError("--tokens needs --model (the id the engines hash under)")
+            tokens = [int(x) for x in _read_text(args.tokens).split()]
+            ranked = router.rank_tokens(tokens, Namespace(model=args.model, layout=layout))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in ranked], indent=2))
+        return 0
+    print(f"{'node':<20} {'prefix chunks':>13} {'load':>8}  address")
+    for r in ranked:
+        print(f"{r.node_id:<20} {r.prefix_blocks:>13} {r.load:>8.1f}  {r.advertise or '-'}")
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    from kvstore.layout import KVLayout
+
+    return KVLayout(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_tokens=args.block_tokens,
+        dtype=args.dtype,
+    )
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from kvstore.server.cli import run
 
@@ -172,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stats": _cmd_stats,
         "config": _cmd_config,
         "server": _cmd_server,
+        "route": _cmd_route,
     }
     try:
         return handlers[args.command](args)

@@ -289,3 +289,31 @@ def test_redis_restarted_mid_run(own_nodes: tuple[Nodes, RedisServer]) -> None:
         ok, outs = read(b, more)
         assert ok == [True] * 2
         assert all(torch.equal(o, d) for o, d in zip(outs, more_data, strict=True))
+
+
+def test_kvstore_route_on_the_command_line(
+    nodes: Nodes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    import yaml
+
+    from kvstore.cli import main
+
+    keys, data = make_keys(3, salt=9), blocks(3, seed=9)
+    with nodes.client("b") as b:
+        assert all(b.put(keys, data))
+    config, keyfile = tmp_path / "cluster.yaml", tmp_path / "keys.txt"
+    config.write_text(yaml.safe_dump({"cluster": nodes.cluster.to_dict()}))
+    keyfile.write_text("\n".join(bytes(k).hex() for k in keys))
+    layout = ["--layers", "3", "--kv-heads", "2", "--head-dim", "32", "--block-tokens", "8"]
+    args = ["route", "--config", str(config), "--keys", str(keyfile), *layout, "--json"]
+
+    def top() -> tuple[str, int]:
+        assert main(args) == 0
+        ranked = json.loads(capsys.readouterr().out)
+        return ranked[0]["node_id"], ranked[0]["prefix_blocks"]
+
+    assert eventually(lambda: top() == ("b", 3))
+    assert main(args[:-1]) == 0
+    assert "prefix chunks" in capsys.readouterr().out
