@@ -70,11 +70,14 @@ def store_config(args: argparse.Namespace, address: str) -> dict[str, Any]:
     return {"tiers": [{"kind": "host", "capacity": "512MiB"}, remote]}
 
 
-def run_role(args: argparse.Namespace, role: str, address: str) -> dict[str, Any]:
-    """One vLLM process (examples/vllm_offline.py) playing ``role``; its JSON result."""
+def run_role(
+    args: argparse.Namespace, role: str, address: str, python: str = sys.executable
+) -> dict[str, Any]:
+    """One vLLM process (examples/vllm_offline.py, run by ``python``) playing ``role`` on
+    the server at ``address``; its JSON result."""
     work = Path(args.workdir)
     out, log = work / f"{role}.json", work / f"{role}.log"
-    cmd = [sys.executable, str(DRIVER), "--workdir", str(work), "--prompts", "first"]
+    cmd = [python, str(DRIVER), "--workdir", str(work), "--prompts", "first"]
     cmd += ["--prefix-tokens", str(args.prefix_tokens), "--logprobs"]
     cmd += ["--store-config", json.dumps(store_config(args, address))]
     cmd += ["--kv-role", ROLES[role], "--stats-dir", str(work / f"stats-{role}")]

@@ -24,12 +24,20 @@ def discover(m: BlockManager, keys: Sequence[BlockKey], batch: int = 16) -> int:
     """Index the leading ``keys`` that shared tiers hold but the index lacks.
 
     Other processes may have written them (a reader sharing a disk
-    directory). Probes in small batches and stops at the first key no
-    shared tier has, so a miss costs one batch of existence checks.
+    directory). Skips the leading keys a local tier of this machine holds
+    (nothing serves them faster); a key known only in remote media is asked
+    about again, as a faster copy may have appeared (a peer holding what only
+    S3 held). Probes in small batches and stops at the first key no shared
+    tier has, so a miss costs one batch of existence checks. Returns how many
+    keys were adopted or found.
     """
     shared = [lv for lv in m._levels if lv.tier.shared]
+    if not shared:
+        return 0
+    with m._cond:  # leading keys this machine holds need no question
+        keys = keys[_leading_local(m, keys) :]
     adopted = 0
-    for start in range(0, len(keys) if shared else 0, batch):
+    for start in range(0, len(keys), batch):
         chunk = list(keys[start : start + batch])
         found = [0] * len(chunk)
         for level in shared:
@@ -43,6 +51,17 @@ def discover(m: BlockManager, keys: Sequence[BlockKey], batch: int = 16) -> int:
         if run < len(chunk):
             break
     return adopted
+
+
+def _leading_local(m: BlockManager, keys: Sequence[BlockKey]) -> int:
+    """Leading keys readable from a local tier. Called with the lock held."""
+    n = 0
+    for key in keys:
+        entry = m._index.get(key)
+        if entry is None or entry.state != READY or not entry.tiers & m._local:
+            break
+        n += 1
+    return n
 
 
 def _tier_contains(m: BlockManager, level: Level, keys: list[BlockKey]) -> list[bool]:

@@ -151,7 +151,7 @@ class ClusterNode:
         self.index.decay(t.namespace, t.fp, self.config.heat_half_life_s)
         hot = [k for k in tier.take_hot() if k not in t.replicas]
         if hot:
-            holders = [len(h) for h in tier.holders(hot)]
+            holders = [len(h) for h in tier.holders(hot, fresh=True)]
             room = {k: self.config.replicas - n for k, n in zip(hot, holders, strict=True) if n}
             candidates = [k for k, free in room.items() if free > 0]
             won = self.index.claim_replicas(
@@ -175,7 +175,7 @@ class ClusterNode:
         cold = [k for k, h in zip(keys, heat, strict=True) if h < self.config.hot_threshold / 2]
         if not cold:
             return
-        elsewhere = [k for k, h in zip(cold, tier.holders(cold), strict=True) if h]
+        elsewhere = [k for k, h in zip(cold, tier.holders(cold, fresh=True), strict=True) if h]
         if elsewhere:
             t.store.delete(elsewhere)
         t.replicas.difference_update(cold)

@@ -42,7 +42,16 @@ __all__ = ["ClusterTier"]
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = ("lookups", "fetched", "fetch_failures", "stale_hints", "peer_errors", "hot")
+_WHERE_ENTRIES = 65536  # recent index answers kept (expired ones are dropped past this)
+_COUNTERS = (
+    "lookups",
+    "fetched",
+    "layer_requests",
+    "fetch_failures",
+    "stale_hints",
+    "peer_errors",
+    "hot",
+)
 
 
 class ClusterTier(Tier):
@@ -71,7 +80,9 @@ class ClusterTier(Tier):
         self._peers: dict[str, Client] = {}
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = -1e9
-        self._lock = threading.Lock()  # guards _peers, _nodes, _nodes_at and hot
+        # key -> (expiry, holders): recent answers of the index (see holders()).
+        self._where: dict[BlockKey, tuple[float, list[NodeInfo]]] = {}
+        self._lock = threading.Lock()  # guards _peers, _nodes, _nodes_at, _where and hot
         self._counters = Counters(_COUNTERS)
         #: Keys fetched that are hot cluster-wide (drained by the node's replicator).
         self.hot: set[BlockKey] = set()
@@ -113,12 +124,35 @@ class ClusterTier(Tier):
                 client = self._peers[info.advertise] = Client(self.layout, options)
             return client
 
-    def holders(self, keys: Sequence[BlockKey]) -> list[list[NodeInfo]]:
-        """For each key, the live peers listed as holding it, least loaded first."""
-        nodes = self.peers()
-        found = self.index.locate(self.namespace, self._fp, keys, list(nodes))
-        ranked = sorted(nodes.values(), key=lambda n: (n.load, n.node_id))
-        return [[n for n in ranked if found[n.node_id][i]] for i in range(len(keys))]
+    def holders(self, keys: Sequence[BlockKey], fresh: bool = False) -> list[list[NodeInfo]]:
+        """For each key, the live peers listed as holding it, least loaded first.
+
+        Answers found in the last ``heartbeat_s`` are reused (a layer-by-layer load
+        asks for the same blocks once per layer); ``fresh`` asks Redis regardless.
+        """
+        now = time.monotonic()
+        with self._lock:
+            known = (
+                {} if fresh else {k: v for k in keys if (v := self._where.get(k)) and v[0] > now}
+            )
+        missing = [k for k in dict.fromkeys(keys) if k not in known]
+        if missing:
+            nodes = self.peers()
+            found = self.index.locate(self.namespace, self._fp, missing, list(nodes))
+            ranked = sorted(nodes.values(), key=lambda n: (n.load, n.node_id))
+            expiry = now + self.cluster.heartbeat_s
+            for i, key in enumerate(missing):
+                known[key] = (expiry, [n for n in ranked if found[n.node_id][i]])
+            with self._lock:
+                if len(self._where) > _WHERE_ENTRIES:
+                    self._where = {k: v for k, v in self._where.items() if v[0] > now}
+                self._where.update((k, known[k]) for k in missing)
+        return [known[k][1] for k in keys]
+
+    def _forget_where(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._where.pop(key, None)
 
     # -- the primitives -------------------------------------------------------------
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -141,9 +175,14 @@ class ClusterTier(Tier):
                     node, [keys[i] for i in idxs], [outs[i] for i in idxs], layers, idxs, done
                 )
         fetched = [k for k, ok in zip(keys, done, strict=True) if ok]
-        self._counters.add("fetched", len(fetched))
         self._counters.add("fetch_failures", len(keys) - len(fetched))
-        self._note_heat(fetched)
+        if layers is not None:
+            self._counters.add("layer_requests", len(fetched))
+        # A block loaded layer by layer is one fetch (counted at its first layer), not one
+        # per layer: heat counts loads of a block, whatever their granularity.
+        if layers is None or layers[0] == 0:
+            self._counters.add("fetched", len(fetched))
+            self._note_heat(fetched)
         return done
 
     @staticmethod
@@ -174,6 +213,7 @@ class ClusterTier(Tier):
         try:
             got = self._client(node).get(keys, outs, layers)
         except (TierError, AccessDeniedError) as exc:  # down, slow, or refusing: next holder
+            self._forget_where(keys)
             self._counters.add("peer_errors")
             log.warning("cluster: peer %s (%s) failed: %s", node.node_id, node.advertise, exc)
             return
@@ -181,6 +221,7 @@ class ClusterTier(Tier):
         for i, ok in zip(idxs, got, strict=True):
             done[i] = ok
         if stale:
+            self._forget_where(stale)
             self._counters.add("stale_hints", len(stale))
             # A hint left stale (Redis away) costs one more failed fetch, nothing more.
             with contextlib.suppress(TierError):
