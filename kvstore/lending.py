@@ -67,10 +67,22 @@ class Loan:
     def read_into(self, i: int, out: torch.Tensor, layers: LayerRange = None) -> bool:
         """Verified read of lent block ``i`` (or its ``layers``) into ``out``; False if
         every copy failed (the block is then no longer stored)."""
-        entry = self._pinned.get(i)
-        if entry is None:
-            return False
-        return self._m.read([self.keys[i]], [entry], [out], layers)[0]
+        return self.read_many([i], [out], layers)[0]
+
+    def read_many(
+        self, idxs: list[int], outs: list[torch.Tensor], layers: LayerRange = None
+    ) -> list[bool]:
+        """:meth:`read_into` for several blocks in one batch per tier (one round trip
+        to a disk's thread pool, a peer or S3 for all of them)."""
+        found = [i for i in idxs if i in self._pinned]
+        done = dict.fromkeys(idxs, False)
+        if found:
+            keys = [self.keys[i] for i in found]
+            entries = [self._pinned[i] for i in found]
+            targets = [outs[idxs.index(i)] for i in found]
+            for i, ok in zip(found, self._m.read(keys, entries, targets, layers), strict=True):
+                done[i] = ok
+        return [done[i] for i in idxs]
 
     def renew(self) -> bool:
         """Extend the lease by the store's ``lease_s``; False if it already ended."""

@@ -20,6 +20,7 @@ can hold them directly:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -321,14 +322,20 @@ def _inline_parts(
     staging buffers (appended to ``staged``) where no memory tier holds it."""
     layout = loan.layout
     first, last = layers if layers is not None else (0, layout.num_layers)
-    parts: dict[int, list[Buffer]] = {}
+    blocks: dict[int, torch.Tensor] = {}
     for i in inline:
-        block = loan.views[i]
-        if block is None:
-            block = staging.take(layout)
-            staged.append(block)
-            if not loan.read_into(i, block[first:last], layers):
-                continue
+        view = loan.views[i]
+        blocks[i] = view if view is not None else staging.take(layout)
+        if view is None:
+            staged.append(blocks[i])
+    unread = [i for i in inline if loan.views[i] is None]
+    if unread:  # one batch per tier for every block memory does not hold
+        ok = loan.read_many(unread, [blocks[i][first:last] for i in unread], layers)
+        for i, good in zip(unread, ok, strict=True):
+            if not good:
+                del blocks[i]
+    parts: dict[int, list[Buffer]] = {}
+    for i, block in blocks.items():
         header, pieces = wire.encode_span(loan.keys[i], layout, block, layers)
         parts[i] = [header, *pieces]
     return parts
@@ -357,10 +364,12 @@ async def exists(conn: Connection, frame: Frame, meta: bytes) -> None:
 
 
 async def lookup(conn: Connection, frame: Frame, meta: bytes) -> None:
-    """How many leading keys are stored (rechecked with shared tiers)."""
+    """How many leading keys are stored; blocks only shared tiers hold (a peer, S3) are
+    confirmed with them first, so a node never claims what it can no longer load."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
-    await conn.reply(frame, encode_count(await conn.run(store.lookup, keys)))
+    found = await conn.run(functools.partial(store.lookup, keys, recheck=True))
+    await conn.reply(frame, encode_count(found))
 
 
 async def delete(conn: Connection, frame: Frame, meta: bytes) -> None:
