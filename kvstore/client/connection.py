@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = ["Connection", "Dead"]
 
 log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
+_IOV_MAX = 1024  # buffers per recvmsg_into / sendmsg (Linux's IOV_MAX)
 
 
 class Dead(TierError):
@@ -157,6 +159,29 @@ class Connection:
         """The id of the shared memory the server offers on this connection (None: none)."""
         offered = self.opened.get("shared_memory")
         return str(offered.get("id")) if isinstance(offered, dict) else None
+
+    def recv_scatter(self, views: list[memoryview]) -> None:
+        """Fill each of ``views`` in order, with as few reads as the socket allows
+        (``recvmsg_into`` of up to 1024 buffers; one buffer at a time over TLS)."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            for view in views:
+                self.recv_into(view)
+            return
+        views = [v for v in views if v.nbytes]
+        i = 0
+        while i < len(views):
+            try:
+                got = self.sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+            except OSError as exc:
+                raise Dead(f"kvstore-server connection lost while reading: {exc}") from None
+            if not got:
+                raise Dead("kvstore-server closed the connection")
+            while got and i < len(views):
+                if got >= views[i].nbytes:
+                    got -= views[i].nbytes
+                    i += 1
+                else:
+                    views[i], got = views[i][got:], 0
 
     def attach_shared_memory(self) -> shm.Mapping | None:
         """Map the store's shared memory, if the server offers it and this host can."""

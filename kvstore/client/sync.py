@@ -35,7 +35,7 @@ from kvstore.client._common import (
     same_length,
 )
 from kvstore.client.connection import Connection, Dead
-from kvstore.codec import Codec, encode_block, layer_pieces
+from kvstore.codec import Codec, encode_block, layer_pieces, verify_layers
 from kvstore.errors import (
     AccessDeniedError,
     ClosedError,
@@ -303,15 +303,20 @@ class Client:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         first, last = layers if layers is not None else (0, self.layout.num_layers)
         span = (last - first) * self.layout.layer_nbytes
-        for i, (key, out, (status, offset)) in enumerate(zip(keys, outs, slots, strict=True)):
+        arriving: list[int] = []
+        for i, (out, (status, offset)) in enumerate(zip(outs, slots, strict=True)):
             if status == SlotStatus.INLINE:
-                done[i] = self._receive(conn, key, out, layers)
+                arriving.append(i)
             elif status == SlotStatus.SHM:
                 if conn.shm is None:
                     raise ProtocolError("the server answered with shared memory not asked for")
                 pairs.append((out, _slot(conn.shm, self.layout, offset, out.shape, span)))
                 done[i] = True
         try:
+            for i, ok in zip(
+                arriving, self._receive(conn, keys, outs, arriving, layers), strict=True
+            ):
+                done[i] = ok
             copy_all(pairs)
         finally:
             if lease:
@@ -321,28 +326,35 @@ class Client:
         return done
 
     def _receive(
-        self, conn: Connection, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
-    ) -> bool | None:
-        """One inline block: its header, then its bytes straight into ``out``; verified
-        (None if it arrived damaged)."""
-        layout = self.layout
-        head = conn.recv(wire.wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
-        pieces = layer_pieces(out)
-        target = out
-        if pieces is None:  # a GPU tensor or an odd view: through a host buffer
-            target = torch.empty(tuple(out.shape), dtype=layout.dtype)
-            pieces = wire.pieces_of(target)
-        for layer in pieces:
-            for piece in layer:
-                conn.recv_into(piece.cast("B"))
-        try:
-            wire.verify_span(wire.read_header(head, layout, key), target, layers)
-        except (CorruptBlockError, LayoutMismatchError) as exc:
-            log.warning("kvstore client: block %s arrived damaged: %s", key.hex(), exc)
-            return None
-        if target is not out:
-            out.copy_(target)
-        return True
+        self,
+        conn: Connection,
+        keys: list[BlockKey],
+        outs: list[torch.Tensor],
+        idxs: list[int],
+        layers: tuple[int, int] | None,
+    ) -> list[bool | None]:
+        """The inline blocks ``idxs``, in order: each one's header, then its bytes straight
+        into ``outs[i]`` (a host buffer for GPU or odd views), by scatter reads of a few
+        MiB at a time, each group verified before the next is read -- so the server
+        refills the socket while this thread checks (None: arrived damaged)."""
+        done: list[bool | None] = []
+        group: list[_Arrival] = []
+        size = 0
+        for i in idxs:
+            group.append(_Arrival.prepare(self.layout, keys[i], outs[i], layers))
+            size += group[-1].nbytes
+            if size >= _RECV_GROUP:
+                done += self._receive_group(conn, group, layers)
+                group, size = [], 0
+        return done + self._receive_group(conn, group, layers)
+
+    def _receive_group(
+        self, conn: Connection, group: list[_Arrival], layers: tuple[int, int] | None
+    ) -> list[bool | None]:
+        if not group:
+            return []
+        conn.recv_scatter([view for arrival in group for view in arrival.views])
+        return [arrival.finish(self.layout, layers) for arrival in group]
 
     # -- queries ------------------------------------------------------------------
     def _key_calls(self, op: Op, keys: list[BlockKey]) -> Iterator[tuple[range, bytes]]:
@@ -434,6 +446,47 @@ class Client:
 
 
 _HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
+_RECV_GROUP = 4 * 1024**2  # bytes read before the blocks read are verified
+
+
+class _Arrival:
+    """One inline block on its way in: where its header and bytes go, then the check."""
+
+    def __init__(
+        self,
+        key: BlockKey,
+        out: torch.Tensor,
+        target: torch.Tensor,
+        pieces: list[list[memoryview]],
+        head: bytearray,
+    ) -> None:
+        self.key, self.out, self.target, self.pieces, self.head = key, out, target, pieces, head
+        self.views = [memoryview(head), *(p.cast("B") for layer in pieces for p in layer)]
+        self.nbytes = sum(v.nbytes for v in self.views)
+
+    @classmethod
+    def prepare(
+        cls, layout: KVLayout, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
+    ) -> _Arrival:
+        head = bytearray(wire.wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
+        pieces = layer_pieces(out)
+        target = out
+        if pieces is None:  # a GPU tensor or an odd view: through a host buffer
+            target = torch.empty(tuple(out.shape), dtype=layout.dtype)
+            pieces = wire.pieces_of(target)
+        return cls(key, out, target, pieces, head)
+
+    def finish(self, layout: KVLayout, layers: tuple[int, int] | None) -> bool | None:
+        """Verify what arrived; copy it out of a host buffer; None if damaged."""
+        try:
+            header = wire.read_header(self.head, layout, self.key)
+            verify_layers(header, self.pieces, layers[0] if layers is not None else 0)
+        except (CorruptBlockError, LayoutMismatchError) as exc:
+            log.warning("kvstore client: block %s arrived damaged: %s", self.key.hex(), exc)
+            return None
+        if self.target is not self.out:
+            self.out.copy_(self.target)
+        return True
 
 
 def _slot(

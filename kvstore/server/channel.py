@@ -23,8 +23,9 @@ from collections.abc import Sequence
 __all__ = ["Channel", "RawChannel", "StreamChannel"]
 
 Buffer = bytes | bytearray | memoryview
-_COALESCE = 64 * 1024  # smaller pieces are joined into one send
+_COALESCE = 64 * 1024  # smaller pieces are joined into one write (streams)
 _SCRATCH = 1024 * 1024
+_IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 class Channel(ABC):
@@ -65,7 +66,7 @@ class Channel(ABC):
 
     async def send(self, parts: Sequence[Buffer], deadline: float) -> None:
         """Send ``parts`` in order before ``deadline``."""
-        await _before(self._send(_coalesce(parts)), deadline)
+        await _before(self._send(parts), deadline)
 
     async def send_fd(self, data: bytes, fd: int, deadline: float) -> None:
         """Send ``data`` with file descriptor ``fd`` attached (Unix sockets only)."""
@@ -88,17 +89,21 @@ async def _before(awaitable: object, deadline: float) -> None:
 
 
 def _coalesce(parts: Sequence[Buffer]) -> list[Buffer]:
-    """Join runs of small parts (headers, metas) so each costs no syscall of its own."""
+    """Join runs of small parts (headers, metas) into pieces of at most ``_COALESCE``
+    bytes, so each costs no write of its own (for transports without ``sendmsg``)."""
     out: list[Buffer] = []
     small: list[Buffer] = []
+    size = 0
     for part in parts:
-        if len(part) >= _COALESCE:
-            if small:
-                out.append(b"".join(small))
-                small = []
+        n = memoryview(part).nbytes
+        if small and (n >= _COALESCE or size + n > _COALESCE):
+            out.append(b"".join(small))
+            small, size = [], 0
+        if n >= _COALESCE:
             out.append(part)
-        elif len(part):
+        elif n:
             small.append(part)
+            size += n
     if small:
         out.append(b"".join(small))
     return out
@@ -129,8 +134,24 @@ class RawChannel(Channel):
             got += n
 
     async def _send(self, parts: Sequence[Buffer]) -> None:
-        for part in parts:
-            await self._loop.sock_sendall(self._sock, part)
+        """``sendmsg`` of up to ``_IOV_MAX`` buffers at a time, straight from where they
+        live (no joining, no copy); when the socket is full, the loop waits for room."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        i = 0
+        while i < len(views):
+            try:
+                sent = self._sock.sendmsg(views[i : i + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                # Full: let the loop send this piece when there is room, then go on.
+                await self._loop.sock_sendall(self._sock, views[i])
+                i += 1
+                continue
+            while sent and i < len(views):
+                if sent >= views[i].nbytes:
+                    sent -= views[i].nbytes
+                    i += 1
+                else:
+                    views[i], sent = views[i][sent:], 0
 
     async def send_fd(self, data: bytes, fd: int, deadline: float) -> None:
         if not self.unix:
@@ -178,7 +199,7 @@ class StreamChannel(Channel):
             raise ConnectionResetError("the client closed the connection") from None
 
     async def _send(self, parts: Sequence[Buffer]) -> None:
-        for part in parts:
+        for part in _coalesce(parts):
             self._writer.write(part)
         await self._writer.drain()
 

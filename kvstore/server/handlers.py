@@ -52,7 +52,7 @@ from kvstore.server.staging import StagingPool
 
 if TYPE_CHECKING:
     from kvstore.server.connection import Connection
-    from kvstore.store import KVStore
+    from kvstore.server.stores import HostedStore
     from kvstore.tiers.slab import SharedSegment
 
 __all__ = ["CONCURRENT", "Reservation", "commit", "expire_reservations", "put", "release"]
@@ -138,7 +138,7 @@ async def _commit(
 ) -> list[int]:
     """Verify what arrived, commit the good blocks, persist if asked; per-key statuses."""
     hosted = conn.store
-    statuses = await conn.run(_verify_and_commit, hosted.store, pending, arrived)
+    statuses = await conn.run(_verify_and_commit, hosted, pending, arrived)
     if frame.flags & Flag.DURABLE:
         held = [k for k, s in zip(pending.keys, statuses, strict=True) if _holds(s)]
         durable = dict(zip(held, await conn.run(hosted.store.persist, held), strict=True))
@@ -158,14 +158,16 @@ def _holds(status: int) -> bool:
 
 
 def _verify_and_commit(
-    store: KVStore, pending: PendingPut, arrived: list[bytes | None]
+    hosted: HostedStore, pending: PendingPut, arrived: list[bytes | None]
 ) -> list[int]:
     """On a worker thread: check each block, commit the good ones, report per key.
 
     ``arrived[i]``: the wire header of a block received over the socket
-    (verified here), ``b""`` for one the client wrote through shared memory,
-    None for one that did not come (its room is given back).
+    (verified here, then kept for sending the block later), ``b""`` for one the
+    client wrote through shared memory, None for one that did not come (its room
+    is given back).
     """
+    store = hosted.store
     ok: list[bool] = []
     verdict: list[int] = []
     for key, view, head in zip(pending.keys, pending.views, arrived, strict=True):
@@ -182,6 +184,10 @@ def _verify_and_commit(
                 good, status = False, SlotStatus.CORRUPT
         ok.append(good)
         verdict.append(status)
+        if good and head:
+            hosted.headers.put(key, head)
+        elif good:
+            hosted.headers.drop(key)
     pending.commit(ok)
     return [
         v if v != SlotStatus.STORED or store.contains(k) else SlotStatus.MISS
@@ -272,7 +278,9 @@ async def get(conn: Connection, frame: Frame, meta: bytes) -> None:
         await _acquire(conn, nbytes)
         staged: list[torch.Tensor] = []
         try:
-            parts = await conn.run(_inline_parts, conn.ctx.staging, loan, inline, layers, staged)
+            parts = await conn.run(
+                _inline_parts, conn.ctx.staging, hosted.headers, loan, (inline, layers), staged
+            )
             for i in inline:
                 if i not in parts:
                     slots[i] = (SlotStatus.MISS, 0)
@@ -313,13 +321,15 @@ def _slots(
 
 def _inline_parts(
     staging: StagingPool,
+    headers: wire.HeaderCache,
     loan: Loan,
-    inline: list[int],
-    layers: tuple[int, int] | None,
+    what: tuple[list[int], tuple[int, int] | None],
     staged: list[torch.Tensor],
 ) -> dict[int, list[Buffer]]:
-    """On a worker thread: wire header and bytes of each inline block, read into
-    staging buffers (appended to ``staged``) where no memory tier holds it."""
+    """On a worker thread: wire header and bytes of each inline block (``what``: which,
+    and their layers), read into staging buffers (appended to ``staged``) where no
+    memory tier holds it; headers come from ``headers`` where known."""
+    inline, layers = what
     layout = loan.layout
     first, last = layers if layers is not None else (0, layout.num_layers)
     blocks: dict[int, torch.Tensor] = {}
@@ -336,7 +346,11 @@ def _inline_parts(
                 del blocks[i]
     parts: dict[int, list[Buffer]] = {}
     for i, block in blocks.items():
-        header, pieces = wire.encode_span(loan.keys[i], layout, block, layers)
+        key = loan.keys[i]
+        known = headers.get(key)
+        header, pieces = wire.encode_span(key, layout, block, layers, known)
+        if known is None and layers is None:
+            headers.put(key, header)
         parts[i] = [header, *pieces]
     return parts
 

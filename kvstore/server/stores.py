@@ -20,7 +20,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.config import StoreConfig
@@ -33,6 +33,7 @@ from kvstore.config.tiers import (
 )
 from kvstore.errors import CapacityError, ClosedError
 from kvstore.layout import KVLayout
+from kvstore.server.wire import HeaderCache
 from kvstore.store import KVStore
 from kvstore.tiers.slab import SharedSegment, SlabTier
 
@@ -52,6 +53,8 @@ class HostedStore:
     #: Random per segment: a client that mapped another server's (or an earlier
     #: run's) memory sees that this is not it.
     segment_id: str = ""
+    #: Wire headers of stored blocks (sending needs no hashing).
+    headers: HeaderCache = field(default_factory=lambda: HeaderCache(1024))
 
     @property
     def label(self) -> str:
@@ -123,7 +126,10 @@ class StoreRegistry:
             first = store.manager.tiers[0]
             segment = first.segment if isinstance(first, SlabTier) else None
             ident = secrets.token_hex(16) if segment is not None else ""
-            hosted = self._stores[key] = HostedStore(namespace, layout, store, segment, ident)
+            # Headers of the blocks memory can hold, twice over, and no fewer than 1024.
+            headers = HeaderCache(max(1024, 2 * store.manager.tiers[0].capacity_blocks))
+            hosted = HostedStore(namespace, layout, store, segment, ident, headers)
+            self._stores[key] = hosted
             if self._on_open is not None:
                 self._on_open(hosted)
         log.info(

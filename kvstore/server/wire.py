@@ -9,6 +9,8 @@ only those layers' bytes.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvstore.codec import (
@@ -24,7 +26,14 @@ from kvstore.errors import CorruptBlockError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 
-__all__ = ["encode_span", "pieces_of", "read_header", "verify_span", "wire_nbytes"]
+__all__ = [
+    "HeaderCache",
+    "encode_span",
+    "pieces_of",
+    "read_header",
+    "verify_span",
+    "wire_nbytes",
+]
 
 Span = tuple[int, int]
 
@@ -44,12 +53,23 @@ def pieces_of(block: torch.Tensor) -> list[list[memoryview]]:
 
 
 def encode_span(
-    key: BlockKey, layout: KVLayout, block: torch.Tensor, layers: Span | None = None
+    key: BlockKey,
+    layout: KVLayout,
+    block: torch.Tensor,
+    layers: Span | None = None,
+    header: bytes | None = None,
 ) -> tuple[bytes, list[memoryview]]:
     """The wire header of ``block`` (checksums of ``layers`` only) and its layers'
-    bytes, aliasing the tensor where it is on the CPU and contiguous per layer."""
+    bytes, aliasing the tensor where it is on the CPU and contiguous per layer.
+
+    ``header``: the block's known full header (from when it was stored): used as is,
+    and a contiguous block goes out as one buffer -- no hashing, no per-layer work.
+    """
     first, last = layers if layers is not None else (0, layout.num_layers)
     span = block[first:last]
+    if header is not None and span.is_contiguous() and span.device.type == "cpu":
+        flat = span.view(torch.uint8).reshape(-1).numpy()
+        return header, [memoryview(flat)]  # type: ignore[arg-type]
     pieces = layer_pieces(span)
     if pieces is None:  # a GPU tensor or an odd view: one contiguous host copy
         host = span.detach().to("cpu", copy=True).contiguous()
@@ -57,7 +77,7 @@ def encode_span(
     sums = [0] * layout.num_layers
     for offset, layer in enumerate(pieces):
         sums[first + offset] = checksum_pieces(layer)
-    header = BlockHeader(
+    computed = BlockHeader(
         codec=Codec.RAW,
         layout_fp=layout.fingerprint,
         key=bytes(key),
@@ -66,7 +86,7 @@ def encode_span(
         layer_nbytes=(layout.layer_nbytes,) * layout.num_layers,
         layer_checksums=tuple(sums),
     )
-    return header.pack(), [piece for layer in pieces for piece in layer]
+    return computed.pack(), [piece for layer in pieces for piece in layer]
 
 
 def read_header(data: bytes | bytearray | memoryview, layout: KVLayout, key: bytes) -> BlockHeader:
@@ -82,3 +102,40 @@ def verify_span(header: BlockHeader, block: torch.Tensor, layers: Span | None = 
     against ``header``; CorruptBlockError on a mismatch."""
     first = layers[0] if layers is not None else 0
     verify_layers(header, pieces_of(block), first)
+
+
+class HeaderCache:
+    """Known wire headers of stored blocks, so sending a block needs no hashing.
+
+    A key's content never changes (keys are content-addressed), so the header a
+    client sent with a block -- verified against its bytes before the block was
+    stored -- stays its header; a block written without one (through shared
+    memory) gets its header computed once, at its first whole-block send. At most
+    ``max_entries`` are kept (the oldest go first). Whatever a header says, the
+    receiver verifies the bytes against it: a stale one costs a miss, never data.
+
+    Thread-safe: ``_lock`` guards ``_headers``.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max(1, max_entries)
+        self._headers: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> bytes | None:
+        """The header of ``key``, if known."""
+        with self._lock:
+            return self._headers.get(key)
+
+    def put(self, key: bytes, header: bytes) -> None:
+        """Remember ``header`` for ``key``."""
+        with self._lock:
+            self._headers.pop(key, None)
+            self._headers[key] = bytes(header)
+            while len(self._headers) > self.max_entries:
+                del self._headers[next(iter(self._headers))]
+
+    def drop(self, key: bytes) -> None:
+        """Forget ``key``'s header (its block was written without one)."""
+        with self._lock:
+            self._headers.pop(key, None)

@@ -231,3 +231,31 @@ def test_store_limit_is_a_clear_error(kv_server: Start) -> None:
         pytest.raises(TierError, match="max_stores"),
     ):
         c.ping()
+
+
+def test_sent_headers_come_from_puts_and_still_guard_the_bytes(kv_server: Start) -> None:
+    """A block put over the socket is sent back with the header its client sent (no
+    hashing); one put through shared memory gets its header computed at its first send.
+    Either way the receiver checks the bytes: memory damaged after the put is a miss."""
+    server = kv_server()
+    keys, data = make_keys(2, salt=12), blocks_of(LAYOUT, 2, seed=12)
+    with (
+        Client(LAYOUT, ClientOptions(server.address, shared_memory=False)) as sock,
+        Client(LAYOUT, ClientOptions(server.address, shared_memory=True)) as shm,
+    ):
+        assert sock.put(keys[:1], data[:1]) == [True]
+        assert shm.put(keys[1:], data[1:]) == [True] and shm.shared_memory
+        hosted = server.server.registry.hosted()[0]
+        assert hosted.headers.get(keys[0]) is not None  # the client's header, kept
+        assert hosted.headers.get(keys[1]) is None  # written through shared memory
+        for _ in range(2):  # computed, then reused
+            outs = empty(LAYOUT, 2)
+            assert sock.get(keys, outs) == [True, True]
+            assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
+        assert hosted.headers.get(keys[1]) is not None
+        view = hosted.store.manager.tiers[0].view(keys[0])
+        assert view is not None
+        view[1].fill_(0.5)  # memory damaged after the put
+        out = empty(LAYOUT, 1)
+        assert sock.get(keys[:1], out) == [False]
+        assert sock.stats["corrupt_retries"] == 1
