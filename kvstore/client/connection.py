@@ -96,17 +96,39 @@ class Connection:
     def send(
         self, op: int, meta: bytes = b"", payload: Sequence[Buffer] = (), flags: int = 0
     ) -> int:
-        """Send a request; its id."""
-        self._ids = (self._ids + 1) & 0xFFFFFFFF
+        """Send a request (header, meta and payload); its id."""
         size = sum(memoryview(p).nbytes for p in payload)
-        head = Frame(op, flags, 0, self._ids, len(meta), size).pack()
+        rid = self.send_head(op, meta, size, flags)
+        self.send_parts(payload)
+        return rid
+
+    def send_head(self, op: int, meta: bytes, payload_nbytes: int, flags: int = 0) -> int:
+        """Send a request's header and meta; its payload must follow (:meth:`send_parts`)."""
+        self._ids = (self._ids + 1) & 0xFFFFFFFF
+        head = Frame(op, flags, 0, self._ids, len(meta), payload_nbytes).pack()
+        self.send_parts([head + meta])
+        return self._ids
+
+    def send_parts(self, parts: Sequence[Buffer]) -> None:
+        """Send ``parts`` in order, straight from their memory: ``sendmsg`` of up to 1024
+        buffers at a time (one ``sendall`` each over TLS)."""
         try:
-            self.sock.sendall(head + meta)
-            for part in payload:
-                self.sock.sendall(part)
+            if isinstance(self.sock, ssl.SSLSocket):
+                for part in parts:
+                    self.sock.sendall(part)
+                return
+            views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+            i = 0
+            while i < len(views):
+                sent = self.sock.sendmsg(views[i : i + _IOV_MAX])
+                while sent and i < len(views):
+                    if sent >= views[i].nbytes:
+                        sent -= views[i].nbytes
+                        i += 1
+                    else:
+                        views[i], sent = views[i][sent:], 0
         except OSError as exc:
             raise Dead(f"kvstore-server connection lost while sending: {exc}") from None
-        return self._ids
 
     def reply(self, request_id: int, op: int, first: bytes | None = None) -> tuple[Frame, bytes]:
         """Read the reply to ``request_id``: its header and meta (the payload is left

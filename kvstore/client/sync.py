@@ -204,10 +204,22 @@ class Client:
     ) -> list[int]:
         if conn.shm is not None:
             return self._put_shared(conn, keys, blocks, flags)
-        parts: list[Buffer] = []
+        # The header goes first (the payload's size is known), then the blocks a few MiB
+        # at a time, each group checksummed just before it goes: the server receives one
+        # group while this thread hashes the next.
+        rid = conn.send_head(
+            Op.PUT, encode_keys(keys), len(keys) * wire.wire_nbytes(self.layout), flags
+        )
+        group: list[Buffer] = []
+        size = 0
         for key, block in zip(keys, blocks, strict=True):
-            parts += encode_block(key, self.layout, block, Codec.RAW).parts()
-        rid = conn.send(Op.PUT, encode_keys(keys), parts, flags)
+            encoded = encode_block(key, self.layout, block, Codec.RAW)
+            group += encoded.parts()
+            size += encoded.nbytes
+            if size >= _RECV_GROUP:
+                conn.send_parts(group)
+                group, size = [], 0
+        conn.send_parts(group)
         _, meta = conn.reply(rid, Op.PUT)
         self.stats["socket_blocks"] += len(keys)
         return decode_put_reply(meta, len(keys))

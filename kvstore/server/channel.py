@@ -16,9 +16,12 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import select
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any
 
 __all__ = ["Channel", "RawChannel", "StreamChannel"]
 
@@ -26,6 +29,8 @@ Buffer = bytes | bytearray | memoryview
 _COALESCE = 64 * 1024  # smaller pieces are joined into one write (streams)
 _SCRATCH = 1024 * 1024
 _IOV_MAX = 1024  # buffers per sendmsg (Linux's IOV_MAX)
+_THREADED = 1024 * 1024  # transfers this big are copied by a thread (see RawChannel)
+_PATIENCE_MS = 5  # how long a copying thread waits for a socket before handing back
 
 
 class Channel(ABC):
@@ -88,6 +93,49 @@ async def _before(awaitable: object, deadline: float) -> None:
     await asyncio.wait_for(awaitable, timeout)  # type: ignore[arg-type]
 
 
+def _wait(sock: socket.socket, events: int) -> bool:
+    """Wait up to ``_PATIENCE_MS`` for ``events`` on ``sock``: a peer draining or filling
+    its socket at speed is served without a trip through the loop; a slow one costs a
+    copying thread that long at most."""
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    return bool(poller.poll(_PATIENCE_MS))
+
+
+def _push(sock: socket.socket, views: list[memoryview], i: int) -> int:
+    """Send from ``views[i:]`` what the (non-blocking) socket takes soon; the index of
+    the first view not sent whole (``views`` is trimmed in place where one was cut)."""
+    while i < len(views):
+        try:
+            sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            if _wait(sock, select.POLLOUT):
+                continue
+            return i
+        while sent and i < len(views):
+            if sent >= views[i].nbytes:
+                sent -= views[i].nbytes
+                i += 1
+            else:
+                views[i], sent = views[i][sent:], 0
+    return i
+
+
+def _pull(sock: socket.socket, view: memoryview, got: int) -> int:
+    """Receive into ``view[got:]`` what the (non-blocking) socket holds now; the new fill."""
+    while got < view.nbytes:
+        try:
+            n = sock.recv_into(view[got:])
+        except (BlockingIOError, InterruptedError):
+            if _wait(sock, select.POLLIN):
+                continue
+            return got
+        if n == 0:
+            raise ConnectionResetError("the client closed the connection")
+        got += n
+    return got
+
+
 def _coalesce(parts: Sequence[Buffer]) -> list[Buffer]:
     """Join runs of small parts (headers, metas) into pieces of at most ``_COALESCE``
     bytes, so each costs no write of its own (for transports without ``sendmsg``)."""
@@ -110,10 +158,19 @@ def _coalesce(parts: Sequence[Buffer]) -> list[Buffer]:
 
 
 class RawChannel(Channel):
-    """A plain socket driven by the loop's ``sock_*`` methods (zero-copy both ways)."""
+    """A plain socket, zero-copy both ways.
 
-    def __init__(self, sock: socket.socket) -> None:
+    Small transfers run on the loop. Big ones (a block or more) are copied by a
+    thread of ``copier`` -- the kernel's copies run there, with the GIL released, so
+    several connections' bytes move on several cores while the loop serves the
+    others. A copying thread waits for a socket at most a few milliseconds: then it
+    hands back and the loop waits for the socket to be ready again. So a slow
+    client costs no thread, only its own connection's time.
+    """
+
+    def __init__(self, sock: socket.socket, copier: Executor | None = None) -> None:
         self._sock = sock
+        self._copier = copier
         self._loop = asyncio.get_running_loop()
         self.unix = sock.family == socket.AF_UNIX
         if not self.unix:
@@ -126,6 +183,16 @@ class RawChannel(Channel):
         sock.setblocking(False)
 
     async def _recv_into(self, view: memoryview) -> None:
+        if self._copier is None or view.nbytes < _THREADED:
+            await self._recv_on_loop(view)
+            return
+        got = 0
+        while got < view.nbytes:
+            got = await self._loop.run_in_executor(self._copier, _pull, self._sock, view, got)
+            if got < view.nbytes:
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+
+    async def _recv_on_loop(self, view: memoryview) -> None:
         got = 0
         while got < view.nbytes:
             n = await self._loop.sock_recv_into(self._sock, view[got:])
@@ -135,23 +202,35 @@ class RawChannel(Channel):
 
     async def _send(self, parts: Sequence[Buffer]) -> None:
         """``sendmsg`` of up to ``_IOV_MAX`` buffers at a time, straight from where they
-        live (no joining, no copy); when the socket is full, the loop waits for room."""
+        live (no joining, no copy); big payloads by the copier (see the class)."""
         views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        left = sum(v.nbytes for v in views)
         i = 0
         while i < len(views):
-            try:
-                sent = self._sock.sendmsg(views[i : i + _IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                # Full: let the loop send this piece when there is room, then go on.
-                await self._loop.sock_sendall(self._sock, views[i])
-                i += 1
-                continue
-            while sent and i < len(views):
-                if sent >= views[i].nbytes:
-                    sent -= views[i].nbytes
-                    i += 1
-                else:
-                    views[i], sent = views[i][sent:], 0
+            if self._copier is not None and left >= _THREADED:
+                i = await self._loop.run_in_executor(self._copier, _push, self._sock, views, i)
+            else:
+                i = _push(self._sock, views, i)
+            if i < len(views):
+                left = sum(v.nbytes for v in views[i:])
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+
+    async def _ready(self, add: Any, remove: Any) -> None:
+        """Wait until the socket can be read (``add_reader``) or written (``add_writer``)."""
+        future: asyncio.Future[None] = self._loop.create_future()
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise ConnectionResetError("the connection was closed")
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        add(fd, wake)
+        try:
+            await future
+        finally:
+            remove(fd)
 
     async def send_fd(self, data: bytes, fd: int, deadline: float) -> None:
         if not self.unix:

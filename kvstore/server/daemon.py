@@ -61,6 +61,7 @@ class Server:
         cfg = config.server
         self.metrics = ServerMetrics()
         self._executor = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-server")
+        self._copier = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-copy")
         self.registry = StoreRegistry(config, on_open=self._on_open)
         #: This server's membership in a cluster (None: standalone), from ``start()``.
         self.cluster: Any = None
@@ -215,7 +216,7 @@ class Server:
             if not self._admit():
                 sock.close()
                 continue
-            self._spawn(RawChannel(sock))
+            self._spawn(RawChannel(sock, self._copier))
 
     async def _tls_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._admit():
@@ -283,6 +284,7 @@ class Server:
             await loop.run_in_executor(self._executor, self.cluster.stop)
         await loop.run_in_executor(self._executor, self.registry.close)
         self._executor.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
         if "unix" in self.addresses:
             with contextlib.suppress(OSError):
                 os.unlink(self.addresses["unix"])
