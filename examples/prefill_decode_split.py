@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_offline  # (sets the CPU backend's environment before vLLM loads)
 
+vllm_offline.bind_threads(1)
+
 
 def engine(args: argparse.Namespace, role: str) -> Any:
     """A vLLM engine whose connector plays ``role`` on the shared store."""

@@ -44,9 +44,19 @@ from typing import Any
 # number of threads than one without -- different float rounding, different greedy tokens
 # after a few dozen steps on this random model -- and the two could not be compared.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault(
-    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
-)
+
+
+def bind_threads(tp_size: int) -> None:
+    """Pin vLLM's OpenMP threads: every core to one rank, or a core (group) per TP rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    if tp_size <= 1:
+        binding = ",".join(map(str, cores))
+    else:
+        per = max(1, len(cores) // tp_size)
+        groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(tp_size)]
+        binding = "|".join(",".join(map(str, g)) for g in groups)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
+
 
 MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -172,6 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=8192,
         max_num_batched_tokens=8192,
         enable_prefix_caching=args.prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None,
+        max_num_seqs=args.max_num_seqs,
         kv_transfer_config=connector_config(args) if connector else None,
         disable_log_stats=False,
         seed=0,
@@ -183,26 +196,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         logprobs=0 if args.logprobs else None,  # 0: the sampled token's only
     )
+    prompts = [
+        TokensPrompt(prompt_token_ids=t) for t in make_prompts(args.prompts, args.prefix_tokens)
+    ]
+    # One prompt at a time (each TTFT is its own prefill), or all at once (--batch: several
+    # sequences per step, as a server runs them).
+    groups = [prompts] if args.batch else [[p] for p in prompts]
     results = []
-    for tokens in make_prompts(args.prompts, args.prefix_tokens):
+    for group in groups:
         start = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        outs = llm.generate(group, params, use_tqdm=False)
         total = time.perf_counter() - start
-        metrics = out.metrics
-        ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
-        result: dict[str, Any] = {
-            "prompt_tokens": len(tokens),
-            "output": list(out.outputs[0].token_ids),
-            "num_cached_tokens": out.num_cached_tokens or 0,
-            "ttft_s": ttft,
-            "total_s": total,
-        }
-        if args.logprobs:
-            steps = zip(out.outputs[0].token_ids, out.outputs[0].logprobs or [], strict=True)
-            result["logprobs"] = [step[token].logprob for token, step in steps]
-        results.append(result)
+        results.extend(_result(out, total, args.logprobs) for out in outs)
     del llm  # shuts the engine down: workers close their stores (flushing them)
     return {"prompts": args.prompts, "connector": connector, "results": results}
+
+
+def _result(out: Any, total: float, logprobs: bool) -> dict[str, Any]:
+    metrics = out.metrics
+    ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+    result: dict[str, Any] = {
+        "prompt_tokens": len(out.prompt_token_ids),
+        "output": list(out.outputs[0].token_ids),
+        "num_cached_tokens": out.num_cached_tokens or 0,
+        "ttft_s": ttft,
+        "total_s": total,
+    }
+    if logprobs:
+        steps = zip(out.outputs[0].token_ids, out.outputs[0].logprobs or [], strict=True)
+        result["logprobs"] = [step[token].logprob for token, step in steps]
+    return result
 
 
 def read_stats(stats_dir: str | None) -> dict[str, dict[str, float]]:
@@ -246,8 +269,14 @@ def main() -> None:
         choices=("float32", "bfloat16"),
         help="model and KV dtype (float32: greedy tokens do not hinge on bf16 rounding)",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch bound")
+    parser.add_argument(
+        "--batch", action="store_true", help="submit every prompt at once (batched steps)"
+    )
     parser.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = parser.parse_args()
+    bind_threads(args.tensor_parallel_size)
     result = run(args)
     result["stats"] = read_stats(args.stats_dir)
     text = json.dumps(result, indent=1)
