@@ -27,7 +27,12 @@ import torch
 
 from kvstore.errors import InvalidInputError
 
-__all__ = ["CacheWriter", "PageMap", "PagedKV"]
+__all__ = ["NULL_BLOCK", "CacheWriter", "PageMap", "PagedKV"]
+
+#: The block id an engine puts where a block was freed or never allocated: vLLM's
+#: block pool reserves block 0 as its null block, and its sliding-window groups
+#: point every block that fell out of the window there. Never read or written.
+NULL_BLOCK = 0
 
 #: ``write(key, value, cache, slot_mapping)``: the engine's cache-write kernel.
 #: ``key``/``value`` are ``[tokens, heads, head_dim]``; ``cache`` is a paged
@@ -46,14 +51,27 @@ class PageMap:
     """Where ``K[t, d]`` and ``V[t, d]`` sit inside one ``(block, head)`` page.
 
     ``k_pos[t, d]`` / ``v_pos[t, d]`` are flat indices into the page's logical
-    ``[block_size, C]`` grid (``n * C + c``).
+    ``[block_size, C]`` grid (``n * C + c``). A latent (MLA) cache has one vector
+    per token: ``k_pos`` only, ``v_pos`` None.
     """
 
     block_size: int
     head_dim: int
     page_width: int
     k_pos: torch.Tensor
-    v_pos: torch.Tensor
+    v_pos: torch.Tensor | None
+
+    @property
+    def kv_factor(self) -> int:
+        """2 for K and V, 1 for a latent cache."""
+        return 1 if self.v_pos is None else 2
+
+    @classmethod
+    def latent(cls, block_size: int, width: int) -> PageMap:
+        """An MLA page: token ``t``'s latent vector is row ``t`` (vLLM's layout on every backend
+        that does not tile its cache)."""
+        pos = torch.arange(block_size).unsqueeze(1) * width + torch.arange(width).unsqueeze(0)
+        return cls(block_size, width, width, pos, None)
 
     @classmethod
     def joined_last(cls, block_size: int, head_dim: int) -> PageMap:
@@ -69,6 +87,7 @@ class PageMap:
         like: torch.Tensor,
         head_dim: int,
         input_dtype: torch.dtype,
+        kv_factor: int = 2,
     ) -> PageMap:
         """Measure the page map of the kernel ``write`` on a scratch copy of one block of ``like``.
 
@@ -77,18 +96,18 @@ class PageMap:
         indices are written as base-16 digits, one kernel call per digit, so
         every value is a small exact integer. Raises :class:`InvalidInputError`
         if the kernel does not place each element exactly once, identically for
-        every head.
+        every head. With ``kv_factor`` 1 (a latent cache) only K is written.
         """
         _, heads, block_size, width = like.shape
         positions = []
-        for side in (0, 1):  # 0: K, 1: V
+        for side in range(kv_factor):  # 0: K, 1: V
             tok = _decode(write, like, side, head_dim, input_dtype, _token_codes(block_size))
             dim = _decode(
                 write, like, side, head_dim, input_dtype, _dim_codes(block_size, head_dim)
             )
             positions.append(_invert(tok, dim, heads, block_size, head_dim))
-        k_pos, v_pos = positions
-        if torch.isin(k_pos, v_pos).any():
+        k_pos, v_pos = positions[0], positions[1] if kv_factor == 2 else None
+        if v_pos is not None and torch.isin(k_pos, v_pos).any():
             raise InvalidInputError("calibration: K and V share page positions")
         return cls(block_size, head_dim, width, k_pos, v_pos)
 
@@ -201,10 +220,12 @@ class PagedKV:
         self.caches = list(caches)
         self.block_size = block_size
         self.head_dim = page_map.head_dim
+        self.kv_factor = page_map.kv_factor
         self.device = caches[0].device
         # (row, column) of every K/V element of a page, ready for advanced indexing.
         self._k = _rows_cols(page_map.k_pos, width, self.device)
-        self._v = _rows_cols(page_map.v_pos, width, self.device)
+        v_pos = page_map.v_pos
+        self._v = _rows_cols(v_pos, width, self.device) if v_pos is not None else None
         self._heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
 
     @property
@@ -229,6 +250,17 @@ class PagedKV:
         pages = torch.stack((flat // self.page_tokens, flat % self.page_tokens), dim=1)
         return pages.to(self.device)
 
+    def present(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor | None:
+        """Offsets (from ``start``) of tokens ``[start, end)`` not in :data:`NULL_BLOCK`;
+        None when every token has a real block."""
+        blocks = list(block_ids)
+        first, last = start // self.block_size, -(-end // self.block_size)
+        if NULL_BLOCK not in blocks[first:last]:
+            return None
+        tokens = torch.arange(start, end)
+        real = torch.as_tensor(blocks, dtype=torch.int64)[tokens // self.block_size] != NULL_BLOCK
+        return real.nonzero().squeeze(1)
+
     def _index(
         self, slots: torch.Tensor, rows_cols: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
@@ -238,16 +270,18 @@ class PagedKV:
         return page, self._heads, rows, cols
 
     def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy layer ``layer`` of the tokens at ``slots`` into ``out`` ``[2, T, heads, D]``."""
+        """Copy layer ``layer`` of the tokens at ``slots`` into ``out`` ``[kv, T, heads, D]``."""
         cache = self.caches[layer]
         out[0].copy_(cache[self._index(slots, self._k)])
-        out[1].copy_(cache[self._index(slots, self._v)])
+        if self._v is not None:
+            out[1].copy_(cache[self._index(slots, self._v)])
 
     def scatter(self, layer: int, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write ``src`` ``[2, tokens, heads, D]`` into layer ``layer`` at ``slots``."""
+        """Write ``src`` ``[kv, tokens, heads, D]`` into layer ``layer`` at ``slots``."""
         cache = self.caches[layer]
         cache.index_put_(self._index(slots, self._k), src[0].to(cache.device, cache.dtype))
-        cache.index_put_(self._index(slots, self._v), src[1].to(cache.device, cache.dtype))
+        if self._v is not None:
+            cache.index_put_(self._index(slots, self._v), src[1].to(cache.device, cache.dtype))
 
 
 def _rows_cols(

@@ -7,7 +7,9 @@ resulting :class:`StepPlan` to its workers.
 Terms: a *chunk* is ``chunk_tokens`` tokens, the unit kvstore keys and stores
 (a multiple of the engine's *block* size, the unit of its paged cache). Only
 full chunks of the prompt get a key; a prompt ending mid-chunk leaves its tail
-to the engine.
+to the engine. An engine may keep several block tables per request (vLLM's KV
+cache *groups*: full attention, sliding window, ...); block ids are kept per
+group, in the engine's group order.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 KeyFn = Callable[[Sequence[int], str | None, str | None], dict[int, list[BlockKey]]]
 #: ``lookup(keys_by_rank) -> leading chunks stored for every rank``.
 LookupFn = Callable[[dict[int, list[BlockKey]]], int]
+#: A request's block ids, one list per KV cache group.
+GroupBlocks = tuple[list[int], ...]
 
 
 def chunk_tokens_for(block_size: int, configured: int | None = None) -> int:
@@ -69,8 +73,11 @@ class TransferSpec:
 
     Chunks ``first_chunk .. first_chunk + len(keys[rank]) - 1`` of the
     request move; of those, tokens ``[token_start, token_end)`` are written to
-    (load) or read from (save) the engine's blocks. ``block_ids`` are the
-    request's engine blocks from block ``block_offset`` on.
+    (load) or read from (save) the engine's blocks. ``block_ids[g]`` are the
+    request's engine blocks of KV cache group ``g`` from block ``block_offset``
+    on. ``whole``: a load done at once before the request computes, reported
+    per request (the engine's asynchronous-load protocol) rather than layer by
+    layer with per-block errors.
     """
 
     req_id: str
@@ -78,15 +85,17 @@ class TransferSpec:
     first_chunk: int
     token_start: int
     token_end: int
-    block_ids: list[int]
+    block_ids: GroupBlocks
     block_offset: int = 0
+    whole: bool = False
 
-    def blocks_of(self, start: int, end: int, block_size: int) -> list[int]:
-        """Engine block ids holding any of tokens ``[start, end)``."""
+    def blocks_of(self, start: int, end: int, block_size: int, group: int = 0) -> list[int]:
+        """Engine block ids of ``group`` holding any of tokens ``[start, end)``."""
         if start >= end:
             return []
         first, last = start // block_size, (end - 1) // block_size
-        return self.block_ids[first - self.block_offset : last - self.block_offset + 1]
+        ids = self.block_ids[group]
+        return ids[first - self.block_offset : last - self.block_offset + 1]
 
 
 @dataclass
@@ -108,22 +117,24 @@ class RequestState:
     prompt_len: int
     hit_chunks: int = 0
     local_tokens: int = 0  # the engine's own hit, as passed to the last match()
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or planned for saving
     expected_computed: int = 0  # computed tokens the engine should report next step
     pending_load: tuple[int, int] | None = None  # token range to load in the next step
+    load_failed: bool = False  # a whole load failed: recompute, never offer a hit again
 
 
 @dataclass(frozen=True)
 class Scheduled:
     """A request the engine scheduled this step, as it reports it.
 
-    ``block_ids`` are the request's blocks when ``replace_blocks`` (a new or
-    resumed request), else the blocks newly appended (None: none).
+    ``block_ids`` (one list per KV cache group) are the request's blocks when
+    ``replace_blocks`` (a new or resumed request), else the blocks newly
+    appended (None: none).
     """
 
     req_id: str
-    block_ids: list[int] | None
+    block_ids: GroupBlocks | None
     replace_blocks: bool
     num_computed: int
     num_scheduled: int
@@ -149,6 +160,7 @@ class Planner:
         self._keys_for = keys_for
         self._lookup = lookup
         self.requests: dict[str, RequestState] = {}
+        self._whole_loads: list[TransferSpec] = []
 
     def _state(
         self, req_id: str, tokens: Sequence[int], adapter: str | None, salt: str | None
@@ -169,19 +181,46 @@ class Planner:
     ) -> int:
         """Tokens beyond ``num_computed`` (the engine's own hit) the store can load."""
         state = self._state(req_id, prompt_token_ids, adapter, salt)
-        state.hit_chunks = self._lookup(state.keys) if state.keys else 0
+        state.hit_chunks = self._lookup(state.keys) if state.keys and not state.load_failed else 0
         state.local_tokens = num_computed
         # Chunks found stored need no save; a failed load rolls this back (see step()).
         state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
         return matched_tokens(state.hit_chunks, self.chunk_tokens, state.prompt_len, num_computed)
 
-    def allocated(self, req_id: str, num_external: int) -> None:
-        """The engine allocated blocks for ``num_external`` tokens to load (0: none)."""
+    def allocated(
+        self, req_id: str, num_external: int, block_ids: GroupBlocks | None = None
+    ) -> None:
+        """The engine allocated blocks for ``num_external`` tokens to load (0: none).
+
+        With ``block_ids`` (the request's blocks per group) the load is *whole*:
+        planned now, done by the next step's workers before the request computes
+        (the engine's asynchronous loads); without, it rides along with the
+        request's first scheduled step.
+        """
         state = self.requests.get(req_id)
         if state is None or num_external <= 0:
             return
         start = state.local_tokens
-        state.pending_load = (start, start + num_external)
+        if block_ids is None:
+            state.pending_load = (start, start + num_external)
+            return
+        state.block_ids = [list(ids) for ids in block_ids]
+        spec = self._load_spec(req_id, state, start, start + num_external)
+        if spec is not None:
+            spec.whole = True
+            self._whole_loads.append(spec)
+            # The engine schedules the request once loaded, computed up to here.
+            state.expected_computed = start + num_external
+
+    def load_failed(self, req_id: str) -> None:
+        """A whole load failed: the engine recomputes the request from its start."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        state.load_failed = True
+        state.hit_chunks = 0
+        state.saved_chunks = 0  # what is still stored is skipped when saving
+        state.expected_computed = 0
 
     def finished(self, req_id: str) -> None:
         """Forget a finished request."""
@@ -193,15 +232,19 @@ class Planner:
         Requests never seen by :meth:`match` are left alone: their keys would
         lack the request's salt and adapter, so nothing of theirs is stored.
         """
-        plan = StepPlan()
+        plan = StepPlan(loads=self._whole_loads)
+        self._whole_loads = []
         for req in scheduled:
             state = self.requests.get(req.req_id)
             if state is None:
                 continue
             if req.replace_blocks:
-                state.block_ids = list(req.block_ids or [])
+                state.block_ids = [list(ids) for ids in req.block_ids or ()]
             elif req.block_ids:
-                state.block_ids.extend(req.block_ids)
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in req.block_ids]
+                for ids, new in zip(state.block_ids, req.block_ids, strict=True):
+                    ids.extend(new)
             self._plan_request(req.req_id, state, req.num_computed, req.num_scheduled, plan)
         return plan
 
@@ -248,7 +291,8 @@ class Planner:
         self, req_id: str, state: RequestState, first: int, last: int, start: int, end: int
     ) -> TransferSpec | None:
         lo, hi = start // self.block_size, -(-end // self.block_size)
-        if hi > len(state.block_ids):
+        if not state.block_ids or any(hi > len(ids) for ids in state.block_ids):
             return None  # the engine gave fewer blocks than the tokens need: skip, never guess
         keys = {rank: ks[first:last] for rank, ks in state.keys.items()}
-        return TransferSpec(req_id, keys, first, start, end, state.block_ids[lo:hi], lo)
+        blocks = tuple(ids[lo:hi] for ids in state.block_ids)
+        return TransferSpec(req_id, keys, first, start, end, blocks, lo)

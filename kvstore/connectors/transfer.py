@@ -21,9 +21,20 @@ Two modes, same hooks:
 - ``sync``: ``get_prefix`` / ``put`` of whole chunks, in batches bounded by
   ``staging_bytes``, at the start and at the end of the step.
 
+A load planned as ``whole`` (the engine's asynchronous loads, which vLLM
+needs for models with several KV cache groups) is done at once in
+:meth:`~TransferWorker.start_load` and reported per request by
+:meth:`~TransferWorker.take_transfer_results`.
+
+Layers may belong to different KV cache groups (full attention, sliding
+window), each with its own block ids; blocks a sliding-window group freed are
+the engine's null block: never written on load, and a chunk with any of them is
+never saved (its KV is gone), so a stored prefix always has its whole window.
+
 Nothing here raises into the engine: a miss, a block that fails verification
-or any error while loading makes the affected engine blocks *load errors*,
-which the engine recomputes; a failing save is counted and dropped.
+or any error while loading makes the affected engine blocks *load errors*
+(or the request a failed load), which the engine recomputes; a failing save
+is counted and dropped.
 """
 
 from __future__ import annotations
@@ -59,11 +70,31 @@ class _Load:
 
 @dataclass
 class _Save:
-    """One request's chunks to save this step: their keys and page slots."""
+    """One request's chunks to save this step: their keys and page slots per group."""
 
     keys: list[BlockKey]
-    slots: torch.Tensor
+    slots: dict[int, torch.Tensor]
     failed: bool = False
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which engine KV cache group each layer belongs to, and which groups slide.
+
+    ``of_layer[i]`` indexes the per-group block-id tuples of the specs; the
+    default is one group holding every layer.
+    """
+
+    of_layer: tuple[int, ...] = ()
+    sliding: frozenset[int] = frozenset()
+
+    def group(self, layer: int) -> int:
+        """The group of ``layer``."""
+        return self.of_layer[layer] if self.of_layer else 0
+
+    def used(self) -> list[int]:
+        """The groups the layers use, each once."""
+        return sorted(set(self.of_layer)) if self.of_layer else [0]
 
 
 class TransferWorker:
@@ -77,6 +108,8 @@ class TransferWorker:
             (``layerwise``: prefetch / put_layer; ``sync``: get_prefix / put) and
             ``staging_bytes`` (the host buffer bound of the ``sync`` mode).
         counters: where the transfer metrics go.
+        saves: False for a worker whose saves another worker makes (MLA under
+            TP: every rank holds the same latent, rank 0 stores it).
     """
 
     def __init__(
@@ -86,6 +119,7 @@ class TransferWorker:
         block_size: int,
         settings: ConnectorSettings | None = None,
         counters: Counters | None = None,
+        saves: bool = True,
     ) -> None:
         settings = settings or ConnectorSettings()
         if settings.flush not in FLUSH_POLICIES:
@@ -99,7 +133,11 @@ class TransferWorker:
         self.flush = settings.flush
         self.layerwise = settings.transfer == "layerwise"
         self.counters = counters or Counters("worker")
+        self.saves = saves
         self.paged: PagedKV | None = None
+        self.groups = LayerGroups()
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
         self._batch = max(1, settings.staging_bytes // self.layout.block_nbytes)
         self._buffer: torch.Tensor | None = None
         self._errors: set[int] = set()
@@ -109,19 +147,46 @@ class TransferWorker:
         self._layers_put: set[int] = set()
         self._flusher = _Flusher(store, self.counters) if self.flush == "background" else None
 
-    def register(self, paged: PagedKV) -> None:
-        """Attach the engine's paged caches (one per layer of our layout)."""
+    def register(self, paged: PagedKV, groups: LayerGroups | None = None) -> None:
+        """Attach the engine's paged caches (one per layer of our layout) and their groups."""
         if paged.num_layers != self.layout.num_layers:
             raise ConfigError(
                 f"the engine has {paged.num_layers} KV cache layers, the layout "
                 f"{self.layout.num_layers}"
             )
-        self.paged = paged
+        groups = groups or LayerGroups()
+        if groups.of_layer and len(groups.of_layer) != paged.num_layers:
+            raise ConfigError("every KV cache layer needs its group")
+        self.paged, self.groups = paged, groups
 
-    def _slots(self, spec: TransferSpec, start: int, end: int) -> torch.Tensor:
+    def _slots(self, spec: TransferSpec, start: int, end: int, group: int = 0) -> torch.Tensor:
         assert self.paged is not None
         base = spec.block_offset * self.block_size
-        return self.paged.slots(spec.block_ids, start - base, end - base)
+        return self.paged.slots(spec.block_ids[group], start - base, end - base)
+
+    def _present(self, spec: TransferSpec, start: int, end: int, group: int) -> torch.Tensor | None:
+        """Offsets of tokens ``[start, end)`` the group holds (None: all of them)."""
+        if group not in self.groups.sliding:
+            return None
+        assert self.paged is not None
+        base = spec.block_offset * self.block_size
+        return self.paged.present(spec.block_ids[group], start - base, end - base)
+
+    def _scatter_range(
+        self, layer: int, spec: TransferSpec, tokens: tuple[int, int], src: torch.Tensor
+    ) -> None:
+        """Write ``src`` ``[kv, end - start, heads, D]`` as tokens ``[start, end)`` of
+        ``layer``, skipping tokens whose block its group has freed (a sliding window)."""
+        assert self.paged is not None
+        start, end = tokens
+        group = self.groups.group(layer)
+        slots = self._slots(spec, start, end, group)
+        keep = self._present(spec, start, end, group)
+        if keep is not None:
+            slots, src = slots[keep], src[:, keep]
+            self.counters.add("load_layer_tokens_outside_window", end - start - len(keep))
+        if len(slots):
+            self.paged.scatter(layer, slots, src)
 
     def _staging(self, chunks: int) -> torch.Tensor:
         """A host buffer of ``layout.tensor_shape(chunks)``, reused between calls."""
@@ -137,13 +202,15 @@ class TransferWorker:
         self._load_failed = False
         for spec in loads:
             self.counters.add("load_requests")
+            if spec.whole:
+                self._finished.add(spec.req_id)  # failed or not, the engine stops waiting
             keys = spec.keys.get(self.rank)
             if keys is None or self.paged is None:
                 self._fail(spec, spec.token_start)
                 continue
             try:
                 with self.counters.timed("load_seconds"):
-                    if self.layerwise:
+                    if self.layerwise and not spec.whole:
                         self._loads.append(_Load(spec, self.store.prefetch(keys, order="layer")))
                     else:
                         self._load_sync(spec, keys)
@@ -160,20 +227,14 @@ class TransferWorker:
             n = self.store.get_prefix(batch, staging)
             lo, hi = max(spec.token_start, chunk0 * c), min(spec.token_end, (chunk0 + n) * c)
             if hi > lo:
-                slots = self._slots(spec, lo, hi)
+                a, b = lo - chunk0 * c, hi - chunk0 * c
                 for layer in range(self.layout.num_layers):
-                    self._scatter(layer, slots, staging, lo - chunk0 * c, hi - chunk0 * c)
+                    self._scatter_range(layer, spec, (lo, hi), staging[layer, :, a:b])
                 self.counters.add("load_chunks", n)
                 self.counters.add("load_tokens", hi - lo)
             if n < len(batch):
                 self._fail(spec, max(spec.token_start, hi))
                 return
-
-    def _scatter(
-        self, layer: int, slots: torch.Tensor, src: torch.Tensor, lo: int, hi: int
-    ) -> None:
-        assert self.paged is not None
-        self.paged.scatter(layer, slots, src[layer, :, lo:hi])
 
     def wait_layer(self, layer: int) -> None:
         """Layer ``layer`` is about to run: put its loaded KV in place first."""
@@ -187,8 +248,8 @@ class TransferWorker:
                 start = load.spec.token_start
                 if end > start and load.handle.out is not None:
                     lo = start - load.spec.first_chunk * self.layout.block_tokens
-                    slots = self._slots(load.spec, start, end)
-                    self._scatter(layer, slots, load.handle.out, lo, lo + end - start)
+                    src = load.handle.out[layer, :, lo : lo + end - start]
+                    self._scatter_range(layer, load.spec, (start, end), src)
                 load.scattered[layer] = end
             except Exception:  # the layer stays unscattered: finish_load reports it
                 log.exception("kvstore: loading layer %d failed", layer)
@@ -219,12 +280,17 @@ class TransferWorker:
         self._loads = []
 
     def _fail(self, spec: TransferSpec, from_token: int) -> None:
-        """Tokens ``[from_token, token_end)`` of ``spec`` did not load: report their blocks."""
+        """Tokens ``[from_token, token_end)`` of ``spec`` did not load: report their blocks
+        (or, for a whole load, the request: the engine recomputes it from its start)."""
+        self.counters.add("load_failed_requests")
+        self.counters.add("load_failed_tokens", spec.token_end - from_token)
+        if spec.whole:
+            # That request computes nothing this step, so this step's saves stay good.
+            self._failed.add(spec.req_id)
+            return
         blocks = spec.blocks_of(from_token, spec.token_end, self.block_size)
         self._errors.update(blocks)
         self._load_failed = True
-        self.counters.add("load_failed_requests")
-        self.counters.add("load_failed_tokens", spec.token_end - from_token)
         self.counters.add("load_failed_blocks", len(blocks))
 
     def take_load_errors(self) -> set[int]:
@@ -232,6 +298,12 @@ class TransferWorker:
         self.finish_load()
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose whole load ended since the last call: (all of them, the failed)."""
+        finished, failed = self._finished, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
 
     # -- save path ------------------------------------------------------------
     def save_layer(self, layer: int, saves: Sequence[TransferSpec]) -> None:
@@ -243,6 +315,8 @@ class TransferWorker:
         self.counters.add("layers_saved")
         if not self.layerwise or not saves or layer == self.layout.num_layers - 1:
             return
+        if not self.saves:
+            return
         if not 0 <= layer < self.layout.num_layers or layer in self._layers_put:
             return
         if self._saves is None:
@@ -251,9 +325,10 @@ class TransferWorker:
         self._layers_put.add(layer)
 
     def _prepare(self, saves: Sequence[TransferSpec]) -> list[_Save]:
-        """Each spec's chunks not stored yet, with the page slots of their tokens."""
+        """Each spec's chunks not stored yet, with the page slots of their tokens per group."""
         out = []
         c = self.layout.block_tokens
+        groups = self.groups.used()
         for spec in saves:
             self.counters.add("save_requests")
             keys = spec.keys.get(self.rank, [])
@@ -261,9 +336,21 @@ class TransferWorker:
             self.counters.add("save_chunks_present", len(keys) - len(todo))
             if not todo or self.paged is None:
                 continue
-            first = spec.first_chunk
-            slots = [self._slots(spec, (first + i) * c, (first + i + 1) * c) for i in todo]
-            out.append(_Save([keys[i] for i in todo], torch.cat(slots)))
+            spans = [((spec.first_chunk + i) * c, (spec.first_chunk + i + 1) * c) for i in todo]
+            whole = [
+                i
+                for i, span in zip(todo, spans, strict=True)
+                if all(self._present(spec, *span, g) is None for g in groups)
+            ]
+            # A chunk whose window blocks were freed has lost its KV: never stored.
+            self.counters.add("save_chunks_freed", len(todo) - len(whole))
+            if not whole:
+                continue
+            slots = {
+                g: torch.cat([self._slots(spec, *spans[todo.index(i)], g) for i in whole])
+                for g in groups
+            }
+            out.append(_Save([keys[i] for i in whole], slots))
         return out
 
     def _gather(self, layer: int, save: _Save) -> torch.Tensor:
@@ -271,13 +358,13 @@ class TransferWorker:
         kv = torch.empty(
             (
                 self.layout.kv_factor,
-                len(save.slots),
+                len(save.keys) * self.layout.block_tokens,
                 self.layout.num_kv_heads,
                 self.layout.head_dim,
             ),
             dtype=self.layout.dtype,
         )
-        self.paged.gather(layer, save.slots, kv)
+        self.paged.gather(layer, save.slots[self.groups.group(layer)], kv)
         return kv
 
     def _put_layer(self, layer: int, saves: list[_Save]) -> int:
@@ -309,7 +396,7 @@ class TransferWorker:
             for save in prepared or ():
                 self.store.abort_layers(save.keys)
             return
-        if not saves:
+        if not saves or not self.saves:
             return
         if self.layerwise:
             todo = prepared if prepared is not None else self._prepare(saves)
@@ -333,9 +420,10 @@ class TransferWorker:
         for offset in range(0, len(save.keys), self._batch):
             keys = save.keys[offset : offset + self._batch]
             staging = self._staging(len(keys))
-            slots = save.slots[offset * c : (offset + len(keys)) * c]
+            span = slice(offset * c, (offset + len(keys)) * c)
             assert self.paged is not None
             for layer in range(self.layout.num_layers):
+                slots = save.slots[self.groups.group(layer)][span]
                 self.paged.gather(layer, slots, staging[layer])
             try:
                 with self.counters.timed("save_seconds"):

@@ -23,6 +23,16 @@ namespace of the model (id, revision, dtype, quantization), the KV layout and
 the TP rank: identical in every process and after restarts, never shared
 between models, ranks, LoRA adapters or cache salts.
 
+Models: full attention, MLA (one latent per token, stored once for every TP
+rank and readable at any TP size) and sliding-window layers, alone or mixed under
+vLLM's hybrid KV cache manager (the connector declares ``SupportsHMA``); see
+:mod:`kvstore.connectors.vllm_geometry`. With several KV cache groups, loads are
+vLLM's *asynchronous* kind: planned when vLLM allocates the request's blocks,
+done whole by the workers before the request computes, and reported per request
+(vLLM cannot take per-block failures when block ids repeat across groups). A
+model with layers whose state kvstore does not store (Mamba) is served no
+prefix at all, as the start-up log says.
+
 Failures never fail a request: a block that is missing or fails verification
 when a worker reads it is reported through ``get_block_ids_with_load_errors``
 and vLLM recomputes it (the connector switches vLLM's
@@ -34,7 +44,6 @@ and vLLM recomputes it (the connector switches vLLM's
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,16 +52,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore.connectors.paged import PagedKV, PageMap
 from kvstore.connectors.plan import Planner, Scheduled, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
-from kvstore.connectors.transfer import TransferWorker
+from kvstore.connectors.transfer import LayerGroups, TransferWorker
+from kvstore.connectors.vllm_geometry import EngineGeometry
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
-from kvstore.layout import KVLayout
 from kvstore.store import KVStore
 
 if TYPE_CHECKING:
@@ -60,7 +71,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, so start-up lines (what is served, what is recomputed) show with
+# vLLM's own output.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -93,69 +106,11 @@ class KVStoreConnectorStats(KVConnectorStats):
         return not self.data
 
 
-@dataclass(frozen=True)
-class EngineGeometry:
-    """What fixes the KV bytes and keys of this vLLM instance (identical in every role)."""
-
-    layer_names: tuple[str, ...]
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    model_dtype: torch.dtype
-    model_id: str
-    tp_size: int
-
-    @classmethod
-    def from_vllm(
-        cls, vllm_config: Any, kv_cache_config: Any, model_id: str | None
-    ) -> EngineGeometry:
-        """Read the geometry; :class:`ConfigError` for models the connector cannot key."""
-        groups = list(kv_cache_config.kv_cache_groups)
-        if len(groups) != 1:
-            raise ConfigError(
-                f"KVStoreConnector supports models with one KV cache group (full attention); "
-                f"this model has {len(groups)}"
-            )
-        spec = groups[0].kv_cache_spec
-        if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-            raise ConfigError(
-                f"KVStoreConnector supports full attention KV caches, not {type(spec).__name__}"
-            )
-        head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-        if head_size_v != spec.head_size:
-            raise ConfigError("KVStoreConnector needs K and V of the same head size")
-        model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ConfigError("KVStoreConnector does not support pipeline parallelism yet")
-        return cls(
-            layer_names=tuple(sorted(groups[0].layer_names, key=_natural_key)),
-            block_size=int(spec.block_size),
-            num_kv_heads=int(spec.num_kv_heads),
-            head_dim=int(spec.head_size),
-            dtype=spec.dtype,
-            model_dtype=model.dtype,
-            model_id=model_id or _model_id(model),
-            tp_size=int(parallel.tensor_parallel_size),
-        )
-
-    def layout(self, chunk_tokens: int) -> KVLayout:
-        """Our layout of one chunk of this model's KV (per TP rank)."""
-        return KVLayout(
-            num_layers=len(self.layer_names),
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_tokens=chunk_tokens,
-            dtype=self.dtype,
-        )
-
-
 def _scheduled(scheduler_output: Any) -> list[Scheduled]:
     """vLLM's new and cached requests of one step as :class:`Scheduled` (KV cache group 0)."""
     counts = scheduler_output.num_scheduled_tokens
     out = [
-        Scheduled(r.req_id, list(r.block_ids[0]), True, r.num_computed_tokens, counts[r.req_id])
+        Scheduled(r.req_id, _groups(r.block_ids), True, r.num_computed_tokens, counts[r.req_id])
         for r in scheduler_output.scheduled_new_reqs
         if r.req_id in counts
     ]
@@ -164,7 +119,7 @@ def _scheduled(scheduler_output: Any) -> list[Scheduled]:
         if req_id not in counts:
             continue
         new_ids = cached.new_block_ids[i]
-        blocks = list(new_ids[0]) if new_ids is not None else None
+        blocks = _groups(new_ids) if new_ids is not None else None
         resumed = req_id in cached.resumed_req_ids
         out.append(
             Scheduled(req_id, blocks, resumed, cached.num_computed_tokens[i], counts[req_id])
@@ -172,20 +127,12 @@ def _scheduled(scheduler_output: Any) -> list[Scheduled]:
     return out
 
 
-def _natural_key(name: str) -> list[Any]:
-    """Sort ``layers.10`` after ``layers.9``: the layer order must not depend on vLLM's."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+def _groups(block_ids: Any) -> tuple[list[int], ...]:
+    """vLLM's per-group block ids (a tuple of lists) as plain lists."""
+    return tuple(list(ids) for ids in block_ids)
 
 
-def _model_id(model: Any) -> str:
-    """Model, revision, weight dtype and quantization: what changes the KV of a prompt."""
-    parts = [f"{model.model}@{model.revision or 'default'}", str(model.dtype)]
-    if getattr(model, "quantization", None):
-        parts.append(f"quant={model.quantization}")
-    return "|".join(parts)
-
-
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A ``KVConnectorBase_V1`` backed by a :class:`~kvstore.store.KVStore` (see module doc)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -198,7 +145,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.chunk_tokens = chunk_tokens_for(self.geometry.block_size, self.settings.chunk_tokens)
         self.layout = self.geometry.layout(self.chunk_tokens)
         self._layer_index = {name: i for i, name in enumerate(self.geometry.layer_names)}
-        self._namespaces: dict[tuple[int, str | None, str | None], Namespace] = {}
+        self._namespaces: dict[tuple[int | None, str | None, str | None, int], Namespace] = {}
         # kv_producer saves and never loads (a prefill pool), kv_consumer loads and never
         # saves (a decode pool), kv_both does both.
         self._loads = bool(transfer_config.is_kv_consumer)
@@ -218,6 +165,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.layout.describe(),
             self.geometry.model_id,
         )
+        if self.geometry.serves:
+            log.info("%s", self.geometry.describe())
+        else:
+            log.warning("%s", self.geometry.describe())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -225,16 +176,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False
 
     # -- keys -------------------------------------------------------------------
-    def _namespace(self, rank: int, adapter: str | None, salt: str | None) -> Namespace:
-        ident = (rank, adapter, salt)
+    def _namespace(
+        self, rank: int | None, adapter: str | None, salt: str | None, stage: int = 0
+    ) -> Namespace:
+        """Per TP rank for sharded KV; ``rank`` None (no TP in the namespace) when every
+        rank holds the same KV (MLA), so one copy serves any rank of any TP size. Under
+        pipeline parallelism each stage keys its own layers."""
+        ident = (rank, adapter, salt, stage)
         ns = self._namespaces.get(ident)
         if ns is None:
             full_salt = "|".join(s for s in (self.settings.salt, salt) if s) or None
+            pp = self.geometry.pp_size
             ns = Namespace(
-                model=self.geometry.model_id,
+                model=self.geometry.model_id + (f"|pp{stage}/{pp}" if pp > 1 else ""),
                 layout=self.layout,
                 tp_rank=rank,
-                tp_size=self.geometry.tp_size,
+                tp_size=None if rank is None else self.geometry.tp_size,
                 adapter=adapter,
                 salt=full_salt,
             )
@@ -246,10 +203,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> dict[int, list[BlockKey]]:
         full = len(token_ids) - len(token_ids) % self.chunk_tokens
         data = tokens_to_bytes(token_ids, limit=full)
-        return {
-            rank: chain_keys(data, self.chunk_tokens, self._namespace(rank, adapter, salt).seed)
-            for rank in range(self.geometry.tp_size)
-        }
+        out = {}
+        for stage in range(self.geometry.pp_size):
+            ranks = [None] if self.geometry.replicated else range(self.geometry.tp_size)
+            for rank in ranks:
+                seed = self._namespace(rank, adapter, salt, stage).seed
+                out[self._key_index(stage, rank or 0)] = chain_keys(data, self.chunk_tokens, seed)
+        return out
+
+    def _key_index(self, stage: int, tp_rank: int) -> int:
+        """Which keys of a spec a worker moves: one set per (stage, TP rank), or per stage
+        when every TP rank holds the same KV."""
+        if self.geometry.replicated:
+            return stage
+        return stage * self.geometry.tp_size + tp_rank
 
     # -- scheduler side -----------------------------------------------------------
     def _init_scheduler(self, transfer_config: Any) -> None:
@@ -278,11 +245,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens of the prompt beyond ``num_computed_tokens`` stored in kvstore (loaded sync)."""
+        """Tokens of the prompt beyond ``num_computed_tokens`` stored in kvstore, and whether
+        they load asynchronously (models with several KV cache groups: see the worker side)."""
         self.counters.add("lookup_requests")
         tokens = request.prompt_token_ids
-        if tokens is None or getattr(request, "mm_features", None):
-            # Prompt embeddings or images: the token ids alone do not determine the KV.
+        if tokens is None or getattr(request, "mm_features", None) or not self.geometry.serves:
+            # Prompt embeddings or images: the token ids alone do not determine the KV; or
+            # some layers' state (Mamba) is not stored, so no prefix can be served.
             self.counters.add("lookup_skipped")
             return 0, False
         lora = getattr(request, "lora_request", None)
@@ -303,16 +272,32 @@ class KVStoreConnector(KVConnectorBase_V1):
         if matched:
             self.counters.add("lookup_hit_requests")
             self.counters.add("lookup_hit_tokens", matched)
-        return matched, False
+        return matched, bool(matched) and self.geometry.per_request_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Remember the token range to load once vLLM allocated blocks for it."""
-        self._planner.allocated(request.request_id, num_external_tokens)
+        """Remember the token range to load once vLLM allocated blocks for it.
+
+        With several KV cache groups the load is asynchronous in vLLM's terms: planned
+        here with the request's blocks, done whole by the next step's workers, and
+        reported per request (vLLM cannot map per-block failures back to requests when
+        block ids repeat across groups).
+        """
+        if self.geometry.per_request_loads and num_external_tokens > 0:
+            block_ids = _groups(blocks.get_block_ids())
+            self._planner.allocated(request.request_id, num_external_tokens, block_ids)
+        else:
+            self._planner.allocated(request.request_id, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A failed whole load: vLLM recomputes the request; never offer it a hit again."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self.counters.add("load_failed_requests_seen")
+            self._planner.load_failed(req_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Plan this step's loads and saves from what vLLM scheduled."""
         plan = self._planner.step(_scheduled(scheduler_output))
-        if not self._saves:
+        if not self._saves or not self.geometry.serves:
             plan.saves = []
         if plan:
             self.counters.add("planned_loads", len(plan.loads))
@@ -325,12 +310,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._planner.finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
+        """:meth:`request_finished` for vLLM's hybrid KV cache manager (every group)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:
-        rank = _tp_rank()
+        rank, stage = _parallel_ranks()
         store = KVStore(self.layout, self.settings.resolved_store_config())
+        # MLA: every rank holds the same latent; the keys have no rank and rank 0 saves.
         self._worker = TransferWorker(
-            store, rank, self.geometry.block_size, self.settings, self.counters
+            store,
+            self._key_index(stage, rank),
+            self.geometry.block_size,
+            self.settings,
+            self.counters,
+            saves=rank == 0 or not self.geometry.replicated,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -340,8 +337,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError(f"vLLM registered no KV cache for layers {missing[:3]}")
         caches = [kv_caches[name] for name in self.geometry.layer_names]
+        if self.geometry.replicated:  # MLA: [blocks, block_size, latent] -> one "head"
+            caches = [c.unsqueeze(1) if c.dim() == 3 else c for c in caches]
         page_map = self._page_map(caches[0])
-        self._worker.register(PagedKV(caches, page_map, self.geometry.block_size))
+        groups = LayerGroups(tuple(self.geometry.layer_groups()), self.geometry.sliding_groups())
+        self._worker.register(PagedKV(caches, page_map, self.geometry.block_size), groups)
         log.info(
             "kvstore: registered %d KV caches of shape %s (%s)",
             len(caches),
@@ -356,17 +356,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         layers = self._vllm_config.compilation_config.static_forward_context
         layer = layers.get(name)
         impl = getattr(layer, "impl", None)
-        if impl is not None and hasattr(impl, "do_kv_cache_update"):
-
-            def write(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
-                impl.do_kv_cache_update(layer, k, v, c, s)
-
+        write = _cache_writer(layer, impl, self.geometry.replicated)
+        if write is not None:
             try:
                 return PageMap.calibrate(
-                    write, cache, self.geometry.head_dim, self.geometry.model_dtype
+                    write,
+                    cache,
+                    self.geometry.head_dim,
+                    self.geometry.model_dtype,
+                    kv_factor=self.geometry.kv_factor,
                 )
             except Exception:
                 log.exception("kvstore: cannot calibrate the KV page layout of %s", name)
+        if self.geometry.replicated:
+            log.warning("kvstore: assuming one latent vector per token row of a page")
+            return PageMap.latent(int(cache.shape[2]), self.geometry.head_dim)
         log.warning("kvstore: assuming K and V side by side in each token's row of a page")
         return PageMap.joined_last(int(cache.shape[2]), self.geometry.head_dim)
 
@@ -400,9 +404,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.counters.add("steps_with_transfers")
             self.counters.write(self.settings.stats_dir)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        """Loads and saves are synchronous: nothing finishes later."""
-        return None, None
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Saves are synchronous; whole loads (several KV cache groups) end here."""
+        if self._worker is None:
+            return None, None
+        finished, _ = self._worker.take_transfer_results()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Whole loads that ended this step, and which of them failed (vLLM recomputes those)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        finished, failed = self._worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose planned load failed this step; vLLM recomputes them."""
@@ -429,10 +443,43 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.counters.write(self.settings.stats_dir)
 
 
-def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _cache_writer(layer: Any, impl: Any, latent: bool) -> Any:
+    """The backend's cache-write kernel as ``write(k, v, cache, slots)``, or None.
+
+    For MLA the "K" is the latent: split into the compressed KV and the rope part
+    the kernel takes (``kv_c_normed [T, rank]``, ``k_pe [T, 1, rope]``).
+    """
+    if impl is None or not hasattr(impl, "do_kv_cache_update"):
+        return None
+    if not latent:
+
+        def write(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+            impl.do_kv_cache_update(layer, k, v, c, s)
+
+        return write
+    rank = getattr(layer, "kv_lora_rank", None) or getattr(impl, "kv_lora_rank", None)
+    if rank is None:
+        return None
+
+    def write_latent(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+        latent = k[:, 0, :]
+        kv_c, k_pe = latent[:, :rank].contiguous(), latent[:, rank:].unsqueeze(1).contiguous()
+        dtype = getattr(layer, "kv_cache_dtype", "auto")
+        impl.do_kv_cache_update(kv_c, k_pe, c, s, dtype, getattr(layer, "_k_scale", None))
+
+    return write_latent
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    """This worker's (tensor-parallel rank, pipeline stage); (0, 0) without those groups."""
+    from vllm.distributed import parallel_state
 
     try:
-        return int(get_tensor_model_parallel_rank())
+        tp = int(parallel_state.get_tensor_model_parallel_rank())
     except (AssertionError, RuntimeError):  # no TP group (a single process)
-        return 0
+        tp = 0
+    try:
+        pp = int(parallel_state.get_pp_group().rank_in_group)
+    except (AssertionError, RuntimeError, AttributeError):
+        pp = 0
+    return tp, pp

@@ -18,11 +18,14 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed in this venv")
 
 from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -110,9 +113,9 @@ def test_scheduler_output_translation() -> None:
         for s in _scheduled(out)
     ]
     assert got == [
-        ("a", [4, 5], True, 128, 100),
-        ("b", [7], False, 256, 128),
-        ("c", [1, 2], True, 0, 64),
+        ("a", ([4, 5],), True, 128, 100),
+        ("b", ([7],), False, 256, 128),
+        ("c", ([1, 2],), True, 0, 64),
         ("d", None, False, 300, 1),
     ]
 
@@ -150,16 +153,91 @@ def test_geometry_from_vllm_configs() -> None:
     )
 
 
-def test_geometry_refuses_what_it_cannot_key() -> None:
-    sliding = SlidingWindowSpec(
-        block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=128
+def sliding(names: list[str], window: int = 128, heads: int = 4) -> KVCacheGroupSpec:
+    spec = SlidingWindowSpec(
+        block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16, sliding_window=window
     )
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        EngineGeometry.from_vllm(vllm_config(), kv_config(full(["a"]), full(["b"])), None)
-    with pytest.raises(ConfigError, match="full attention"):
-        EngineGeometry.from_vllm(vllm_config(), kv_config(KVCacheGroupSpec(["a"], sliding)), None)
-    with pytest.raises(ConfigError, match="pipeline"):
+    return KVCacheGroupSpec(names, spec)
+
+
+def mla(names: list[str]) -> KVCacheGroupSpec:
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    return KVCacheGroupSpec(names, spec)
+
+
+def test_geometry_of_a_hybrid_sliding_window_model() -> None:
+    config = kv_config(full(["l.5", "l.11"]), sliding(["l.0", "l.6"]), sliding(["l.1", "l.7"]))
+    geo = EngineGeometry.from_vllm(vllm_config(tp=2), config, None)
+    assert geo.layer_names == ("l.0", "l.1", "l.5", "l.6", "l.7", "l.11")
+    assert geo.layer_groups() == [1, 2, 0, 1, 2, 0]
+    assert geo.sliding_groups() == {1, 2}
+    assert geo.serves and geo.per_request_loads and not geo.replicated
+    assert (
+        "2 full-attention layers, 4 sliding-window (128) layers in 3 KV cache groups"
+        in geo.describe()
+    )
+    assert geo.layout(256).tensor_shape(1) == (6, 2, 256, 4, 64)
+
+
+def test_geometry_of_mla_is_one_latent_shared_by_every_rank() -> None:
+    geo = EngineGeometry.from_vllm(vllm_config(tp=4), kv_config(mla(["a.0", "a.1"])), None)
+    assert (geo.kv_factor, geo.num_kv_heads, geo.head_dim) == (1, 1, 576)
+    assert geo.replicated and not geo.per_request_loads
+    assert geo.layout(64).tensor_shape(2) == (2, 1, 128, 1, 576)
+    assert "one copy shared by every TP rank" in geo.describe()
+
+
+def test_geometry_with_mamba_layers_serves_nothing_and_says_so() -> None:
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    geo = EngineGeometry.from_vllm(
+        vllm_config(), kv_config(full(["a"]), KVCacheGroupSpec(["m"], mamba)), None
+    )
+    assert not geo.serves
+    assert "1 MambaSpec layers" in geo.describe() and "recomputed" in geo.describe()
+
+
+def test_geometry_refuses_what_it_cannot_key() -> None:
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    with pytest.raises(ConfigError, match="no attention layers"):
+        EngineGeometry.from_vllm(vllm_config(), kv_config(KVCacheGroupSpec(["m"], mamba)), None)
+    with pytest.raises(ConfigError, match="one KV shape"):
+        EngineGeometry.from_vllm(
+            vllm_config(), kv_config(full(["a"]), sliding(["b"], heads=2)), None
+        )
+    with pytest.raises(ConfigError, match="split evenly across 2 pipeline stages"):
         EngineGeometry.from_vllm(vllm_config(pp=2), kv_config(full(["a"])), None)
+
+
+def test_geometry_under_pipeline_parallelism_needs_even_stages() -> None:
+    config = vllm_config(pp=2)
+    config.model_config.hf_config = _Cfg(num_hidden_layers=4)
+    geo = EngineGeometry.from_vllm(config, kv_config(full(["l.0", "l.1"])), None)
+    assert geo.pp_size == 2 and len(geo.layer_names) == 2
+    config.model_config.hf_config = _Cfg(num_hidden_layers=5)
+    with pytest.raises(ConfigError, match="layers \\(5\\) split evenly"):
+        EngineGeometry.from_vllm(config, kv_config(full(["l.0", "l.1"])), None)
+
+
+def test_mla_conversion_matches_the_cpu_mla_kernel() -> None:
+    rank, rope, dtype = 512, 64, torch.bfloat16
+
+    def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        latent = k[:, 0, :]
+        kv_c, k_pe = latent[:, :rank], latent[:, rank:].unsqueeze(1)
+        CPUMLAImpl.do_kv_cache_update(None, kv_c, k_pe, cache, slots, "auto", None)  # type: ignore[arg-type]
+
+    cache = torch.zeros(BLOCKS, BLOCK, rank + rope, dtype=dtype).unsqueeze(1)
+    page_map = PageMap.calibrate(write, cache, rank + rope, dtype, kv_factor=1)
+    assert page_map.v_pos is None
+    assert torch.equal(page_map.k_pos, PageMap.latent(BLOCK, rank + rope).k_pos)
+    paged = PagedKV([cache], page_map, BLOCK)
+    blocks, tokens = [2, 4], 200
+    latent = torch.randn(tokens, 1, rank + rope).to(dtype)
+    flat = torch.as_tensor(blocks)[torch.arange(tokens) // BLOCK] * BLOCK
+    write(latent, latent, cache, flat + torch.arange(tokens) % BLOCK)
+    out = torch.empty(1, tokens, 1, rank + rope, dtype=dtype)
+    paged.gather(0, paged.slots(blocks, 0, tokens), out)
+    assert torch.equal(out[0], latent)
 
 
 def test_stats_aggregate_across_workers() -> None:

@@ -247,14 +247,14 @@ def test_planner_loads_the_hit_then_saves_new_full_chunks() -> None:
     assert planner.match("r", tokens, 0) == 64
     planner.allocated("r", 64)
     blocks = list(range(40, 53))  # 13 blocks of 8 tokens
-    plan = planner.step([Scheduled("r", blocks, True, 64, 36)])
+    plan = planner.step([Scheduled("r", (blocks,), True, 64, 36)])
     (load,) = plan.loads
     assert (load.first_chunk, load.token_start, load.token_end) == (0, 0, 64)
     assert load.keys == {0: keys[0][:2], 1: keys[1][:2]}
-    assert load.block_ids == blocks[:8] and load.block_offset == 0
+    assert load.block_ids == (blocks[:8],) and load.block_offset == 0
     (save,) = plan.saves  # chunk 2 is computed in this step; its tail (4 tokens) is never saved
     assert (save.first_chunk, save.token_start, save.token_end) == (2, 64, 96)
-    assert save.block_ids == blocks[8:12] and save.block_offset == 8
+    assert save.block_ids == (blocks[8:12],) and save.block_offset == 8
     assert save.blocks_of(64, 96, BS) == blocks[8:12]
     assert not planner.step([Scheduled("r", None, False, 100, 1)])  # decode: nothing new
 
@@ -263,12 +263,12 @@ def test_planner_follows_chunked_prefill() -> None:
     planner, tokens = planner_with(FakeIndex()), list(range(130))
     assert planner.match("r", tokens, 0) == 0
     planner.allocated("r", 0)
-    plan = planner.step([Scheduled("r", list(range(6)), True, 0, 48)])
+    plan = planner.step([Scheduled("r", (list(range(6)),), True, 0, 48)])
     assert [(s.first_chunk, s.token_end) for s in plan.saves] == [(0, 32)]
-    plan = planner.step([Scheduled("r", list(range(6, 12)), False, 48, 48)])
+    plan = planner.step([Scheduled("r", (list(range(6, 12)),), False, 48, 48)])
     assert [(s.first_chunk, s.token_end) for s in plan.saves] == [(1, 96)]
-    assert plan.saves[0].block_ids == list(range(4, 12))
-    plan = planner.step([Scheduled("r", list(range(12, 17)), False, 96, 34)])
+    assert plan.saves[0].block_ids == (list(range(4, 12)),)
+    plan = planner.step([Scheduled("r", (list(range(12, 17)),), False, 96, 34)])
     assert [(s.first_chunk, s.token_end) for s in plan.saves] == [(3, 128)]
 
 
@@ -279,10 +279,10 @@ def test_planner_loads_from_the_engines_own_hit_mid_chunk() -> None:
     planner = planner_with(index)
     assert planner.match("r", tokens, 40) == 56  # vLLM has 40 tokens (5 blocks), we have 96
     planner.allocated("r", 56)
-    (load,) = planner.step([Scheduled("r", list(range(16)), True, 96, 32)]).loads
+    (load,) = planner.step([Scheduled("r", (list(range(16)),), True, 96, 32)]).loads
     assert (load.first_chunk, load.token_start, load.token_end) == (1, 40, 96)
     assert load.keys[0] == keys[0][1:3]
-    assert load.block_ids == list(range(5, 12)) and load.block_offset == 5
+    assert load.block_ids == (list(range(5, 12)),) and load.block_offset == 5
 
 
 def test_planner_resaves_after_a_rollback() -> None:
@@ -291,7 +291,7 @@ def test_planner_resaves_after_a_rollback() -> None:
     index.stored |= set(keys[0][:2]) | set(keys[1][:2])
     planner = planner_with(index)
     planner.allocated("r", planner.match("r", tokens, 0))
-    plan = planner.step([Scheduled("r", list(range(12)), True, 64, 32)])
+    plan = planner.step([Scheduled("r", (list(range(12)),), True, 64, 32)])
     assert [s.first_chunk for s in plan.saves] == [2]
     # The load failed at block 3: vLLM rolled back to token 24 and recomputes from there.
     plan = planner.step([Scheduled("r", None, False, 24, 72)])
@@ -301,17 +301,17 @@ def test_planner_resaves_after_a_rollback() -> None:
 def test_planner_resumed_request_replaces_its_blocks() -> None:
     planner, tokens = planner_with(FakeIndex()), list(range(64))
     planner.allocated("r", planner.match("r", tokens, 0))
-    planner.step([Scheduled("r", [1, 2], True, 0, 16)])
-    plan = planner.step([Scheduled("r", [7, 8, 9, 10, 11, 12, 13, 14], True, 0, 64)])
-    assert [s.block_ids for s in plan.saves] == [[7, 8, 9, 10, 11, 12, 13, 14]]
+    planner.step([Scheduled("r", ([1, 2],), True, 0, 16)])
+    plan = planner.step([Scheduled("r", ([7, 8, 9, 10, 11, 12, 13, 14],), True, 0, 64)])
+    assert [s.block_ids for s in plan.saves] == [([7, 8, 9, 10, 11, 12, 13, 14],)]
 
 
 def test_planner_ignores_unknown_and_finished_requests() -> None:
     planner, tokens = planner_with(FakeIndex()), list(range(64))
-    assert not planner.step([Scheduled("never-matched", list(range(8)), True, 0, 64)])
+    assert not planner.step([Scheduled("never-matched", (list(range(8)),), True, 0, 64)])
     planner.match("r", tokens, 0)
     planner.finished("r")
-    assert not planner.step([Scheduled("r", list(range(8)), True, 0, 64)])
+    assert not planner.step([Scheduled("r", (list(range(8)),), True, 0, 64)])
     assert planner.requests == {}
 
 
@@ -320,14 +320,14 @@ def test_planner_never_loads_more_than_it_found() -> None:
     planner = planner_with(index)
     planner.match("r", tokens, 0)
     planner.allocated("r", 40)  # the engine asks for more than the lookup returned
-    assert not planner.step([Scheduled("r", list(range(8)), True, 40, 24)]).loads
+    assert not planner.step([Scheduled("r", (list(range(8)),), True, 40, 24)]).loads
 
 
 def test_planner_skips_specs_the_engine_gave_too_few_blocks_for() -> None:
     planner, tokens = planner_with(FakeIndex()), list(range(64))
     planner.match("r", tokens, 0)
-    assert not planner.step([Scheduled("r", [0, 1], True, 0, 64)]).saves
-    plan = planner.step([Scheduled("r", [2, 3, 4, 5, 6, 7], False, 64, 1)])
+    assert not planner.step([Scheduled("r", ([0, 1],), True, 0, 64)]).saves
+    plan = planner.step([Scheduled("r", ([2, 3, 4, 5, 6, 7],), False, 64, 1)])
     assert [s.first_chunk for s in plan.saves] == [0]  # saved once the blocks are known
 
 
@@ -422,7 +422,7 @@ def prompt_keys(tokens: Sequence[int]) -> list[BlockKey]:
 def spec(keys: list[BlockKey], first: int, start: int, end: int, blocks: list[int]) -> TransferSpec:
     lo = start // N
     last = -(-end // WLAYOUT.block_tokens)
-    return TransferSpec("r", {0: keys[first:last]}, first, start, end, blocks[lo:], lo)
+    return TransferSpec("r", {0: keys[first:last]}, first, start, end, (blocks[lo:],), lo)
 
 
 def test_save_then_load_into_another_engine_is_bit_exact(tmp_path: Path, mode: str) -> None:

@@ -1,0 +1,87 @@
+"""Small random checkpoints of the model kinds people serve, for examples and tests on CPU.
+
+``write(kind, path)`` writes a Hugging Face checkpoint (config + safetensors, no
+tokenizer: prompts are token ids) drawn from a fixed seed, so every process gets the
+same model. Weights use ``initializer_range`` 0.05: large enough that outputs depend
+on the KV (vLLM's ``load_format="dummy"`` weights are so small that every output
+looks alike).
+
+- ``mla``: DeepSeek-V2 geometry (multi-head latent attention: ``kv_lora_rank`` 512,
+  ``qk_rope_head_dim`` 64), dense MLPs only.
+- ``gemma3``: Gemma-3 text model, sliding-window layers (window 512) interleaved
+  with full-attention layers (every third layer).
+
+The Llama of ``vllm_offline.py`` is written there (``write_model``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KINDS = ("mla", "gemma3")
+VOCAB = 2048
+
+
+def config(kind: str) -> Any:
+    """The transformers config of a model kind."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 8192,
+        "initializer_range": 0.05,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    if kind == "mla":
+        return transformers.DeepseekV2Config(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=4,  # every layer dense: no MoE on CPU
+            n_routed_experts=4,
+            moe_intermediate_size=128,
+            **common,
+        )
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            sliding_window=512,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=64,
+            **common,
+        )
+    raise ValueError(f"unknown model kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def write(kind: str, path: Path, seed: int = 0) -> Path:
+    """Write the random ``kind`` checkpoint to ``path`` once (atomically: a marker last)."""
+    done = path / ".complete"
+    if done.exists():
+        return path
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = config(kind)
+    cfg.torch_dtype = "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    done.write_text(kind)
+    return path
