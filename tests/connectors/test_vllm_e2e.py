@@ -18,22 +18,12 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, vllm_marks
 
 from kvstore import KVLayout, Namespace
 from kvstore.keys import chain_keys, tokens_to_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "examples" / "vllm_offline.py"
-
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
-]
+pytestmark = vllm_marks(1800)
 
 # What examples/vllm_offline.py configures: the keys below must match the connector's.
 MODEL_ID = "kvstore-example-llama-12l"

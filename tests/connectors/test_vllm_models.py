@@ -21,23 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "examples" / "vllm_offline.py"
 MODELS = ("mla", "gemma3")
 PREFIX = 1100  # tokens of shared prefix: 4 chunks of 256, a tail mid-chunk
 CHUNK = 256
 DTYPES = {"mla": "bfloat16", "gemma3": "bfloat16"}
 
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
-]
+pytestmark = vllm_marks(1800)
 
 
 def second_prompts() -> list[list[int]]:

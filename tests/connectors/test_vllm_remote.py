@@ -22,24 +22,15 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, vllm_marks
 
 from kvstore import KVLayout
 from kvstore.client import Client, ClientOptions
 from kvstore.testing.kvserver import KVStoreServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-DRIVER = ROOT / "examples" / "vllm_offline.py"
 EXAMPLE = ROOT / "examples" / "server_prefill_decode.py"
 
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
-]
+pytestmark = vllm_marks(1800)
 
 # What examples/vllm_offline.py configures (the connector's layout of its model's KV).
 LAYOUT = KVLayout(num_layers=12, num_kv_heads=2, head_dim=64, block_tokens=256, dtype=torch.float32)

