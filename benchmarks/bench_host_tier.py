@@ -10,6 +10,20 @@ of ``--batch-blocks`` (default 16 and 16: one 512 MiB call).
 - get: ``store.get(keys, out=buf)`` into a prefaulted ``buf``.
 - baseline: the faster of torch ``dst.copy_(src)`` and ``ctypes.memmove`` on
   contiguous buffers of the same size, per batch (both are reported).
+- first fill: the same puts into a host tier opened just before (a new store
+  per rep, ``--first-fill-capacity``, 4 GiB by default like the embedded
+  default), whose memory no block has touched yet: right after open (the
+  prefault thread, ``prefault: true``, runs beside the puts and competes with
+  them for memory bandwidth), after waiting for the prefault to finish
+  (``first_fill_after_prefault``), and with ``prefault: false``
+  (``first_fill_no_prefault``: every page faults on the put's copy, the
+  behaviour before the prefault existed). Two baselines: steady ``memcpy``
+  (above; the target: first fill / steady memcpy == ``put_ratio``) and
+  ``first_touch_memcpy``, the same copies into a freshly mapped region
+  (``mmap`` + ``MADV_HUGEPAGE``, as the slab), i.e. what page faults cost.
+  Each of these reps first pauses ``--settle-s`` (3 s) untimed, so memory the
+  previous rep freed goes back to the host (free page reporting) and is cold
+  again, as at a process's start.
 - diagnostics (not baselines): ``blockwise_copy`` is ``slot.copy_(chunk)`` per
   32 MiB block from the same ``kv`` into a slab -- the copies the tier itself
   makes, without the store around them -- and ``blockwise_memmove`` makes the
@@ -28,8 +42,10 @@ from __future__ import annotations
 
 import cProfile
 import ctypes
+import gc
 import io
 import itertools
+import mmap
 import pstats
 import sys
 import time
@@ -59,7 +75,9 @@ def llama8b_layout(num_layers: int = 32) -> KVLayout:
 class HostTierBench:
     """Buffers, store and the timed reps of one configuration."""
 
-    def __init__(self, layout: KVLayout, blocks: int, batch: int, capacity: int) -> None:
+    def __init__(
+        self, layout: KVLayout, blocks: int, batch: int, capacity: int, prefault: bool = True
+    ) -> None:
         if blocks % batch:
             raise SystemExit(f"--blocks ({blocks}) must be a multiple of --batch-blocks ({batch})")
         slots = capacity // layout.block_nbytes
@@ -79,10 +97,10 @@ class HostTierBench:
         self.out = [torch.full(shape, 1.0, dtype=layout.dtype) for _ in range(self.nbatches)]
         self.dst = [torch.full(shape, 1.0, dtype=layout.dtype) for _ in range(self.nbatches)]
         self.slab = torch.full((batch, *layout.block_shape), 1.0, dtype=layout.dtype)
-        config = StoreConfig.from_dict(
-            {"tiers": [{"kind": "host", "capacity": capacity}]}, environ={}
-        )
-        self.store = KVStore(layout, config)
+        tier = {"kind": "host", "capacity": capacity, "prefault": prefault}
+        self.store = KVStore(layout, StoreConfig.from_dict({"tiers": [tier]}, environ={}))
+        # Steady state: every page the reps touch is committed before timing.
+        self.store.manager.tiers[0].wait_prefault()  # type: ignore[attr-defined]
         self._counter = itertools.count()
         self.get_keys = [self._fresh_keys() for _ in range(self.nbatches)]
         for keys, kv in zip(self.get_keys, self.kv, strict=True):
@@ -154,6 +172,78 @@ class HostTierBench:
         self.store.close()
 
 
+class FirstFill:
+    """Puts into a freshly opened host tier, and the same copies into fresh memory.
+
+    Every rep opens a new store (untimed), times its puts of new keys, and
+    closes it (untimed). Before that, untimed: ``gc.collect()``, so the previous
+    rep's slab is unmapped, then ``settle_s`` of sleep: in a VM with free page
+    reporting (virtio-balloon, as here) the guest hands freed memory back to
+    the host after ~2 s, and the next first touch of it faults on the host too
+    -- what a process starting on a fresh machine meets. Without the pause a
+    rep would reuse pages the previous one just freed, still backed.
+    """
+
+    def __init__(self, bench: HostTierBench, capacity: int, settle_s: float) -> None:
+        self.bench, self.capacity, self.settle_s = bench, capacity, settle_s
+        self._counter = itertools.count()
+
+    def _settle(self) -> None:
+        gc.collect()
+        time.sleep(self.settle_s)
+
+    def put(self, prefault: bool, wait: bool) -> Rep:
+        """A rep: open a store (``prefault``; ``wait`` for it to finish), time the puts."""
+
+        def rep() -> float:
+            self._settle()
+            tier = {"kind": "host", "capacity": self.capacity, "prefault": prefault}
+            store = KVStore(self.bench.layout, StoreConfig.from_dict({"tiers": [tier]}, environ={}))
+            try:
+                if wait:
+                    store.manager.tiers[0].wait_prefault()  # type: ignore[attr-defined]
+                batches = [self._fresh_keys() for _ in self.bench.kv]
+                start = time.perf_counter()
+                for keys, kv in zip(batches, self.bench.kv, strict=True):
+                    store.put(keys, kv)
+                elapsed = time.perf_counter() - start
+                assert store.lookup(batches[-1]) == self.bench.batch, "first fill lost blocks"
+                return elapsed
+            finally:
+                store.close()
+
+        return rep
+
+    def _fresh_keys(self) -> list[bytes]:
+        n = next(self._counter)
+        return [
+            b"ff" + n.to_bytes(6, "little") + i.to_bytes(8, "little")
+            for i in range(self.bench.batch)
+        ]
+
+    def first_touch(self, use_memmove: bool) -> float:
+        """Baseline: copy the batches into a freshly mapped region (as the slab is mapped)."""
+        self._settle()
+        region = mmap.mmap(-1, self.bench.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            region.madvise(advice)
+        buf = torch.frombuffer(region, dtype=torch.uint8)
+        step = self.bench.nbytes // self.bench.nbatches
+        dsts = [buf[i * step : (i + 1) * step] for i in range(self.bench.nbatches)]
+        try:
+            start = time.perf_counter()
+            for dst, src in zip(dsts, self.bench.kv, strict=True):
+                if use_memmove:
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), step)
+                else:
+                    dst.copy_(src.view(-1).view(torch.uint8))
+            return time.perf_counter() - start
+        finally:
+            del buf, dsts
+            region.close()
+
+
 def profile(fn: Callable[[], object], reps: int, top: int = 12) -> str:
     """cProfile ``reps`` calls of ``fn``; the top entries by total time, as text."""
     prof = cProfile.Profile()
@@ -172,7 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per rep (16)")
     parser.add_argument("--batch-blocks", type=int, default=None, help="blocks per call (16)")
     parser.add_argument("--layers", type=int, default=32, help="layers per block (32: 32 MiB)")
-    parser.add_argument("--capacity", default="8GiB", help="host tier capacity")
+    parser.add_argument("--capacity", default="4GiB", help="host tier capacity (steady state)")
+    parser.add_argument(
+        "--first-fill-capacity", default=None, help="host tier of the first-fill reps (4GiB)"
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="untimed pause before each first-fill rep, for freed memory to go back to the "
+        "host (3; --quick: 0)",
+    )
     parser.add_argument("--reps", type=int, default=3, help="reps per subject per round")
     parser.add_argument("--profile", action="store_true", help="cProfile put/get to stderr")
     parser.add_argument(
@@ -185,21 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.blocks or batch
     rounds = args.rounds or (2 if args.quick else 12)
     layout = llama8b_layout(args.layers)
+    fill_capacity = parse_size(args.first_fill_capacity or ("1GiB" if args.quick else "4GiB"))
     log(
         f"host tier: {blocks} x {layout.block_nbytes / 2**20:.0f} MiB blocks per rep, "
-        f"{batch} per call, {rounds} rounds x {args.reps} reps"
+        f"{batch} per call, {rounds} rounds x {args.reps} reps; first fill into "
+        f"{fill_capacity / 2**30:.1f} GiB tiers"
     )
     bench = HostTierBench(layout, blocks, batch, parse_size(args.capacity))
     try:
-        subjects: dict[str, tuple[Rep, int]] = {
-            "put": (bench.put, args.reps),
-            "torch_copy": (timed(bench.torch_copy), args.reps),
-            "get": (bench.get, args.reps),
-            "memmove": (timed(bench.memmove), args.reps),
-            "blockwise_copy": (timed(bench.blockwise_copy), args.reps),
-            "blockwise_memmove": (timed(bench.blockwise_memmove), args.reps),
-        }
-        times = run_rounds(subjects, rounds)
+        settle = args.settle_s if args.settle_s is not None else (0.0 if args.quick else 3.0)
+        fill = FirstFill(bench, fill_capacity, settle)
+        times = run_rounds(_subjects(bench, fill, args.reps), rounds)
         bench.check()
         if args.profile:
             log(profile(bench.put, 3))
@@ -207,9 +303,39 @@ def main(argv: list[str] | None = None) -> int:
         stats = bench.store.stats()
     finally:
         bench.close()
+    result, rows = _report(bench, layout, times, stats)
+    result["first_fill_capacity"] = fill_capacity
+    result["first_fill_settle_s"] = fill.settle_s
+    emit(result, args.json, rows)
+    return 0
+
+
+def _subjects(bench: HostTierBench, fill: FirstFill, reps: int) -> dict[str, tuple[Rep, int]]:
+    """Every timed subject: (rep, reps per round). First-fill reps open a store each: 1."""
+    return {
+        "put": (bench.put, reps),
+        "torch_copy": (timed(bench.torch_copy), reps),
+        "get": (bench.get, reps),
+        "memmove": (timed(bench.memmove), reps),
+        "blockwise_copy": (timed(bench.blockwise_copy), reps),
+        "blockwise_memmove": (timed(bench.blockwise_memmove), reps),
+        "first_fill": (fill.put(prefault=True, wait=False), 1),
+        "first_fill_after_prefault": (fill.put(prefault=True, wait=True), 1),
+        "first_fill_no_prefault": (fill.put(prefault=False, wait=False), 1),
+        "first_touch_copy": (lambda: fill.first_touch(use_memmove=False), 1),
+        "first_touch_memmove": (lambda: fill.first_touch(use_memmove=True), 1),
+    }
+
+
+def _report(
+    bench: HostTierBench, layout: KVLayout, times: dict[str, list[float]], stats: dict[str, Any]
+) -> tuple[dict[str, Any], list[list[object]]]:
+    """The JSON object and the table rows (every ratio's baseline: the steady memcpy)."""
     gbps = {name: bench.nbytes / median(t) / 1e9 for name, t in times.items()}
     memcpy = max(gbps["torch_copy"], gbps["memmove"])
+    first_touch = max(gbps["first_touch_copy"], gbps["first_touch_memmove"])
     put_ratio, get_ratio = gbps["put"] / memcpy, gbps["get"] / memcpy
+    fills = ("first_fill", "first_fill_after_prefault", "first_fill_no_prefault")
     result: dict[str, Any] = {
         "benchmark": "host_tier",
         "put_gbps": gbps["put"],
@@ -217,13 +343,22 @@ def main(argv: list[str] | None = None) -> int:
         "memcpy_gbps": memcpy,
         "put_ratio": put_ratio,
         "get_ratio": get_ratio,
+        # First fill, baseline: the steady memcpy (target: the same as put_ratio) ...
+        **{f"put_{f}_ratio": gbps[f] / memcpy for f in fills},
+        # ... and the same copies into freshly mapped memory (what faults cost).
+        **{f"put_{f}_ratio_vs_first_touch": gbps[f] / first_touch for f in fills},
+        **{f"put_{f}_gbps": gbps[f] for f in fills},
+        "first_touch_memcpy_gbps": first_touch,
+        "first_touch_copy_gbps": gbps["first_touch_copy"],
+        "first_touch_memmove_gbps": gbps["first_touch_memmove"],
+        "first_fill_baseline": "memcpy_gbps (steady); *_vs_first_touch: first_touch_memcpy_gbps",
         "torch_copy_gbps": gbps["torch_copy"],
         "memmove_gbps": gbps["memmove"],
         "blockwise_copy_gbps": gbps["blockwise_copy"],
         "blockwise_memmove_gbps": gbps["blockwise_memmove"],
         "block_mib": layout.block_nbytes / 2**20,
-        "batch_blocks": batch,
-        "blocks_per_rep": blocks,
+        "batch_blocks": bench.batch,
+        "blocks_per_rep": bench.blocks,
         "bytes_per_rep": bench.nbytes,
         "target_ratio": TARGET_RATIO,
         "meets_target": {"put": put_ratio >= TARGET_RATIO, "get": get_ratio >= TARGET_RATIO},
@@ -231,30 +366,33 @@ def main(argv: list[str] | None = None) -> int:
         "tier_pinned": stats["tiers"][0]["pinned"],
         "environment": environment(),
     }
-    mt = result["meets_target"]
+    return result, _rows(gbps, memcpy, first_touch, result["meets_target"])
+
+
+def _rows(
+    gbps: dict[str, float], memcpy: float, first_touch: float, meets: dict[str, bool]
+) -> list[list[object]]:
+    """The human table: GB/s and the ratio to the steady memcpy of every subject."""
     rows: list[list[object]] = [
         ["what", "GB/s (median)", "ratio to memcpy", "target", "meets"],
-        ["store.put", gbps["put"], put_ratio, ">= 0.8", mt["put"]],
-        ["store.get(out=)", gbps["get"], get_ratio, ">= 0.8", mt["get"]],
-        ["torch copy_ (baseline)", gbps["torch_copy"], gbps["torch_copy"] / memcpy, "", ""],
-        ["ctypes.memmove (baseline)", gbps["memmove"], gbps["memmove"] / memcpy, "", ""],
-        [
-            "per-block copy_ (diagnostic)",
-            gbps["blockwise_copy"],
-            gbps["blockwise_copy"] / memcpy,
-            "",
-            "",
-        ],
-        [
-            "per-block memmove (diagnostic)",
-            gbps["blockwise_memmove"],
-            gbps["blockwise_memmove"] / memcpy,
-            "",
-            "",
-        ],
+        ["store.put", gbps["put"], gbps["put"] / memcpy, ">= 0.8", meets["put"]],
+        ["store.get(out=)", gbps["get"], gbps["get"] / memcpy, ">= 0.8", meets["get"]],
     ]
-    emit(result, args.json, rows)
-    return 0
+    for label, name in (
+        ("first fill, right after open", "first_fill"),
+        ("first fill, prefault done", "first_fill_after_prefault"),
+        ("first fill, prefault: false", "first_fill_no_prefault"),
+    ):
+        rows.append([label, gbps[name], gbps[name] / memcpy])
+    rows.append(["first-touch memcpy (baseline)", first_touch, first_touch / memcpy])
+    for label, name in (
+        ("torch copy_ (baseline)", "torch_copy"),
+        ("ctypes.memmove (baseline)", "memmove"),
+        ("per-block copy_ (diagnostic)", "blockwise_copy"),
+        ("per-block memmove (diagnostic)", "blockwise_memmove"),
+    ):
+        rows.append([label, gbps[name], gbps[name] / memcpy])
+    return rows
 
 
 if __name__ == "__main__":

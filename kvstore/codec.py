@@ -244,13 +244,22 @@ def layer_pieces(block: torch.Tensor) -> list[list[memoryview]] | None:
     if block.is_contiguous():
         flat = block.view(torch.uint8).reshape(block.shape[0], -1).numpy()
         return [[memoryview(row)] for row in flat]
+    if block.dim() < 2 or block.stride(-1) != 1:
+        return None
+    # One strided numpy view of the whole block, then plain indexing: a torch op per
+    # piece (unbind, view, reshape, numpy) cost ~0.6 ms per 64-piece block, ~15% of
+    # a warm 32 MiB read.
+    try:
+        arr = block.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # a layout torch cannot reinterpret as bytes
+        return None
     pieces: list[list[memoryview]] = []
-    for layer in block:
+    for layer in arr:
         row = []
         for part in layer:
-            if not part.is_contiguous():
+            if not part.flags.c_contiguous:
                 return None
-            row.append(memoryview(part.view(torch.uint8).reshape(-1).numpy()))
+            row.append(memoryview(part).cast("B"))
         pieces.append(row)
     return pieces
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,15 @@ class Level:
     # way out. ``len(policy)`` is the exact count held.
     resident: int = 0
     leaving: int = 0
+    #: Write-back ahead of eviction (a memory tier in front of a local disk): past
+    #: the low watermark's worth of ``dirty`` blocks, the least recently used are
+    #: copied down in the background (see :mod:`kvstore.moves`).
+    writes_back_ahead: bool = False
+    #: Blocks only this tier holds (no copy below), least recently used first.
+    dirty: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
+    #: Blocks held here that were copied down from here (by the write-back, a flush):
+    #: primary copies with a copy below, unlike replicas; evicted in the policy's order.
+    written_back: set[BlockKey] = field(default_factory=set)
 
     @property
     def bit(self) -> int:
@@ -170,6 +180,7 @@ class ManagerCounters:
     demotions: list[int] = field(default_factory=list)
     promotions: list[int] = field(default_factory=list)
     write_through_copies: list[int] = field(default_factory=list)
+    writebacks: list[int] = field(default_factory=list)
     admission_rejects: list[int] = field(default_factory=list)
     blocks_dropped: int = 0
     copies_lost: int = 0
@@ -185,7 +196,7 @@ class ManagerCounters:
     def for_tiers(cls, count: int) -> ManagerCounters:
         """Counters with one slot per tier in the per-tier lists."""
         counters = cls()
-        for name in ("evictions", "demotions", "promotions", "write_through_copies"):
+        for name in ("evictions", "demotions", "promotions", "write_through_copies", "writebacks"):
             setattr(counters, name, [0] * count)
         counters.admission_rejects = [0] * count
         return counters

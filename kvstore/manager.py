@@ -20,14 +20,23 @@ a tier that passed its high watermark down to its low one happens in the
 background (:mod:`kvstore.mover`), as do write-through copies and promotions.
 Eviction demotes a block to the next tier unless it already has a copy
 further down. ``evict(n)`` frees exactly ``n`` blocks or none.
+
+Write-back ahead of eviction: a write-back memory tier in front of a local
+disk keeps at most its low watermark's worth of blocks that only it holds;
+past that, the least recently used are copied to the disk in the background.
+Evictions take those first too, so they find them on disk already and free
+their room without waiting for it: a put does not block on the disk unless it
+outruns it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -56,6 +65,7 @@ from kvstore.moves import Migrations
 from kvstore.policy import Watermarks, make_policy
 from kvstore.policy.placement import Placement, TierRules
 from kvstore.prefetch import LayerWrites, Prefetcher, PrefetchHandle
+from kvstore.progress import FlushProgress
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["BlockManager", "ManagerCounters"]
@@ -82,6 +92,9 @@ class BlockManager:
         self.clock = clock
         self.placement = Placement([TierRules.of(t.config) for t in tiers], self.config.replication)
         self._levels = [_level(i, tier, clock) for i, tier in enumerate(tiers)]
+        for upper, lower in itertools.pairwise(self._levels):
+            upper.writes_back_ahead = _writes_back_ahead(upper, lower)
+        self._write_back_levels = [lv for lv in self._levels if lv.writes_back_ahead]
         self.heat = HeatClock(
             self.config.replication.half_life_s, self._half_life_accesses(), clock
         )
@@ -93,6 +106,9 @@ class BlockManager:
         self._cond = threading.Condition(threading.Lock())
         self._leases = LeaseTable(clock)
         self._closed = False
+        self._closing = False  # close() has begun: background write-back stops early
+        #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
+        self.close_flush: dict[str, Any] | None = None
         self._mover = Mover(self.config.mover_threads)
         self._moves = Migrations(self)
         self._layer_writes = LayerWrites(self)
@@ -266,9 +282,12 @@ class BlockManager:
                     move.entry.state = READY
                 level.policy.insert(move.key)
                 landed.append(move)
+            behind = level.writes_back_ahead and len(level.dirty) > level.marks.low
         target = self.placement.write_through_target(level.index)
         if landed and target is not None:
             self._moves.copy_down_later([m.key for m in landed], level.index, target)
+        if behind:
+            self._moves.write_back_later(level)
         return {id(m) for m in landed}
 
     def _reserve(self, level: Level, n: int) -> tuple[int, Victims]:
@@ -525,7 +544,10 @@ class BlockManager:
         """
         if not entry.tiers & level.bit:
             return False
+        before = entry.tiers
         entry.tiers &= ~level.bit
+        if self._write_back_levels:
+            self._moves.track_copies(key, before, entry.tiers)
         if self.changes is not None and level.bit & self._local and not entry.tiers & self._local:
             self.changes.record(key, False)
         entry.dropping |= level.bit
@@ -536,7 +558,10 @@ class BlockManager:
         """Record a new copy of ``key`` in the tier of ``bit``. Called with the lock held."""
         if self.changes is not None and bit & self._local and not entry.tiers & self._local:
             self.changes.record(key, True)
+        before = entry.tiers
         entry.tiers |= bit
+        if self._write_back_levels:
+            self._moves.track_copies(key, before, entry.tiers)
 
     def watch(self) -> ChangeFeed:
         """Start recording which keys gain or lose their copies in local tiers."""
@@ -557,6 +582,9 @@ class BlockManager:
         for level in self._levels:
             if entry.tiers & level.bit:
                 level.policy.touch(key)
+        for level in self._write_back_levels:  # written back least recently used first
+            if key in level.dirty:
+                level.dirty.move_to_end(key)
 
     def _unpin(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -574,15 +602,15 @@ class BlockManager:
             self._reap_leases()
             return sum(1 for e in self._index.values() if e.pins)
 
-    def flush(self) -> int:
+    def flush(self, progress: FlushProgress | None = None) -> int:
         """Finish background moves, then copy every block that only memory tiers
         hold into the first persistent tier; return how many were written.
 
         After ``flush`` (and so after :meth:`close`) every stored block is on a
         medium that outlives the process, unless no persistent tier had room
-        or admitted it.
+        or admitted it. ``progress`` is told the bytes to write and written.
         """
-        return self._moves.flush()
+        return self._moves.flush(progress=progress)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for background moves (write-through, promotions, evictions) to finish."""
@@ -594,10 +622,18 @@ class BlockManager:
         with self._cond:
             if self._closed:
                 return
+            self._closing = True
+        for level in self._levels:
+            try:
+                level.tier.prepare_close()
+            except Exception:  # an optimisation of the flush: never a reason to fail
+                log.exception("tier %s failed to prepare for close", level.tier.kind)
+        progress = FlushProgress()
         try:
-            self.flush()
+            self.flush(progress=progress)
         except Exception:  # closing must not fail because a tier did
             log.exception("flush at close failed")
+        self.close_flush = progress.summary()
         self._prefetcher.close()
         self._mover.close()
         with self._cond:
@@ -612,6 +648,14 @@ class BlockManager:
                 level.tier.close()
             except Exception:
                 log.exception("tier %s failed to close", level.tier.kind)
+
+
+def _writes_back_ahead(upper: Level, lower: Level) -> bool:
+    """Whether ``upper`` copies blocks down ahead of eviction: a write-back memory
+    tier right in front of a local persistent one (a host tier over a disk)."""
+    memory = not upper.tier.persistent and upper.tier.local
+    disk = lower.tier.persistent and lower.tier.local
+    return memory and disk and not upper.rules.write_through
 
 
 def _level(index: int, tier: Tier, clock: Callable[[], float]) -> Level:

@@ -13,6 +13,7 @@ manager's internals freely.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch
 
 from kvstore.index import DELETING, READY, Entry, Level, Move
 from kvstore.keys import BlockKey
+from kvstore.progress import FlushProgress
 from kvstore.reads import tier_get
 
 if TYPE_CHECKING:
@@ -46,6 +48,28 @@ class Migrations:
     def copy_down_later(self, keys: list[BlockKey], source: int, target: int) -> None:
         """Write-through: copy ``keys`` from tier ``source`` into tier ``target`` (or below)."""
         self.m._mover.submit(lambda: self._copy_down(keys, source, target))
+
+    def write_back_later(self, level: Level) -> None:
+        """Copy ``level``'s least recently used dirty blocks down until no more than its low
+        watermark's worth is dirty, in the background (one job per tier at a time)."""
+        self.m._mover.submit(lambda: self._write_back(level), key=("write_back", level.index))
+
+    def track_copies(self, key: BlockKey, before: int, after: int) -> None:
+        """Keep the write-back books of ``key`` as its copies change from the tiers of
+        ``before`` to those of ``after`` (bitmasks). Called with the lock held."""
+        for level in self.m._write_back_levels:
+            below = ~((level.bit << 1) - 1)
+            was_dirty = bool(before & level.bit) and not before & below
+            is_dirty = bool(after & level.bit) and not after & below
+            if not after & level.bit:  # gone from this tier
+                level.dirty.pop(key, None)
+                level.written_back.discard(key)
+            elif is_dirty and not was_dirty:  # landed here alone, or lost its copy below
+                level.dirty[key] = None
+                level.written_back.discard(key)
+            elif was_dirty and not is_dirty:  # copied down from here
+                del level.dirty[key]
+                level.written_back.add(key)
 
     def promote_later(self, keys: list[BlockKey], entries: list[Entry]) -> None:
         """After a read, copy blocks served from slow tiers up where the rules say so."""
@@ -84,7 +108,10 @@ class Migrations:
             entry = m._index.get(key)
             if entry is not None and entry.pins == 0 and entry.state == READY:
                 hot = m.placement.is_hot(m.heat.heat(entry))
-                ranked[2 if hot else (0 if entry.tiers & below else 1)].append((key, entry))
+                # A replica (copied here from below) is an extra copy; a block written
+                # back from here is not: it keeps its place in the policy's order.
+                extra = entry.tiers & below and key not in level.written_back
+                ranked[2 if hot else (0 if extra else 1)].append((key, entry))
             found = sum(len(r) for r in ranked)
             if len(ranked[0]) >= n or (seen >= horizon and found >= n):
                 break
@@ -140,6 +167,48 @@ class Migrations:
         return staging if ok and ok[0] else None
 
     # -- jobs -------------------------------------------------------------------
+    def _write_back(self, level: Level, batch: int = 8) -> None:
+        """Copy the least recently used dirty blocks of ``level`` down, ``batch`` at a
+        time, while more than its low watermark's worth is dirty (and the store is not
+        closing: the flush at close writes the rest, reporting its progress). Each
+        block is tried once per run: one the disk refused stays for eviction."""
+        m = self.m
+        tried: set[BlockKey] = set()
+        while True:
+            with m._cond:
+                picked = self._pick_dirty(level, batch, tried)
+            if not picked:
+                return
+            try:
+                done = self._copy([k for k, _ in picked], [e for _, e in picked], level.index + 1)
+                with m._cond:
+                    m.counters.writebacks[level.index] += done
+            finally:
+                with m._cond:
+                    m._unpin([entry for _, entry in picked])
+
+    def _pick_dirty(self, level: Level, batch: int, tried: set[BlockKey]) -> Victims:
+        """Up to ``batch`` dirty blocks of ``level`` to write back now, pinned; none once
+        it is within its low watermark. Skips blocks pinned (read, or evicted: the
+        eviction writes those), not admitted below yet, or tried already. Lock held."""
+        m = self.m
+        want = min(batch, len(level.dirty) - level.marks.low)
+        picked: Victims = []
+        if m._closing or want <= 0:
+            return picked
+        for key in itertools.islice(level.dirty, 4 * want + 64 + len(tried)):
+            entry = m._index.get(key)
+            if key in tried or entry is None or entry.pins or entry.state != READY:
+                continue
+            tried.add(key)
+            if not m.placement.admits(level.index + 1, m.heat.heat(entry)):
+                continue  # eviction decides about it
+            entry.pins += 1
+            picked.append((key, entry))
+            if len(picked) >= want:
+                break
+        return picked
+
     def _evict_down(self, level: Level) -> None:
         m = self.m
         with m._cond:
@@ -199,7 +268,7 @@ class Migrations:
                 m._unpin([entry for _, entry in pinned])
 
     def _copy(
-        self, keys: list[BlockKey], entries: list[Entry], start: int, stop: int | None
+        self, keys: list[BlockKey], entries: list[Entry], start: int, stop: int | None = None
     ) -> int:
         """Write pinned blocks from their fastest copies into tiers ``start..stop``."""
         m = self.m
@@ -215,14 +284,23 @@ class Migrations:
         return len(moves) - len(left)
 
     # -- flush ------------------------------------------------------------------
-    def flush(self, batch: int = 32) -> int:
+    def flush(self, batch: int = 32, progress: FlushProgress | None = None) -> int:
         """Finish background moves, then copy every block held only in memory
-        tiers into the first persistent tier; return how many were written."""
+        tiers into the first persistent tier; return how many were written.
+
+        ``progress`` hears the bytes to write (counted before the background
+        moves finish: they may be writing some of them) and what is left.
+        """
         m = self.m
-        m._mover.drain()
         if not m._persistent:
+            m._mover.drain()
             return 0
         target = next(lv.index for lv in m._levels if lv.bit & m._persistent)
+        if progress is not None:
+            progress.begin(self._unpersisted() * m.layout.block_nbytes, _describe(m, target))
+            while not m._mover.drain(timeout=0.25):
+                progress.update(self._unpersisted() * m.layout.block_nbytes)
+        m._mover.drain()
         with m._cond:
             todo = [
                 k for k, e in m._index.items() if e.state == READY and not e.tiers & m._persistent
@@ -230,7 +308,21 @@ class Migrations:
         done = 0
         for start in range(0, len(todo), batch):
             done += self._persist(todo[start : start + batch], target)
+            if progress is not None:
+                left = max(0, len(todo) - start - batch)
+                progress.update(left * m.layout.block_nbytes)
+        if progress is not None:  # what is left now: blocks no persistent tier took
+            progress.update(self._unpersisted() * m.layout.block_nbytes, force=True)
+            progress.end()
         return done
+
+    def _unpersisted(self) -> int:
+        """Readable blocks no persistent tier holds."""
+        m = self.m
+        with m._cond:
+            return sum(
+                1 for e in m._index.values() if e.state == READY and not e.tiers & m._persistent
+            )
 
     def persist(self, keys: list[BlockKey]) -> list[bool]:
         """Copy ``keys`` into the first persistent tier now, where only memory holds them;
@@ -258,3 +350,10 @@ class Migrations:
         finally:
             with m._cond:
                 m._unpin([entry for _, entry in pinned])
+
+
+def _describe(m: BlockManager, index: int) -> str:
+    """A tier as a person knows it: its kind, and its directory where it has one."""
+    tier = m._levels[index].tier
+    path = getattr(tier, "path", None)
+    return f"the {tier.kind} tier" + (f" ({path})" if path is not None else "")

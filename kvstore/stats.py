@@ -28,6 +28,7 @@ def tier_usage(m: BlockManager) -> list[dict[str, Any]]:
                     for name in ("evictions", "demotions", "promotions", "admission_rejects")
                 },
                 "write_through_copies": m.counters.write_through_copies[lv.index],
+                "writebacks": m.counters.writebacks[lv.index],
                 **lv.tier.stats(),
             }
             for lv in m._levels

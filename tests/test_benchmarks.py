@@ -96,6 +96,21 @@ def test_bench_host_tier() -> None:
     assert result["block_mib"] == 32
     assert result["memcpy_gbps"] == max(result["torch_copy_gbps"], result["memmove_gbps"])
     assert set(result["meets_target"]) == {"put", "get"}
+    # First fill of a fresh tier: right after open, after the prefault, without it; both
+    # baselines (steady memcpy, and the same copies into freshly mapped memory).
+    fills = ("first_fill", "first_fill_after_prefault", "first_fill_no_prefault")
+    assert_positive(
+        result,
+        "first_touch_memcpy_gbps",
+        *(f"put_{f}_gbps" for f in fills),
+        *(f"put_{f}_ratio" for f in fills),
+        *(f"put_{f}_ratio_vs_first_touch" for f in fills),
+    )
+    assert result["first_touch_memcpy_gbps"] == max(
+        result["first_touch_copy_gbps"], result["first_touch_memmove_gbps"]
+    )
+    assert result["put_first_fill_ratio"] == result["put_first_fill_gbps"] / result["memcpy_gbps"]
+    assert result["first_fill_capacity"] == 1 << 30
     assert_reps(result)
 
 
@@ -193,7 +208,15 @@ def test_bench_disk_tier() -> None:
     )
     assert result["recovery_s_100k"] is None  # --quick reopens 5,000 blocks, not 100,000
     assert result["target_ratio"] == 0.8 and result["target_recovery_s"] == 2.0
+    assert result["target_warm_ratio"] == 0.9
     assert all(isinstance(v, bool) for v in result["meets_target"].values())
+    # Both page_cache modes: writes, cold reads, and reads right after writing.
+    assert result["page_cache"] == "keep"
+    for figure in ("write_gbps", "read_cold_gbps", "read_after_write_gbps"):
+        assert set(result[figure]) == {"keep", "bypass"}
+        assert_positive(result[figure], "keep", "bypass")
+    assert_positive(result["read_after_write_ratio"], "keep", "bypass")
+    assert_positive(result, "worst_round_read_ratio_warm", "write_ratio_bypass")
 
 
 @pytest.mark.timeout(120)

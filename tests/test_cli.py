@@ -28,6 +28,13 @@ def test_demo_small_run_reports_hits_and_verifies(capsys: pytest.CaptureFixture[
     assert report["chunks_loaded_and_verified"] == report["prefill_tokens_saved"] // 256
     assert 0 < report["chunk_hit_rate"] <= 1
     assert [t["kind"] for t in report["tiers"]] == ["host", "disk"]
+    # put/get throughput as the engine sees it; what close() wrote, and how fast
+    assert report["put_gbps"] > 0 and report["get_gbps"] > 0
+    assert report["put_seconds"] > 0 and report["get_seconds"] > 0
+    nb = report["block_mib"] * 2**20
+    host = report["tiers"][0]
+    assert report["close_flush_bytes"] == host["blocks"] * nb  # memory-only blocks, all of them
+    assert report["close_flush_seconds"] <= report["close_seconds"]
     restart = report["after_restart"]  # reopened: everything is found again on disk
     assert restart["blocks_on_disk"] == report["chunks_stored"]
     assert restart["last_prompt_chunks_found"] == restart["last_prompt_chunks"] > 0
@@ -54,6 +61,10 @@ def test_demo_human_report(tmp_path: Path) -> None:
     assert "prefill tokens saved" in result.stdout
     assert "tier host" in result.stdout
     assert "requests [" in result.stderr  # the progress bar
+    # Not a terminal: close() says what it writes, and when it is done, in log lines.
+    assert "close: writing" in result.stderr and "to the disk tier" in result.stderr
+    assert "close: wrote" in result.stderr
+    assert "close()" in result.stdout and "GB/s" in result.stdout
 
 
 def test_config_prints_resolved_yaml(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from kvstore.codec import (
     decode_into,
     encode_block,
     header_size,
+    layer_pieces,
     parse_header,
 )
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
@@ -575,3 +576,22 @@ def test_codec_parse_unknown_name(name):
 def test_codec_parse_bad_values_raise_invalid_input(value):
     with pytest.raises(InvalidInputError):
         Codec.parse(value)
+
+
+def test_layer_pieces_alias_each_layer_of_a_chunk_view() -> None:
+    """A chunk of an engine tensor: one writable 1-D byte view per (layer, kv) slab,
+    aliasing the tensor (no copy); None where a slab is not contiguous."""
+    kv = torch.randn(4, 2, 64, 4, 16).to(torch.bfloat16)
+    chunk = kv[:, :, 16:32]
+    pieces = layer_pieces(chunk)
+    assert pieces is not None and [len(row) for row in pieces] == [2] * 4
+    for layer, row in enumerate(pieces):
+        for k, piece in enumerate(row):
+            assert piece.ndim == 1 and len(piece) == 16 * 4 * 16 * 2 and not piece.readonly
+            assert bytes(piece) == chunk[layer, k].contiguous().view(torch.uint8).numpy().tobytes()
+    pieces[2][1][:2] = b"\x00\x00"  # writes land in the tensor itself
+    assert chunk[2, 1].reshape(-1)[0].item() == 0
+    whole = layer_pieces(kv[:1].contiguous())
+    assert whole is not None and len(whole) == 1 and len(whole[0][0]) == 2 * 64 * 4 * 16 * 2
+    assert layer_pieces(kv.transpose(3, 4)) is None
+    assert layer_pieces(kv[:, :, :, :, ::2]) is None

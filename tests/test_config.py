@@ -203,6 +203,48 @@ def test_pinned_values(value, pinned):
     assert from_dict({"tiers": [{"kind": "host", "pinned": value}]}).tiers[0].pinned is pinned
 
 
+def test_host_prefault_defaults_on_and_parses_flags(monkeypatch):
+    assert from_dict({}).tiers[0].prefault is True
+    assert from_dict({"tiers": [{"kind": "host", "prefault": "no"}]}).tiers[0].prefault is False
+    monkeypatch.setenv("KVSTORE_HOST_PREFAULT", "false")
+    assert StoreConfig.from_dict({}).tiers[0].prefault is False
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, None])
+def test_bad_prefault_values_name_the_key(value):
+    with raises_at("tiers[0].prefault"):
+        from_dict({"tiers": [{"kind": "host", "prefault": value}]})
+
+
+def test_disk_page_cache_keeps_by_default_and_follows_o_direct(monkeypatch):
+    def disk(**fields):
+        return from_dict({"tiers": [{"kind": "disk", **fields}]}).tiers[0]
+
+    assert disk().page_cache == "keep" and not disk().bypass_page_cache
+    assert disk(page_cache="bypass").bypass_page_cache
+    assert disk(o_direct=True).page_cache == "bypass"  # the older spelling
+    assert disk(o_direct=True, page_cache="bypass").bypass_page_cache
+    plain = from_dict({"tiers": [{"kind": "disk", "o_direct": True}]}).to_dict()
+    assert plain["tiers"][0]["page_cache"] == "bypass" and from_dict(plain).to_dict() == plain
+    monkeypatch.setenv("KVSTORE_DISK_PAGE_CACHE", "bypass")
+    assert StoreConfig.from_dict({}).tiers[1].page_cache == "bypass"
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "needle"),
+    [
+        ({"page_cache": "drop"}, "tiers[0].page_cache", "use keep"),
+        ({"page_cache": 1}, "tiers[0].page_cache", "non-empty string"),
+        ({"page_cache": ""}, "tiers[0].page_cache", "non-empty string"),
+        ({"page_cache": "keep", "o_direct": True}, "tiers[0].o_direct", "contradicts"),
+    ],
+)
+def test_bad_page_cache_values_are_clear(fields, path, needle):
+    with pytest.raises(ConfigError, match=re.escape(path)) as info:
+        from_dict({"tiers": [{"kind": "disk", **fields}]})
+    assert needle in str(info.value)
+
+
 @pytest.mark.parametrize("value", ["off", "maybe", 2, 1.0])
 def test_bad_pinned_values(value):
     with raises_at("tiers[0].pinned"):

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
+from kvstore import memory
 from kvstore.errors import CapacityError, ClosedError, InvalidInputError
 from kvstore.memory import SlabAllocator, cuda_available
 
@@ -218,4 +222,197 @@ def test_device_and_pinned_slabs():
     dev.close()
     host = SlabAllocator(32, 4, pinned=True)
     assert host.pinned and host.buffer.is_pinned()
+    host.close()
+
+
+# -- prefault ---------------------------------------------------------------------
+MiB = 1 << 20
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+@pytest.fixture
+def slow_populate(monkeypatch: pytest.MonkeyPatch):
+    """Prefault in 64 KiB steps, each taking >= 5 ms, recording the ranges it faults."""
+    calls: list[tuple[int, int]] = []
+    real = memory._madvise
+
+    def fake(address: int, length: int, advice: int) -> int:
+        calls.append((address, length))
+        time.sleep(0.005)
+        return real(address, length, advice)
+
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK", 64 * 1024)
+    monkeypatch.setattr(memory, "_madvise", fake)
+    return calls
+
+
+def test_prefault_is_off_unless_asked_for():
+    slab = SlabAllocator(MiB, 4)
+    assert slab.prefault_stats() == {
+        "prefault": "off",
+        "prefault_bytes_ready": 0,
+        "prefault_bytes_total": 0,
+        "prefault_done": False,
+    }
+    assert slab.wait_prefault(0) is True  # nothing to wait for
+    slab.close()
+
+
+def test_prefault_faults_the_whole_slab_and_says_so():
+    slab = SlabAllocator(MiB, 16, prefault=True)
+    assert slab.wait_prefault(30)
+    assert slab.prefault_stats() == {
+        "prefault": "done",
+        "prefault_bytes_ready": 16 * MiB,
+        "prefault_bytes_total": 16 * MiB,
+        "prefault_done": True,
+    }
+    assert slab.buffer is not None and int(slab.buffer.sum()) == 0  # bytes unchanged: zeros
+    slab.close()
+    assert slab.prefault_stats()["prefault"] == "done"
+
+
+def test_prefault_progress_grows_front_to_back(slow_populate):
+    slab = SlabAllocator(MiB, 4, prefault=True)  # 64 steps of 64 KiB
+    seen = []
+    assert _wait_for(lambda: seen.append(slab.prefault_stats()) or seen[-1]["prefault_done"])
+    running = [s for s in seen if s["prefault"] == "running"]
+    assert any(0 < s["prefault_bytes_ready"] < 4 * MiB for s in running)
+    ready = [s["prefault_bytes_ready"] for s in seen]
+    assert ready == sorted(ready) and ready[-1] == 4 * MiB
+    base = slab.buffer.data_ptr()
+    starts = [address - base for address, _ in slow_populate]
+    assert starts == sorted(starts) and starts[0] == 0  # front to back
+    slab.close()
+
+
+def test_close_mid_prefault_stops_the_thread_promptly(slow_populate):
+    slab = SlabAllocator(MiB, 16, prefault=True)  # 256 steps of >= 5 ms: > 1 s
+    assert _wait_for(lambda: slab.prefault_stats()["prefault_bytes_ready"] > 0)
+    start = time.monotonic()
+    slab.close()
+    assert time.monotonic() - start < 0.5
+    stats = slab.prefault_stats()
+    assert stats["prefault"] == "stopped" and not stats["prefault_done"]
+    assert 0 < stats["prefault_bytes_ready"] < 16 * MiB
+    calls = len(slow_populate)
+    time.sleep(0.05)
+    assert len(slow_populate) == calls  # the thread is gone, not just paused
+    assert not any(t.name == "kvstore-prefault" and t.is_alive() for t in threading.enumerate())
+
+
+def test_slots_come_from_the_prefaulted_front(slow_populate):
+    slab = SlabAllocator(MiB, 8, prefault=True)
+    assert _wait_for(lambda: slab.prefault_stats()["prefault_bytes_ready"] >= MiB)
+    ready = slab.prefault_stats()["prefault_bytes_ready"]
+    first = slab.alloc(1)
+    assert (first[0] + 1) * MiB <= ready  # inside the part already faulted in
+    slab.free(first)
+    assert slab.alloc(1) == first  # a freed (touched) slot is reused before fresh ones
+    taken = slab.alloc(5)  # slots 1-5, handed out before the thread reached them
+    in_flight = len(slow_populate) + 1  # the step under way may have started before
+    assert slab.wait_prefault(30)
+    base = slab.buffer.data_ptr()
+    later = [address - base for address, _ in slow_populate[in_flight:]]
+    # Their writers fault those pages: the thread skipped to the first slot not handed out.
+    assert later and min(later) >= 6 * MiB
+    slab.free(first + taken)
+    slab.close()
+
+
+def test_the_prefault_waits_while_copies_fault_their_own_slots(slow_populate):
+    """Copies into slots past the faulted part have the machine to themselves: the
+    thread pauses until they end (then skips their slots); copies into faulted slots
+    do not stop it."""
+    slab = SlabAllocator(MiB, 16, prefault=True)
+    assert _wait_for(lambda: slab.prefault_stats()["prefault_bytes_ready"] > 0)
+    slots = slab.alloc(12)  # 12 MiB, far past the part faulted in
+    with slab.writing(slots):
+        time.sleep(0.02)  # the step in flight ends
+        calls = len(slow_populate)
+        time.sleep(0.1)  # >= 20 steps' time
+        assert len(slow_populate) == calls
+        assert slab.prefault_stats()["prefault"] == "running"
+    assert slab.wait_prefault(30)
+    base = slab.buffer.data_ptr()
+    assert min(address - base for address, _ in slow_populate[calls:]) >= 12 * MiB
+    with slab.writing(slots[:1]):  # faulted by now: nothing to wait for
+        pass
+    slab.free(slots)
+    slab.close()
+
+
+def test_prefault_without_populate_touches_only_free_pages(monkeypatch: pytest.MonkeyPatch):
+    release = threading.Event()
+
+    def unsupported(address: int, length: int, advice: int) -> int:
+        release.wait(10)  # hold the first step until a slot is written
+        ctypes.set_errno(errno.EINVAL)  # an old kernel: no MADV_POPULATE_WRITE
+        return -1
+
+    monkeypatch.setattr(memory, "_madvise", unsupported)
+    slab = SlabAllocator(MiB, 4, prefault=True)
+    (slot,) = slab.alloc(1)
+    slab.view(slot).fill_(0xAB)
+    release.set()
+    assert slab.wait_prefault(30)
+    assert slab.prefault_stats()["prefault_bytes_ready"] == 4 * MiB
+    assert bool((slab.view(slot) == 0xAB).all())  # the touch never wrote a slot in use
+    assert int(slab.buffer[MiB:].sum()) == 0
+    slab.close()
+
+
+def test_prefault_is_capped_by_available_memory(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(memory, "_available_memory", lambda: 10 * MiB)
+    slab = SlabAllocator(MiB, 16, prefault=True)
+    assert slab.wait_prefault(30)
+    stats = slab.prefault_stats()
+    assert stats["prefault_bytes_total"] == 9 * MiB  # 10% of what is left stays untouched
+    assert stats["prefault_done"] and stats["prefault_bytes_ready"] == 9 * MiB
+    slab.close()
+
+
+def test_shared_slabs_are_prefaulted_too():
+    slab = SlabAllocator(MiB, 4, shared=True, prefault=True)
+    assert slab.wait_prefault(30) and slab.prefault_stats()["prefault"] == "done"
+    slab.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_sees_the_prefault_stopped_and_can_use_the_slab(slow_populate):
+    slab = SlabAllocator(MiB, 16, prefault=True)
+    assert _wait_for(lambda: slab.prefault_stats()["prefault_bytes_ready"] > 0)
+    pid = os.fork()
+    if pid == 0:  # the child: no torch kernels here, only the allocator's bookkeeping
+        code = 1
+        try:
+            stats = slab.prefault_stats()
+            slots = slab.alloc(2)
+            slab.free(slots)
+            start = time.monotonic()
+            slab.close()
+            if stats["prefault"] == "stopped" and time.monotonic() - start < 1:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert slab.prefault_stats()["prefault"] in ("running", "done")  # the parent's goes on
+    slab.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_slabs_need_no_prefault():
+    host = SlabAllocator(32, 4, pinned=True, prefault=True)
+    assert host.prefault_stats()["prefault"] == "committed"
+    assert host.prefault_stats()["prefault_done"]
     host.close()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvstore import KVStore
 from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
 from kvstore.manager import BlockManager
+from kvstore.progress import format_bytes
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier
 
 
@@ -177,4 +182,124 @@ def test_flush_waits_for_background_moves_then_persists(tmp_path: Path) -> None:
     store.flush()  # drains the write-through jobs first: nothing left to persist twice
     assert all(1 in store.manager.where(k) for k in keys)
     assert store.stats()["moves_pending"] == 0
+    store.close()
+
+
+class RecordingTier(FaultyTier):
+    """A tier that records which thread each put ran on."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.put_threads: list[str] = []
+
+    def put(self, keys, blocks):  # type: ignore[no-untyped-def]
+        self.put_threads.append(threading.current_thread().name)
+        return super().put(keys, blocks)
+
+
+def host_over_recorded_disk(path: Path, layout: KVLayout) -> tuple[KVStore, RecordingTier]:
+    config = StoreConfig.from_dict(two_tiers(path, layout, {}, {}), environ={})
+    host, disk = (create_tier(t, layout) for t in config.tiers)
+    recorded = RecordingTier(disk)
+    return KVStore(layout, config, tiers=[host, recorded]), recorded
+
+
+def test_write_back_ahead_of_eviction_keeps_puts_off_the_disk(tmp_path: Path) -> None:
+    """Past its low watermark (5 of 8 blocks) the host tier copies its oldest blocks to
+    disk in the background; evictions then find them there: no put waits for the disk."""
+    layout = small_layout()
+    store, disk = host_over_recorded_disk(tmp_path, layout)
+    keys = store.hash_tokens(torch.arange(12 * layout.block_tokens), "m")
+    kv = random_blocks(layout, 12)
+    for i, key in enumerate(keys):
+        assert store.put([key], chunk(kv, layout, i)) == 1
+        assert store.drain(timeout=30)  # a disk that keeps up
+        only_memory = [k for k in keys[: i + 1] if store.manager.where(k) == [0]]
+        assert len(only_memory) <= 5
+    assert disk.put_threads and all(n.startswith("kvstore-mover") for n in disk.put_threads)
+    stats = store.stats()
+    assert stats["evictions"][0] > 0
+    # Copied ahead of eviction (a background eviction may still demote a block the
+    # write-back had not reached: also off the put's path).
+    assert stats["tiers"][0]["writebacks"] == stats["writebacks"][0] > 0
+    assert torch.equal(store.get(keys), kv)
+    store.close()
+
+
+def test_puts_that_outrun_the_disk_still_store_every_block(tmp_path: Path) -> None:
+    """With a slow disk the write-back falls behind: evictions then demote on the put's
+    path (the old way), and nothing is lost."""
+    layout = small_layout()
+    store, disk = host_over_recorded_disk(tmp_path, layout)
+    disk.delay_s = 0.02
+    keys = store.hash_tokens(torch.arange(20 * layout.block_tokens), "m")
+    kv = random_blocks(layout, 20)
+    for i in range(0, 20, 4):
+        step = layout.block_tokens
+        assert store.put(keys[i : i + 4], kv[:, :, i * step : (i + 4) * step]) == 4
+    assert store.lookup(keys) == 20
+    assert torch.equal(store.get(keys), kv)
+    store.close()
+    assert store.manager.close_flush is not None
+    assert store.manager.close_flush["bytes_written"] == store.manager.close_flush["bytes"]
+
+
+def test_close_says_what_it_writes_and_how_long_it_took(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = small_layout()
+    store = KVStore(layout, two_tiers(tmp_path, layout, {}, {}))
+    keys = store.hash_tokens(torch.arange(3 * layout.block_tokens), "m")
+    store.put(keys, random_blocks(layout, 3))  # 3 of 8: under the low watermark, memory only
+    with caplog.at_level(logging.INFO, logger="kvstore.close"):
+        store.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.close"]
+    assert lines[0].startswith(f"close: writing {format_bytes(3 * layout.block_nbytes)}")
+    assert "disk tier" in lines[0] and str(tmp_path) in lines[0]
+    assert lines[-1].startswith("close: wrote") and " in " in lines[-1]
+    report = store.manager.close_flush
+    assert (
+        report is not None and report["bytes"] == report["bytes_written"] == 3 * layout.block_nbytes
+    )
+    assert report["seconds"] is not None and report["seconds"] >= 0
+    reopened = KVStore(layout, two_tiers(tmp_path, layout, {}, {}))
+    assert reopened.lookup(keys) == 3  # on disk
+    reopened.close()
+
+
+def test_close_with_nothing_to_write_says_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = small_layout()
+    store = KVStore(layout, two_tiers(tmp_path, layout, {"write_policy": "write_through"}, {}))
+    keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
+    store.put(keys, random_blocks(layout, 2))
+    store.drain(timeout=30)
+    with caplog.at_level(logging.INFO, logger="kvstore.close"):
+        store.close()
+    assert not [r for r in caplog.records if r.name == "kvstore.close"]
+    report = store.manager.close_flush
+    assert report is not None and report["bytes"] == report["bytes_written"] == 0
+
+
+def test_write_back_goes_least_recently_used_first_and_keeps_the_policy_order(
+    tmp_path: Path,
+) -> None:
+    """The write-back takes the least recently used dirty block (a read moves a block to
+    the back); a written-back block keeps its place in LRU order: it is not an extra
+    copy to evict first, as a replica copied up from disk is."""
+    layout = small_layout()
+    store = KVStore(layout, two_tiers(tmp_path, layout, {}, {}))  # 8 blocks, low watermark 5
+    keys = store.hash_tokens(torch.arange(6 * layout.block_tokens), "m")
+    kv = random_blocks(layout, 6)
+    for i in range(5):
+        store.put(keys[i : i + 1], chunk(kv, layout, i))
+    store.get(keys[:1])  # k0 is now the most recently used
+    store.put(keys[5:6], chunk(kv, layout, 5))  # 6 dirty > 5: one is written back
+    assert store.drain(timeout=30)
+    assert [store.manager.where(k) for k in keys] == [[0], [0, 1]] + [[0]] * 4
+    store.get(keys[1:2])  # the written-back block is used again: k2 is the LRU now
+    assert store.evict(1) == [keys[2]]  # not k1, although k1 would free its slot for free
+    assert store.manager.where(keys[1]) == [0, 1] and store.manager.where(keys[2]) == [1]
+    assert torch.equal(store.get(keys), kv)
     store.close()

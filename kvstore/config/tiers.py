@@ -31,6 +31,7 @@ __all__ = [
     "DiskTierConfig",
     "HostTierConfig",
     "NAMESPACE_PATTERN",
+    "PAGE_CACHE_MODES",
     "RedisTierConfig",
     "RemoteTierConfig",
     "S3TierConfig",
@@ -46,7 +47,41 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Settings every tier has. Subclasses add their medium's settings."""
+    """Settings every tier has. Subclasses add their medium's settings.
+
+    ``capacity``: bytes this tier may hold, rounded down to whole blocks (less
+    than one block is an error). For S3, Redis and a kvstore-server, which
+    have no size the store can see, it is this store's budget for the tier.
+
+    ``high_watermark`` / ``low_watermark``: fractions of ``capacity``. Once a
+    put takes usage past the high watermark, a background job evicts down to
+    the low one (hysteresis: evictions come in batches, not one per put),
+    demoting each victim to the next tier rather than dropping it; a put that
+    needs room at once frees just that room itself. The low watermark must be
+    below the high one.
+
+    ``policy``: the eviction order: ``lru`` (least recently used); ``s3fifo``
+    (S3-FIFO: new blocks wait in a small probation FIFO and only blocks read
+    again reach the main one, so one-off scans do not flush the cache); ``arc``
+    (ARC: adaptive recency/frequency). Whatever the policy, cooled extra copies
+    go first, hot blocks last, and pinned blocks never
+    (docs/benchmarks/policies.md measures when each policy pays).
+
+    ``write_policy``: ``write_back`` copies a block to the next tier when it is
+    evicted from this one; a memory tier right in front of a local disk also
+    copies its least recently used blocks there in the background once more
+    than ``low_watermark`` of its capacity is held only in memory, so
+    evictions find them written already. ``write_through`` copies every block
+    to the next tier, in the background, as soon as it is written here.
+
+    ``promote_after``: copy a block into this tier (in the background) when a
+    read served from a slower tier finds it accessed this many times (its
+    heat: accesses, decayed as ``replication`` says); 0: never.
+
+    ``admit_after``: only blocks accessed at least this many times enter this
+    tier; others skip it, to the next tier (or are dropped). E.g. 2 on a disk
+    tier spares it one-off blocks; 0 admits every block.
+    """
 
     kind: ClassVar[str] = ""
     capacity: int = _opt(0, parse_size)
@@ -93,11 +128,22 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class HostTierConfig(TierConfig):
-    """Host DRAM tier. ``pinned``: page-locked memory (None: when CUDA exists).
+    """Host DRAM tier: one preallocated slab of fixed slots.
+
+    ``pinned``: page-locked memory, so GPU copies need no bounce buffer; None
+    (the default): pinned when CUDA is available (true without CUDA is an error).
 
     ``shared_memory``: back the slab with a memfd that other processes can map
     (``kvstore-server`` sets it to lend blocks to same-host clients; such memory
     is not pinned).
+
+    ``prefault``: commit the slab's pages on a background thread from the
+    moment the tier opens, so the first puts copy at memory speed instead of
+    page-fault speed (first-touch faults ran at ~1 GB/s against ~21 GB/s for a
+    copy into touched memory; ``benchmarks/bench_host_tier.py``). The tier is
+    sized to be used, and pinned memory is committed at open anyway; set it to
+    false to commit pages only as blocks land (a tier that rarely fills).
+    Ignored for pinned memory (committed when allocated).
     """
 
     kind: ClassVar[str] = "host"
@@ -105,6 +151,7 @@ class HostTierConfig(TierConfig):
     promote_after: int = _opt(2, parse_int)
     pinned: bool | None = _opt(None, parse_optional_bool)
     shared_memory: bool = _opt(False, parse_bool)
+    prefault: bool = _opt(True, parse_bool)
 
     def validate(self, path: str) -> None:
         super().validate(path)
@@ -114,7 +161,14 @@ class HostTierConfig(TierConfig):
 
 @dataclass(frozen=True)
 class DeviceTierConfig(TierConfig):
-    """Accelerator memory tier (``device`` is any torch device string)."""
+    """Accelerator memory tier (GPU HBM): one preallocated slab on the device.
+
+    ``device``: any torch device string (``cuda:0``, ``cuda:1``; ``cpu`` works,
+    for tests); a CUDA device without CUDA is an error.
+
+    ``capacity``: required for this tier: the bytes of device memory the slab
+    takes when the store opens.
+    """
 
     kind: ClassVar[str] = "device"
     device: str = _opt("cuda:0", parse_str)
@@ -130,9 +184,44 @@ class DeviceTierConfig(TierConfig):
             raise ConfigError(f"{path}.device: {self.device!r} is not a torch device") from None
 
 
+PAGE_CACHE_MODES = ("keep", "bypass")
+
+
 @dataclass(frozen=True)
 class DiskTierConfig(TierConfig):
-    """Local files (NVMe). Blocks survive restarts and are verified on every read."""
+    """Local files (NVMe). Blocks survive restarts and are verified on every read.
+
+    ``page_cache``: ``keep`` (the default) writes and reads through the page
+    cache, so a block written or read recently is read again at memory speed
+    (warm reads ran ~3-5x faster than cold ones; ``bench_disk_tier.py``);
+    ``bypass`` writes with ``O_DIRECT`` and drops a block's pages after reading
+    it, for machines whose memory is better spent elsewhere (the host tier
+    already keeps hot blocks in memory). ``o_direct: true`` is the older
+    spelling of ``page_cache: bypass``; left out (None), ``page_cache`` follows it.
+
+    ``path``: the directory. Blocks go under
+    ``<path>/kvstore-v1/<layout fingerprint>/``, one file per block; several
+    processes may share it, and each sees the blocks the others stored (a
+    kvstore-server keeps each namespace under ``<path>/ns-<namespace>/``).
+
+    ``capacity``: bytes of block files, rounded down to whole blocks; clamped,
+    with a warning, to 95% of the free space when the tier opens.
+
+    ``io_threads``: threads that move a batch's blocks in parallel (a single
+    block is moved inline), so N blocks cost about one disk round trip.
+
+    ``o_direct``: the older spelling of ``page_cache: bypass``; true together
+    with ``page_cache: keep`` is an error.
+
+    ``fsync``: fsync each block file before it becomes visible, for
+    durability across power loss. ``kill -9`` needs none: a block is written
+    to a temporary file and renamed into place, so it is whole or absent.
+
+    ``codec``: how payloads are stored: ``raw``; ``lz4``; ``shuffle-lz4``
+    (byte planes shuffled, then lz4: pays for bf16 KV only); ``auto``
+    (shuffle-lz4 for a block where it saves at least 10%, else raw).
+    Compressing runs below 1 GB/s; see benchmarks/README.md (codec).
+    """
 
     kind: ClassVar[str] = "disk"
     capacity: int = _opt(32 * 1024**3, parse_size)
@@ -141,15 +230,84 @@ class DiskTierConfig(TierConfig):
     o_direct: bool = _opt(False, parse_bool)
     fsync: bool = _opt(False, parse_bool)
     codec: str = _opt("raw", parse_codec)
+    page_cache: str | None = _opt(None, parse_optional_str)
+
+    def __post_init__(self) -> None:
+        if self.page_cache is None:  # follow the older o_direct switch
+            object.__setattr__(self, "page_cache", "bypass" if self.o_direct else "keep")
 
     def validate(self, path: str) -> None:
         super().validate(path)
         _check_positive(self, path, "io_threads")
+        if self.page_cache not in PAGE_CACHE_MODES:
+            raise ConfigError(
+                f"{path}.page_cache: use keep (blocks stay in the page cache: fast re-reads) "
+                f"or bypass (O_DIRECT writes, pages dropped after reads), got {self.page_cache!r}"
+            )
+        if self.o_direct and self.page_cache == "keep":
+            raise ConfigError(
+                f"{path}.o_direct: true writes around the page cache, which contradicts "
+                "page_cache: keep; use page_cache: bypass (o_direct: true is its old spelling)"
+            )
+
+    @property
+    def bypass_page_cache(self) -> bool:
+        """True when blocks should not stay in the page cache after I/O."""
+        return self.page_cache == "bypass"
 
 
 @dataclass(frozen=True)
 class S3TierConfig(TierConfig):
-    """An S3-compatible object store: the shared, bottomless cold tier."""
+    """An S3-compatible object store: the shared, bottomless cold tier.
+
+    Credentials come from the boto3 chain (environment, shared config files,
+    instance or container roles), never from this config; needs
+    ``pip install 'kvstore[s3]'``.
+
+    ``bucket``: the bucket (required).
+
+    ``prefix``: object names are
+    ``<prefix>/<layout fingerprint>/<first 2 hex digits of the key>/<key hex>``.
+
+    ``endpoint_url``: an S3-compatible endpoint such as ``http://minio:9000``;
+    None: AWS.
+
+    ``region``: None lets the boto3 chain decide.
+
+    ``addressing_style``: ``auto``, ``path`` (the bucket in the path) or
+    ``virtual`` (the bucket in the host name).
+
+    ``capacity``: this store's budget for the bucket (S3 itself has no limit).
+
+    ``concurrency``: requests in flight per tier: the thread pool and the
+    connection pool both have this size.
+
+    ``connect_timeout``: seconds to open a connection.
+
+    ``read_timeout``: seconds without a byte before a request gives up (and
+    is retried).
+
+    ``deadline``: seconds a batch call may spend retrying; past it the blocks
+    left are misses, so a batch takes at most about ``deadline +
+    connect_timeout + read_timeout``.
+
+    ``max_attempts``: tries per request, the first included. Throttling, 5xx,
+    connection errors, timeouts and truncated bodies are retried with
+    exponential backoff and full jitter; 404 is a miss and other 4xx are not
+    retried.
+
+    ``retry_interval``: while the endpoint is unreachable, calls fail at once
+    (misses) and one probe request per this many seconds checks whether it is
+    back.
+
+    ``multipart_threshold``: blocks larger than this go up as multipart
+    uploads and come down as parallel ranged GETs.
+
+    ``part_size``: the part and range size of those (S3 needs at least 5 MiB).
+
+    ``codec``: ``raw``, ``lz4``, ``shuffle-lz4`` or ``auto`` (the default
+    here: shuffle-lz4 for a block where it saves at least 10%, else raw).
+    """
 
     kind: ClassVar[str] = "s3"
     capacity: int = _opt(1024**4, parse_size)
@@ -191,7 +349,33 @@ class S3TierConfig(TierConfig):
 
 @dataclass(frozen=True)
 class RedisTierConfig(TierConfig):
-    """Redis (standalone or Cluster): a shared warm tier."""
+    """Redis (standalone or Cluster): a shared warm tier.
+
+    Needs ``pip install 'kvstore[redis]'``.
+
+    ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password in it
+    is redacted in stats and logs.
+
+    ``cluster``: true: ``url`` names a node of a Redis Cluster.
+
+    ``capacity``: this store's budget for the tier; keep Redis's
+    ``maxmemory`` above it.
+
+    ``ttl``: seconds after which Redis expires a block by itself (``PX`` on
+    every ``SET``); None: kept until evicted or deleted.
+
+    ``key_prefix``: key names are ``<key_prefix>:<layout fingerprint>:<key hex>``.
+
+    ``pool_size``: connections (per node of a cluster); a caller waits up to
+    ``socket_timeout`` for a free one.
+
+    ``socket_timeout``: seconds for a connect and for each read.
+
+    ``retry_interval``: while Redis is unreachable, calls fail at once
+    (misses) and one probe per this many seconds reconnects.
+
+    ``codec``: ``raw``, ``lz4``, ``shuffle-lz4`` or ``auto``, as for the disk tier.
+    """
 
     kind: ClassVar[str] = "redis"
     capacity: int = _opt(1024**3, parse_size)
@@ -245,12 +429,36 @@ def check_address(address: str, path: str, any_port: bool = False) -> None:
 class RemoteTierConfig(TierConfig):
     """A ``kvstore-server``: over TCP or a Unix socket, through shared memory on one host.
 
-    The server keeps its own tiers and evicts by itself, so ``capacity`` (1 TiB
-    by default, as for S3) only bounds what this process counts as stored there.
-    ``namespace`` is the server-side partition (a tenant); a token may be limited
-    to some namespaces. ``token`` or ``token_file`` authenticate; ``tls`` with
-    ``tls_ca`` (a CA bundle; None: the system's) encrypts. ``durable`` asks the
-    server to acknowledge puts only once they reached its persistent tier.
+    ``address``: ``HOST:PORT`` or ``unix:/path/to/socket``.
+
+    ``namespace``: the server-side partition (a tenant): 1-64 letters, digits,
+    ``.``, ``_`` or ``-``; a token may be limited to some namespaces.
+
+    ``capacity``: the server keeps its own tiers and evicts by itself, so
+    this only bounds what this process counts as stored there.
+
+    ``token`` / ``token_file``: the secret the server asks for, inline or in a
+    file (its first line); give one, not both.
+
+    ``shared_memory``: on the server's host, copy blocks straight into and out
+    of the server's memory (one memcpy) instead of over the socket.
+
+    ``tls`` / ``tls_ca`` / ``tls_server_name``: TLS over TCP (not over a Unix
+    socket), trusting the CA bundle ``tls_ca`` (None: the system's) and
+    checking the certificate for ``tls_server_name`` (None: the host of
+    ``address``).
+
+    ``pool_size``: connections at most.
+
+    ``connect_timeout``: seconds to connect.
+
+    ``timeout``: seconds per request.
+
+    ``retry_interval``: after a failure, calls fail at once (misses) and one
+    probe per this many seconds reconnects.
+
+    ``durable``: acknowledge puts only once they reached the server's
+    persistent tier (its disk), so a server killed right after keeps them.
     """
 
     kind: ClassVar[str] = "remote"

@@ -129,6 +129,10 @@ class Tier(ABC):
         """Tier-specific counters (I/O errors, bytes on disk, ...)."""
         return {}
 
+    def prepare_close(self) -> None:
+        """The store is closing: what it writes from now on (the flush of blocks only
+        memory holds) is not read back by this process. Nothing to do by default."""
+
     def close(self) -> None:
         """Release the medium's resources. Idempotent."""
 

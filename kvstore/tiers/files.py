@@ -59,6 +59,11 @@ class FileOps:
         """``os.fsync``."""
         os.fsync(fd)
 
+    def fadvise(self, fd: int, offset: int, length: int, advice: int) -> None:
+        """``os.posix_fadvise`` (a no-op where the platform lacks it)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, length, advice)
+
     def close(self, fd: int) -> None:
         """``os.close``."""
         os.close(fd)

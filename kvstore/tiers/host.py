@@ -14,7 +14,10 @@ __all__ = ["HostTier"]
 class HostTier(SlabTier):
     """Blocks in host memory. Pinned (page-locked) when ``pinned`` is true or,
     with ``pinned: null`` (the default), when a CUDA device exists, so copies
-    to and from the GPU run at full PCIe speed without a bounce buffer."""
+    to and from the GPU run at full PCIe speed without a bounce buffer.
+
+    Memory that is not pinned is faulted in on a background thread from open
+    (``prefault: true``, the default): see :class:`~kvstore.memory.SlabAllocator`."""
 
     kind = "host"
 
@@ -27,4 +30,6 @@ class HostTier(SlabTier):
             pinned = cuda_available() if config.pinned is None else config.pinned
         if pinned and not cuda_available():
             raise ConfigError("host tier: pinned: true needs a CUDA device; use pinned: null")
-        super().__init__(config, layout, "cpu", pinned, shared=config.shared_memory)
+        super().__init__(
+            config, layout, "cpu", pinned, shared=config.shared_memory, prefault=config.prefault
+        )

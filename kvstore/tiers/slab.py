@@ -50,6 +50,7 @@ class SlabTier(Tier):
         device: str | torch.device,
         pinned: bool = False,
         shared: bool = False,
+        prefault: bool = False,
     ) -> None:
         super().__init__(config, layout)
         num_slots = config.capacity // layout.block_nbytes
@@ -58,7 +59,9 @@ class SlabTier(Tier):
                 f"{self.kind} tier capacity {config.capacity} bytes is smaller than one block "
                 f"({layout.block_nbytes} bytes for this layout)"
             )
-        self._slab = SlabAllocator(layout.block_nbytes, num_slots, device, pinned, shared)
+        self._slab = SlabAllocator(
+            layout.block_nbytes, num_slots, device, pinned, shared, prefault=prefault
+        )
         assert self._slab.buffer is not None
         self._blocks = self._slab.buffer.view(layout.dtype).view(num_slots, *layout.block_shape)
         self._slots: dict[BlockKey, int] = {}
@@ -102,7 +105,8 @@ class SlabTier(Tier):
         done = [True] * len(keys)
         for i in new[len(slots) :]:
             done[i] = False
-        copy_all([(self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)])
+        with self._slab.writing(slots):  # the prefault thread waits meanwhile if need be
+            copy_all([(self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)])
         with self._lock:
             dupes = []
             for i, slot in zip(new, slots, strict=False):
@@ -209,7 +213,16 @@ class SlabTier(Tier):
             "slots_used": self._slab.num_used,
             "device": str(self.device),
             "pinned": self.pinned,
+            **self._slab.prefault_stats(),
         }
+
+    def wait_prefault(self, timeout: float | None = None) -> bool:
+        """Wait until the slab's pages are faulted in; True if they all are."""
+        return self._slab.wait_prefault(timeout)
+
+    def prepare_close(self) -> None:
+        """Stop faulting pages in: the flush at close needs the memory bandwidth."""
+        self._slab.stop_prefault()
 
     def close(self) -> None:
         with self._lock:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore.config import DiskTierConfig
+from kvstore.codec import Codec, parse_header
+from kvstore.config import DiskTierConfig, HostTierConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.tiers import disk as disk_module
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
 
 
 def disk_tier(path: Path, layout: KVLayout, blocks: int = 16, **extra: object) -> DiskTier:
@@ -43,6 +47,11 @@ class TestDiskTierCompressed(TestDiskTier):
 class TestDiskTierODirect(TestDiskTier):
     def make_tier(self, layout: KVLayout, capacity_blocks: int) -> DiskTier:
         return disk_tier(self.path, layout, capacity_blocks, o_direct=True, fsync=True)
+
+
+class TestDiskTierBypass(TestDiskTier):
+    def make_tier(self, layout: KVLayout, capacity_blocks: int) -> DiskTier:
+        return disk_tier(self.path, layout, capacity_blocks, page_cache="bypass")
 
 
 def blocks_of(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -116,7 +125,9 @@ def test_overflow_and_eviction_flow_down_to_disk_and_back(tmp_path: Path) -> Non
     kv = random_blocks(layout, 16, seed=3)
     keys = store.hash_tokens(torch.arange(16 * layout.block_tokens), "m")
     assert store.put(keys[:8], kv[:, :, : 8 * layout.block_tokens]) == 8
-    assert [store.manager.where(k) for k in keys[:4]] == [[0]] * 4  # the prefix stays in DRAM
+    # The prefix stays in DRAM (the oldest blocks past the host's low watermark may also
+    # have a copy on disk already: written back ahead of their eviction).
+    assert [store.manager.where(k)[0] for k in keys[:4]] == [0] * 4
     assert [store.manager.where(k) for k in keys[4:8]] == [[1]] * 4  # the rest went to disk
     assert store.put(keys[8:], kv[:, :, 8 * layout.block_tokens :]) == 8
     store.manager.drain()  # background evictions (down to the low watermarks) finish
@@ -154,3 +165,134 @@ def test_restart_finds_thousands_of_blocks(tmp_path: Path) -> None:
         assert again.lookup(keys) == n
         assert torch.equal(again.get(keys), kv)
         assert again.stats()["tiers"][0]["stale_temps_removed"] == 1
+
+
+# -- the page cache ------------------------------------------------------------------
+#: 4 KiB per (layer, kv) piece: every piece of a page-aligned slot is page-aligned.
+ALIGNED = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, block_tokens=16)
+
+
+def cached_bytes(path: str) -> int:
+    """How many leading bytes of ``path`` the page cache holds (reads that never wait)."""
+    fd = os.open(path, os.O_RDONLY)
+    buf = bytearray(os.fstat(fd).st_size)
+    try:
+        return os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def misaligned(block: torch.Tensor) -> torch.Tensor:
+    """A copy of ``block`` starting 64 bytes past a page boundary."""
+    nbytes = block.numel() * block.element_size()
+    raw = torch.empty(nbytes + 2 * 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096 + 64
+    copy = raw[start : start + nbytes].view(block.dtype).view(block.shape)
+    return copy.copy_(block)
+
+
+def block_file(tier: DiskTier, key: bytes) -> str:
+    return tier._tree.block_path(key)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv(RWF_NOWAIT)")
+@pytest.mark.parametrize("mode", ["keep", "bypass"])
+def test_page_cache_setting(tmp_path: Path, mode: str) -> None:
+    """keep: a block written (or read) stays in the page cache and reads back the same
+    bytes; bypass: neither the write nor a read leaves it there."""
+    layout = ALIGNED
+    tier = disk_tier(tmp_path, layout, page_cache=mode)
+    if mode == "bypass" and not tier.stats()["o_direct"]:
+        tier.close()
+        pytest.skip("this filesystem refuses O_DIRECT")
+    keys, blocks = make_keys(3), blocks_of(layout, 3)
+    assert all(tier.put(keys, blocks))
+    sizes = [os.path.getsize(block_file(tier, k)) for k in keys]
+    after_write = [cached_bytes(block_file(tier, k)) for k in keys]
+    outs = [torch.empty(layout.block_shape, dtype=layout.dtype) for _ in keys]
+    assert all(tier.get(keys, outs))
+    for out, block in zip(outs, blocks, strict=True):
+        assert torch.equal(out, block)
+    after_read = [cached_bytes(block_file(tier, k)) for k in keys]
+    assert tier.stats()["page_cache"] == mode
+    tier.close()
+    if mode == "keep":
+        assert after_write == sizes and after_read == sizes
+    else:
+        assert after_write == [0, 0, 0] and after_read == [0, 0, 0]
+
+
+def test_bypass_writes_page_aligned_blocks_without_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks from page-aligned memory (the host tier's slots) go to O_DIRECT as they are;
+    others are copied into the staging buffer first. Both read back the same."""
+    layout = ALIGNED
+    tier = disk_tier(tmp_path, layout, page_cache="bypass")
+    if not tier.stats()["o_direct"]:
+        tier.close()
+        pytest.skip("this filesystem refuses O_DIRECT")
+    staged: list[int] = []
+    real_stage = tier._stage
+    monkeypatch.setattr(
+        tier, "_stage", lambda parts, total: staged.append(1) or real_stage(parts, total)
+    )
+    host = HostTier(HostTierConfig(capacity=4 * layout.block_nbytes), layout)
+    keys, blocks = make_keys(4), blocks_of(layout, 4)
+    host.put(keys[:2], blocks[:2])
+    slots = [host.view(k) for k in keys[:2]]
+    assert all(tier.put(keys[:2], slots))
+    assert staged == []  # page-aligned slots: no copy
+    assert all(tier.put(keys[2:], [misaligned(b) for b in blocks[2:]]))
+    assert staged == [1, 1]
+    outs = [torch.empty(layout.block_shape, dtype=layout.dtype) for _ in keys]
+    assert all(tier.get(keys, outs))
+    for out, block in zip(outs, blocks, strict=True):
+        assert torch.equal(out, block)
+    host.close()
+    tier.close()
+
+
+def test_reads_verify_each_group_of_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads come in groups of layers, each verified: damage in any layer is caught,
+    and ranged reads that start or end inside a group read exactly their layers."""
+    monkeypatch.setattr(disk_module, "READ_GROUP_NBYTES", 2 * ALIGNED.layer_nbytes)
+    layout = KVLayout(num_layers=7, num_kv_heads=4, head_dim=32, block_tokens=16)
+    tier = disk_tier(tmp_path, layout)
+    keys, blocks = make_keys(2), blocks_of(layout, 2)
+    assert all(tier.put(keys, blocks))
+    for first, last in [(0, 7), (1, 6), (3, 4), (5, 7)]:
+        out = torch.empty((last - first, *layout.block_shape[1:]), dtype=layout.dtype)
+        assert tier.get(keys[:1], [out], layers=(first, last)) == [True]
+        assert torch.equal(out, blocks[0][first:last])
+    path = block_file(tier, keys[1])
+    with open(path, "r+b") as f:  # one flipped byte in the last layer
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = torch.empty(layout.block_shape, dtype=layout.dtype)
+    assert tier.get(keys[1:], [out]) == [False]
+    assert tier.stats()["corrupt"] == 1 and not os.path.exists(path)
+    tier.close()
+
+
+@pytest.mark.parametrize(("codec", "stored"), [("raw", Codec.RAW), ("auto", Codec.SHUFFLE_LZ4)])
+def test_codec_raw_stores_raw_even_where_compression_would_pay(
+    tmp_path: Path, codec: str, stored: Codec
+) -> None:
+    """bf16 N(0,1) KV shrinks ~16% with shuffle+lz4, so ``auto`` compresses it; ``raw``
+    must not (Codec.RAW is 0: a truthiness test once made raw behave like auto)."""
+    layout = small_layout(num_layers=2, num_kv_heads=8, head_dim=128, block_tokens=64)
+    tier = disk_tier(tmp_path, layout, codec=codec)
+    key = make_keys(1)
+    block = torch.randn(layout.block_shape).to(layout.dtype)
+    assert tier.put(key, [block]) == [True]
+    with open(block_file(tier, key[0]), "rb") as f:
+        head = f.read(tier._data_offset)
+    assert parse_header(head, layout, key[0]).codec == stored
+    out = torch.empty_like(block)
+    assert tier.get(key, [out]) == [True] and torch.equal(out, block)
+    tier.close()

@@ -84,3 +84,43 @@ def test_delete_during_read_defers_the_slot_free() -> None:
     tier._release([slot])
     assert tier.put([b"b" * 16], [torch.zeros(layout.block_shape, dtype=layout.dtype)]) == [True]
     tier.close()
+
+
+def test_prefault_is_on_by_default_and_reported_in_stats() -> None:
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=8 * layout.block_nbytes), layout)
+    assert tier.wait_prefault(30)
+    stats = tier.stats()
+    assert stats["prefault"] == "done" and stats["prefault_done"] is True
+    assert stats["prefault_bytes_ready"] == stats["prefault_bytes_total"] == 8 * layout.block_nbytes
+    tier.close()
+
+
+def test_prefault_false_commits_pages_lazily() -> None:
+    layout = small_layout()
+    tier = HostTier(HostTierConfig(capacity=8 * layout.block_nbytes, prefault=False), layout)
+    stats = tier.stats()
+    assert stats["prefault"] == "off" and stats["prefault_bytes_total"] == 0
+    tier.close()
+
+
+def test_closing_a_store_while_its_host_tier_prefaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store closes at once: the prefault thread stops after the step in flight."""
+    import time
+
+    from kvstore import KVStore, memory
+
+    def slow(address: int, length: int, advice: int) -> int:
+        time.sleep(0.01)
+        return 0
+
+    monkeypatch.setattr(memory, "PREFAULT_CHUNK", 64 * 1024)
+    monkeypatch.setattr(memory, "_madvise", slow)
+    layout = small_layout()
+    store = KVStore(layout, {"tiers": [{"kind": "host", "capacity": 64 * layout.block_nbytes}]})
+    tier = store.stats()["tiers"][0]
+    assert tier["prefault"] == "running" and not tier["prefault_done"]
+    start = time.monotonic()
+    store.close()
+    assert time.monotonic() - start < 0.5
+    assert store.manager.tiers[0].stats()["prefault"] == "stopped"
