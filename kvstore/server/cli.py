@@ -2,8 +2,9 @@
 
 With no arguments it serves the embedded defaults -- host DRAM over a disk
 tier under ``~/.cache/kvstore`` -- on 127.0.0.1:7070, and prints where it
-listens and how a client connects. The command line overrides the config
-file's ``server:`` section, which overrides ``KVSTORE_SERVER_*`` variables.
+listens and how a client connects. The command line overrides
+``KVSTORE_SERVER_*`` variables, which override the config file's ``server:``
+section (the order of every kvstore setting: docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -196,10 +196,7 @@ class Server:
         return context
 
     def _render_metrics(self) -> str:
-        stores = self.registry.stats()
-        for stats in stores:
-            stats.setdefault("layout_fp", "")
-        return self.metrics.render(stores)
+        return self.metrics.render(self.registry.stats())
 
     # -- connections ------------------------------------------------------------
     async def _accept_loop(self, listener: socket.socket) -> None:

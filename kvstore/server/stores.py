@@ -151,7 +151,8 @@ class StoreRegistry:
         for hosted in self.hosted():
             if namespaces is None or hosted.namespace in namespaces:
                 stats = hosted.store.stats()
-                out.append({"namespace": hosted.namespace, **stats})
+                layout_fp = hosted.store.layout.fingerprint_hex
+                out.append({"namespace": hosted.namespace, "layout_fp": layout_fp, **stats})
         return out
 
     def close(self) -> None:
