@@ -93,13 +93,26 @@ __all__ = [
 class ReplicationConfig:
     """Hot-block replication: blocks read often get a copy in the fastest tier.
 
-    Heat is a decayed access count: +1 per access, halved every
+    Heat is a decayed access count: +1 per put or read, halved every
     ``half_life_s`` seconds and every ``half_life_accesses`` accesses to the
-    whole store (0: twice the memory tiers' capacity in blocks), so "hot"
-    means hot relative to the traffic, at any request rate. A block at
-    ``hot_threshold`` or above is copied into the first tier (up to
-    ``max_copies`` copies in memory tiers) and is not evicted there while it
-    stays hot; cooled extra copies are the first to go.
+    whole store, so "hot" means hot relative to the traffic, at any request
+    rate. Tiers' ``promote_after`` and ``admit_after`` count heat too.
+
+    ``enabled``: false: no block counts as hot (no copies into the first tier,
+    no protection from eviction); ``promote_after`` and ``admit_after`` still
+    apply.
+
+    ``hot_threshold``: the heat that makes a block hot: it is copied into the
+    first tier and not evicted there while it stays hot; cooled extra copies
+    are the first to go.
+
+    ``half_life_s``: heat halves this often (seconds).
+
+    ``half_life_accesses``: heat also halves every this many accesses to the
+    whole store; 0: twice the memory tiers' capacity in blocks.
+
+    ``max_copies``: copies of a block in memory tiers (device, host) at most;
+    copies on disk or in S3 are the backing store, not replicas, and do not count.
     """
 
     enabled: bool = _opt(True, parse_bool)
@@ -122,10 +135,19 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 class PrefetchConfig:
     """Background, layer-by-layer loads (``KVStore.prefetch``).
 
-    ``policy`` decides what :meth:`PrefetchHandle.result` waits for, as in
-    SGLang: ``best_effort`` takes what has arrived, ``wait_complete`` waits for
+    ``policy``: what :meth:`PrefetchHandle.result` waits for, as in SGLang:
+    ``best_effort`` takes what has arrived, ``wait_complete`` waits for
     everything, ``timeout`` waits up to ``timeout_base_s +
-    timeout_per_1k_tokens_s * tokens / 1000`` (at most ``timeout_max_s``).
+    timeout_per_1k_tokens_s * tokens / 1000`` seconds (at most ``timeout_max_s``).
+
+    ``timeout_base_s`` / ``timeout_per_1k_tokens_s`` / ``timeout_max_s``: the
+    ``timeout`` policy's deadline: the base, plus so much per 1,000 tokens of
+    the prefix, at most the max.
+
+    ``threads``: threads that run prefetches.
+
+    ``layers_per_step``: layers of every block a prefetch loads per step with
+    ``order="layer"`` (``KVStore.prefetch(layers_per_step=...)`` overrides it).
     """
 
     policy: str = _opt("wait_complete", parse_str)
@@ -167,6 +189,10 @@ class StoreConfig:
 
     The default is a host tier over a disk tier in ``$XDG_CACHE_HOME/kvstore``
     (``~/.cache/kvstore``), so a cache outlives the process with no config.
+
+    ``tiers``: the tiers, fastest first (at least one): new blocks go to the
+    first that admits them, eviction demotes them down the list, reads promote
+    them up.
     """
 
     tiers: tuple[TierConfig, ...] = field(default_factory=lambda: default_tiers())

@@ -38,19 +38,45 @@ __all__ = ["ClusterConfig"]
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Membership in a cluster of kvstore nodes (see the module docstring).
+    """Membership in a cluster of kvstore nodes (docs/cluster.md shows it in context).
 
-    ``node_id`` (default: the host name) names this node; ``advertise`` is the
-    ``HOST:PORT`` of its kvstore-server (None: this node fetches from the others
-    but serves nothing to them). ``redis_url`` (``redis://`` or ``rediss://``;
-    ``redis_cluster`` for Redis Cluster) holds the shared index under ``name``.
-    A node's entries live ``heartbeat_s * lease_heartbeats`` seconds past its
-    last heartbeat. Blocks fetched at least ``hot_threshold`` times by other
-    nodes (a count halved every ``heat_half_life_s``) get copies on up to
+    ``redis_url``: the Redis holding the shared index (``redis://``,
+    ``rediss://`` for TLS, or ``unix://``); None: this node is standalone.
+
+    ``redis_cluster``: ``redis_url`` names a node of a Redis Cluster.
+
+    ``name``: the prefix of every Redis key, so several clusters can share a Redis.
+
+    ``node_id``: this node's id, unique in the cluster (letters, digits, ``.``,
+    ``_``, ``-``, ``:``); empty: the host name.
+
+    ``advertise``: the ``HOST:PORT`` where peers reach this node's
+    kvstore-server (a server defaults it to its TCP listen address unless that
+    is a wildcard); None: this node fetches from the others but serves nothing
+    to them.
+
+    ``heartbeat_s``: how often a node renews its lease and publishes the blocks
+    its tiers gained and lost.
+
+    ``lease_heartbeats``: a node's entries live ``heartbeat_s *
+    lease_heartbeats`` seconds past its last heartbeat, so a killed node
+    leaves the index within that time.
+
+    ``replicas``: the most nodes that hold a copy of a hot block.
+
+    ``hot_threshold``: blocks fetched at least this many times by other nodes
+    (a count halved every ``heat_half_life_s``) get copies on up to
     ``replicas`` nodes; a copy whose heat fell below half the threshold goes.
-    A peer that has not answered in ``peer_timeout_s`` is skipped.
-    ``namespace`` and ``token`` / ``token_file`` are what this node uses on its
-    peers' servers.
+
+    ``heat_half_life_s``: the cluster-wide fetch count halves this often (seconds).
+
+    ``peer_timeout_s``: a peer that has not answered within this many seconds
+    is skipped; the next holder, or S3, serves.
+
+    ``namespace``: the namespace this node uses on its peers' servers.
+
+    ``token`` / ``token_file``: the token of the peers' servers (the same on
+    every node), inline or in a file (its first line).
     """
 
     redis_url: str | None = opt(None, parse_optional_str)

@@ -51,7 +51,16 @@ class Credential:
 
 @dataclass(frozen=True)
 class TokenConfig:
-    """One client token: inline or in a file, limited to ``namespaces`` (empty: all)."""
+    """One client token: inline or in a file, limited to ``namespaces`` (empty: all).
+
+    ``name``: what the server calls the token (it answers the name to a client
+    that authenticates with it); default: its place, ``server.tokens[i]``.
+
+    ``token`` / ``token_file``: the secret, inline or in a file (its first
+    line, whitespace stripped): exactly one of the two, at least 16 characters.
+
+    ``namespaces``: the namespaces the token opens; empty: every namespace.
+    """
 
     name: str = opt("", parse_str)
     token: str | None = opt(None, parse_optional_str)
@@ -123,18 +132,54 @@ def is_loopback(address: str) -> bool:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Settings of ``kvstore-server`` (see the module docstring and docs/server.md).
+    """Settings of ``kvstore-server`` (docs/server.md shows them in context).
 
-    Listening: ``listen`` (``HOST:PORT``; null: no TCP), ``unix_socket``,
-    ``metrics_listen`` (Prometheus ``/metrics`` and ``/healthz``). Security:
-    ``token`` / ``token_file`` (all namespaces), ``tokens`` (limited ones),
-    ``tls_cert`` / ``tls_key``. A server listening beyond loopback with no
-    token refuses to start. Limits: frame and batch size, requests in flight
-    per connection, payload bytes in flight for the whole server, connections,
-    idle and slow-client timeouts (a frame must arrive within ``io_timeout_s``
-    plus its size at ``min_rate`` bytes per second), and how many (namespace,
-    layout) stores clients may open. ``threads`` run the store operations.
-    ``shared_memory`` offers same-host clients the host tier's memory directly.
+    ``listen``: TCP ``HOST:PORT`` (port 0 picks a free one); None: no TCP.
+
+    ``unix_socket``: also listen on this Unix socket path (created mode 0600:
+    this user only).
+
+    ``metrics_listen``: HTTP ``HOST:PORT`` serving Prometheus ``/metrics`` and
+    ``/healthz``; None: no metrics endpoint.
+
+    ``token`` / ``token_file``: a token that opens every namespace, inline or
+    in a file (its first line); at least 16 characters. A server listening
+    beyond loopback with no token refuses to start.
+
+    ``tokens``: more tokens, each limited to some namespaces.
+
+    ``tls_cert`` / ``tls_key``: a PEM certificate chain and its private key:
+    TCP connections then use TLS.
+
+    ``shared_memory``: offer same-host clients the host tier's memory
+    directly (a memfd they map) instead of copying blocks over the socket.
+
+    ``max_frame_bytes``: the largest payload of one request.
+
+    ``max_batch_blocks``: the most keys in one request.
+
+    ``max_inflight_requests``: requests served at once per connection (and
+    its open loans and reservations).
+
+    ``max_inflight_bytes``: payload bytes in flight across the whole server;
+    requests past it wait.
+
+    ``max_connections``: connections past this are closed at once.
+
+    ``max_stores``: (namespace, layout) stores clients may open; each has
+    the configured tiers, so this bounds the server's memory.
+
+    ``idle_timeout_s``: a connection silent this long is closed.
+
+    ``io_timeout_s`` / ``min_rate``: a frame must arrive whole within
+    ``io_timeout_s`` plus its size at ``min_rate`` bytes per second, or the
+    connection is closed (slow clients hold nothing for long).
+
+    ``drain_timeout_s``: how long SIGTERM waits for requests in flight before
+    it closes connections and flushes memory to disk.
+
+    ``threads``: worker threads for store operations (copies, checksums,
+    disk reads).
     """
 
     listen: str | None = opt("127.0.0.1:7070", parse_optional_str)
