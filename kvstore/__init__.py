@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The package's version, and its only copy: pyproject.toml reads this literal
+# (``[tool.setuptools.dynamic]``), so the wheel's metadata always agrees with it.
 __version__ = "0.1.0"
 
 _EXPORTS = {
