@@ -11,6 +11,18 @@ Timing: interleaved rounds; each round runs a block of kvstore reps, then a
 block of list-input reps, then a block of vLLM reps (order reversed on odd
 rounds). Every figure is the median over all reps of that subject.
 
+vLLM's real hashing: where ``.venv-vllm/bin/python`` exists (``--vllm-python``;
+``bash scripts/setup-vllm.sh`` makes it), ``peers/vllm_hash_worker.py`` runs
+there and times vLLM 0.32's own ``get_request_block_hasher`` with the default
+``prefix_caching_hash_algo`` (``sha256``; ``sha256_cbor`` too) on the same
+131072 tokens at block sizes 16 (vLLM's default) and 256, interleaved with
+kvstore's ``hash_tokens`` at the same block sizes in that process:
+``vllm_real_ms_per_128k`` and ``ratio_vs_vllm_real`` (vLLM ms / kvstore ms),
+keyed by block size; ``ratio_vs_vllm_real_kvstore_256``: vLLM at each block size
+over kvstore at 256 (its chunk size, whatever the engine's block size). Without
+the venv (or with ``--no-vllm-real``) those are null and ``vllm_real_skipped``
+says why.
+
 ``--scaling`` adds the prefix lookup: hashing a 128K-token prompt and
 ``store.lookup`` of its 512 keys (all stored), with 10K, 100K and 1M blocks
 in the store, to show the cost is flat in the number of stored blocks.
@@ -20,17 +32,22 @@ Run: ``python benchmarks/bench_hash.py [--json] [--quick] [--scaling]``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
+import os
 import pickle
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from _common import base_parser, emit, environment, log, median, run_rounds, timed
 
-from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore import BlockKey, KVLayout, KVStore, StoreConfig
 
 NUM_TOKENS = 131072
 BLOCK_TOKENS = 256
@@ -40,12 +57,21 @@ TARGET_LOOKUP_MS = 1.0
 NAMESPACE = "bench/llama-3-8b@rev"
 #: vLLM seeds its chain with a fixed 32-byte NONE_HASH (random or from PYTHONHASHSEED).
 NONE_HASH = hashlib.sha256(b"vllm-none-hash").digest()
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_WORKER = Path(__file__).resolve().parent / "peers" / "vllm_hash_worker.py"
+VLLM_BLOCK_SIZES = (16, 256)
 
 
-def vllm_block_hashes(token_ids: list[int], block_size: int = BLOCK_TOKENS) -> list[bytes]:
-    """vLLM's prefix-cache block hashes (``hash_block_tokens`` with ``sha256``), chained."""
+def vllm_block_hashes(
+    token_ids: list[int], block_size: int = BLOCK_TOKENS, none_hash: bytes = NONE_HASH
+) -> list[bytes]:
+    """vLLM's prefix-cache block hashes (``hash_block_tokens`` with ``sha256``), chained.
+
+    ``none_hash``: the chain's seed (vLLM's own is ``sha256(pickle("vllm-none-hash"))``;
+    peers/vllm_hash_worker.py checks that with it these are vLLM's hashes).
+    """
     hashes: list[bytes] = []
-    parent = NONE_HASH
+    parent = none_hash
     full = len(token_ids) - len(token_ids) % block_size
     for start in range(0, full, block_size):
         block = token_ids[start : start + block_size]
@@ -122,7 +148,7 @@ def _fill(store: KVStore, n: int, rng: np.random.Generator, batch: int = 4096) -
     while left:
         k = min(batch, left)
         raw = rng.bytes(16 * k)
-        keys = [raw[i : i + 16] for i in range(0, 16 * k, 16)]
+        keys = [BlockKey(raw[i : i + 16]) for i in range(0, 16 * k, 16)]
         chunk = kv if k == batch else kv[:, :, : k * layout.block_tokens]
         stored = store.put(keys, chunk)
         assert stored == k, f"filler put stored {stored} of {k}"
@@ -182,8 +208,83 @@ def bench_prefix_lookup(sizes: list[int], rounds: int, reps: int) -> dict[str, A
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print a table or (``--json``) one JSON object."""
+def vllm_real(python: Path, rounds: int, kv_reps: int, slow_reps: int) -> dict[str, Any]:
+    """vLLM's own block hashing, timed in ``python`` (.venv-vllm) by the worker script."""
+    if not python.exists():
+        return _vllm_real_skipped(f"{python} does not exist (bash scripts/setup-vllm.sh)")
+    cmd = [str(python), str(VLLM_WORKER), "--rounds", str(rounds)]
+    cmd += ["--kv-reps", str(kv_reps), "--slow-reps", str(slow_reps)]
+    cmd += ["--block-sizes", ",".join(map(str, VLLM_BLOCK_SIZES))]
+    log(f"vLLM's own hashing in {python} ({rounds} rounds)")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return _vllm_real_skipped("the vLLM worker ran past 900 s")
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return _vllm_real_skipped(f"the vLLM worker failed (rc {proc.returncode}): {tail}")
+    data = json.loads(lines[-1])
+    algo = data["hash_algo"]
+    vllm_ms, kv_ms = data["ms_per_128k"][algo], data["kvstore_ms_per_128k"]
+    ratio = {size: vllm_ms[size] / kv_ms[size] for size in vllm_ms}
+    return {
+        "vllm_real_ms_per_128k": vllm_ms,
+        "ratio_vs_vllm_real": ratio,
+        "vllm_real_kvstore_ms_per_128k": kv_ms,
+        # kvstore hashes 256-token chunks whatever the engine's block size: vLLM at each
+        # block size over kvstore at 256 (what an engine with the connector pays for each).
+        "ratio_vs_vllm_real_kvstore_256": (
+            {size: ms / kv_ms["256"] for size, ms in vllm_ms.items()} if "256" in kv_ms else None
+        ),
+        "vllm_real_meets_target": {size: r >= TARGET_RATIO for size, r in ratio.items()},
+        "vllm_real_hash_algo": algo,
+        "vllm_real_other_algos_ms_per_128k": {
+            a: ms for a, ms in data["ms_per_128k"].items() if a != algo
+        },
+        "vllm_real_function": data["function"],
+        "vllm_real_version": data["vllm_version"],
+        "vllm_real_reimplementation_matches": data["reimplementation_matches"],
+        "vllm_real_reps": data["reps"],
+        "vllm_real_skipped": None,
+    }
+
+
+def _vllm_real_skipped(reason: str) -> dict[str, Any]:
+    """The vLLM-real fields when that part cannot run: null, with the reason."""
+    log(f"vLLM's own hashing skipped: {reason}")
+    names = (
+        *("ms_per_128k", "kvstore_ms_per_128k", "meets_target", "hash_algo"),
+        *("other_algos_ms_per_128k", "function", "version", "reimplementation_matches"),
+    )
+    return {
+        "ratio_vs_vllm_real": None,
+        "ratio_vs_vllm_real_kvstore_256": None,
+        **{f"vllm_real_{name}": None for name in (*names, "reps")},
+        "vllm_real_skipped": reason,
+    }
+
+
+def _vllm_rows(result: dict[str, Any]) -> list[list[object]]:
+    """Table rows of vLLM's own hashing (one per block size), or why it was skipped."""
+    if result["vllm_real_skipped"] is not None:
+        return [["vLLM real hashing", "skipped", "", result["vllm_real_skipped"]]]
+    rows: list[list[object]] = []
+    for size, ms in result["vllm_real_ms_per_128k"].items():
+        kv_ms, ratio = (
+            result["vllm_real_kvstore_ms_per_128k"][size],
+            result["ratio_vs_vllm_real"][size],
+        )
+        rows.append([f"vLLM real ({result['vllm_real_hash_algo']}), block {size}, ms", ms, "", ""])
+        rows.append([f"  kvstore, block {size}, same process, ms", kv_ms, "", ""])
+        rows.append(
+            [f"  ratio vLLM real / kvstore, block {size}", ratio, ">= 30", ratio >= TARGET_RATIO]
+        )
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags (``--rounds`` defaults to 4 with ``--quick``, else 40)."""
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--kv-reps", type=int, default=50, help="kvstore reps per round")
     parser.add_argument("--slow-reps", type=int, default=5, help="vLLM / list-input reps per round")
@@ -194,8 +295,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="stored-block counts for --scaling (default 10000,100000,1000000)",
     )
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("KVSTORE_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python")),
+        help="python of the venv with vLLM, for its own hashing ($KVSTORE_VLLM_PYTHON)",
+    )
+    parser.add_argument("--no-vllm-real", action="store_true", help="skip vLLM's own hashing")
     args = parser.parse_args(argv)
-    rounds = args.rounds or (4 if args.quick else 40)
+    args.rounds = args.rounds or (4 if args.quick else 40)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table or (``--json``) one JSON object."""
+    args = parse_args(argv)
+    rounds = args.rounds
     log(f"hashing: {rounds} rounds x ({args.kv_reps} kvstore, {args.slow_reps} vLLM) reps")
     result: dict[str, Any] = {
         "benchmark": "hash",
@@ -205,7 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         sizes = args.sizes or ([1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000])
         log(f"prefix lookup at {sizes} stored blocks")
         result.update(bench_prefix_lookup(sizes, 3 if args.quick else 20, 20))
+    if args.no_vllm_real:
+        result.update(_vllm_real_skipped("--no-vllm-real"))
+    else:
+        result.update(vllm_real(Path(args.vllm_python), rounds, args.kv_reps, args.slow_reps))
     result["environment"] = environment()
+    emit(result, args.json, _rows(result, args.scaling))
+    return 0
+
+
+def _rows(result: dict[str, Any], scaling: bool) -> list[list[object]]:
+    """The human table."""
     mt = result["meets_target"]
     rows: list[list[object]] = [
         ["what", "median", "target", "meets"],
@@ -220,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             mt["ratio_list_input"],
         ],
     ]
-    if args.scaling:
+    rows += _vllm_rows(result)
+    if scaling:
         for p in result["prefix_lookup_scaling"]:
             rows.append(
                 [
@@ -233,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 [f"  lookup only, {p['stored_blocks']} stored (ms)", p["lookup_only_ms"], "", ""]
             )
-    emit(result, args.json, rows)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
