@@ -14,6 +14,12 @@ tier. Four timings, medians over interleaved rounds:
 ``overlap_efficiency = max(load_only, compute_only) / pipelined`` (1.0 is a
 perfect overlap; the target is >= 0.87, i.e. within 1.15x of the ideal).
 
+``timeline``: one more pipelined rep after the timed rounds, instrumented (not
+one of the medians): per layer, when its load step started and finished (the
+prefetch thread's step, as the store runs it) and when its compute started
+and finished, in ms from the ``store.prefetch`` call. On a GPU each layer's
+compute is synchronised in that rep, so its end is when it really finished.
+
 On a GPU, loads are host->device copies on the prefetch's own CUDA stream
 and the compute is a GPU matmul; ``h2d_gbps`` is then also compared with a
 plain ``copy_`` of the same bytes. Without a GPU both run on the CPU: the
@@ -36,11 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from _common import base_parser, emit, environment, log, median, run_rounds, timed
 
 from kvstore import KVLayout, KVStore
+from kvstore.prefetch import Prefetcher
 
 TARGET = 0.87
 
@@ -116,6 +124,66 @@ class PrefetchBench:
             self.model.layer(self.out[layer])
         self.model.sync()
         handle.wait()
+
+    def pipelined_traced(self) -> dict[str, Any]:
+        """One pipelined rep, instrumented: per layer, load and compute start/end (ms)."""
+        assert self.model is not None
+        steps: list[tuple[float, float, tuple[int, int] | None]] = []
+        original = Prefetcher._step
+
+        def step(prefetcher: Prefetcher, *args: Any, **kwargs: Any) -> bool:
+            begin = time.perf_counter()
+            try:
+                return original(prefetcher, *args, **kwargs)
+            finally:  # (handle, lease, views, blocks, layers): the layers it loaded
+                layers = args[4] if len(args) > 4 else kwargs.get("layers")
+                steps.append((begin, time.perf_counter(), layers))
+
+        compute: list[tuple[float, float]] = []
+        with mock.patch.object(Prefetcher, "_step", step):
+            start = time.perf_counter()
+            handle = self.store.prefetch(self.keys, out=self.out)
+            for layer in range(self.store.layout.num_layers):
+                handle.wait_layer(layer)
+                begin = time.perf_counter()
+                self.model.layer(self.out[layer])
+                self.model.sync()
+                compute.append((begin, time.perf_counter()))
+            handle.wait()
+            total = time.perf_counter() - start
+        return timeline(start, total, steps, compute)
+
+
+def timeline(
+    start: float,
+    total: float,
+    steps: list[tuple[float, float, tuple[int, int] | None]],
+    compute: list[tuple[float, float]],
+) -> dict[str, Any]:
+    """The ``timeline`` field: every layer's load step and compute, ms from ``start``."""
+
+    def ms(t: float) -> float:
+        return (t - start) * 1e3
+
+    layers = []
+    for i, (c0, c1) in enumerate(compute):
+        # The step that loaded layer i (a whole-block step loads every layer).
+        load = next((s for s in steps if s[2] is None or s[2][0] <= i < s[2][1]), None)
+        layers.append(
+            {
+                "layer": i,
+                "load_start_ms": None if load is None else ms(load[0]),
+                "load_end_ms": None if load is None else ms(load[1]),
+                "compute_start_ms": ms(c0),
+                "compute_end_ms": ms(c1),
+            }
+        )
+    return {
+        "what": "one instrumented pipelined rep after the timed rounds (not in the medians)",
+        "total_ms": total * 1e3,
+        "load_steps": len(steps),
+        "layers": layers,
+    }
 
 
 def source_config(args: Any, root: Path, nbytes: int) -> dict[str, Any]:
@@ -207,7 +275,8 @@ def run(args: Any) -> dict[str, Any]:
             )
         }
         times = run_rounds(subjects, args.rounds or (3 if args.quick else 31))
-        result = {f"{k}_s": median(v) for k, v in times.items()}
+        result: dict[str, Any] = {f"{k}_s": median(v) for k, v in times.items()}
+        traced = bench.pipelined_traced()
         extra = h2d_figures(layout, args.blocks) if cuda else {}
         if cuda:
             extra["prefetch_h2d_gbps"] = nbytes / result["load_only_s"] / 1e9
@@ -231,6 +300,7 @@ def run(args: Any) -> dict[str, Any]:
         "layers_per_step": store.config.prefetch.layers_per_step,
         "cores": None if cores is None else dict(compute=sorted(cores[0]), store=sorted(cores[1])),
         **extra,
+        "timeline": traced,
         "environment": environment(),
     }
 

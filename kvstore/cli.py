@@ -1,13 +1,18 @@
-"""The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats`` and ``config``."""
+"""The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats``, ``config`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from kvstore import __version__
 
 __all__ = ["main"]
 
@@ -23,6 +28,7 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a multi-turn chat workload through the store")
@@ -63,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
 
     server = sub.add_parser("server", help="run kvstore-server in the foreground")
     add_arguments(server)
+
+    # main() hands its arguments to benchmarks/run_all.py as they are: --quick, --only, --out.
+    bench_help = "run every benchmark into docs/benchmarks/ (source checkout only; --help)"
+    sub.add_parser("bench", add_help=False, help=bench_help)
     return parser
 
 
@@ -89,11 +99,15 @@ def _print_demo(report: dict[str, Any]) -> None:
         lines.append(
             f"  tier {tier['kind']:<7}: {tier['blocks']:>5} blocks, "
             f"{format_size(tier['bytes'])} of {format_size(tier['capacity_bytes'])}, "
-            f"{tier['evictions']} evicted, {tier['demotions']} demoted"
+            f"{tier['evictions']} evicted, {tier['demotions']} demoted, "
+            f"{tier['writebacks']} written back ahead of eviction"
         )
     lines.append(f"  serving wall time    : {report['seconds']:.1f} s")
-    flush = report["close_flush_seconds"]
-    lines.append(f"  close() flush        : {flush:.1f} s (memory-only blocks to disk)")
+    lines.append(
+        f"  close()              : {report['close_seconds']:.1f} s, of which writing "
+        f"{format_size(report['close_flush_bytes'])} only memory held to disk "
+        f"{report['close_flush_seconds']:.1f} s ({report['close_flush_gbps']:.2f} GB/s)"
+    )
     restart = report["after_restart"]
     lines.append(
         f"  after a restart      : store reopened in {restart['open_seconds']:.2f} s with "
@@ -108,6 +122,10 @@ def _print_demo(report: dict[str, Any]) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvstore.demo import DemoSettings, ProgressBar, run_demo
+
+    # What close() waits for is logged at INFO when stderr is not a terminal (a bar otherwise).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("kvstore.close").setLevel(logging.INFO)
 
     settings = DemoSettings(
         sessions=args.sessions,
@@ -219,10 +237,32 @@ def _cmd_server(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_all_script() -> Path:
+    """``benchmarks/run_all.py`` of the source checkout this package was imported from."""
+    return Path(__file__).resolve().parent.parent / "benchmarks" / "run_all.py"
+
+
+def _cmd_bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks/run_all.py`` with ``argv``, in this interpreter; its exit status."""
+    script = _run_all_script()
+    if not script.is_file():
+        print(
+            f"kvstore: error: `kvstore bench` needs the source tree: the benchmarks ship with "
+            f"it, not with the installed package ({script} does not exist). Clone the "
+            f"repository, install it (`pip install -e .`) and run `kvstore bench` there.",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, str(script), *argv], cwd=script.parent.parent)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script."""
     from kvstore.errors import KVStoreError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _cmd_bench(argv[1:])
     args = _parser().parse_args(argv)
     handlers = {
         "demo": _cmd_demo,

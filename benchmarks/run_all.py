@@ -1,0 +1,538 @@
+"""Run every benchmark script, then write their JSON, a table of the figures and the plots.
+
+Each script of :data:`REGISTRY` runs as a subprocess (this interpreter,
+``--json`` and the entry's arguments for a full run or for ``--quick``), one
+after another, with a progress line on stderr. A script that fails or runs past
+its timeout is recorded with its error and the tail of its stderr, and the run
+goes on; one that prints ``{"skipped": ...}`` is recorded as skipped.
+
+Written to ``--out`` (default ``docs/benchmarks/``):
+
+- ``results.json``: the machine (no host name), the mode, and per benchmark its
+  status, seconds and whole JSON;
+- ``README.md``: per figure of the registry its value, baseline, target and
+  pass / fail, the machine, and the plots;
+- the PNG plots of :mod:`_plots` (one whose data is missing is not drawn, and
+  the README says why).
+
+``--from-json results.json`` re-renders the table and the plots without running
+anything; ``--only NAME --merge`` re-runs one benchmark into an existing
+``results.json`` (marked as re-run). ``kvstore bench`` runs this script with the
+same arguments.
+
+Run: ``python benchmarks/run_all.py [--quick] [--only hash,codec] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from _report import machine, minutes, render
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_OUT = ROOT / "docs" / "benchmarks"
+
+
+# -- the registry: data only -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: a figure of a script's JSON and its bar."""
+
+    path: str  #: dotted path into the JSON (see ``_plots.resolve``)
+    baseline: str = ""  #: what the figure is compared with ("" for an absolute figure)
+    target: str = ""  #: ``">= 0.8"``, ``"<= 1"``; "" for none
+    unit: str = ""  #: ``"x"`` for ratios, ``"ms"``, ``"GB/s"``, ``"B"`` ...
+    baseline_path: str = ""  #: the baseline's own figure in the same JSON, shown beside it
+    baseline_unit: str = ""
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark script: how to run it, fully and with ``--quick``, and what to tabulate."""
+
+    name: str
+    script: str  #: a file in benchmarks/ (or an absolute path)
+    figures: tuple[Figure, ...]
+    args: tuple[str, ...] = ()  #: a full run's arguments (``{tmp}``: a scratch directory)
+    quick_args: tuple[str, ...] | None = ("--quick",)  #: None: not part of ``--quick``
+    timeout_s: float = 900.0
+    quick_timeout_s: float = 180.0
+    note: str = ""  #: shown in the README (why it is not in ``--quick``, say)
+
+
+def _ratio(path: str, baseline: str, target: str = "", base: str = "", unit: str = "") -> Figure:
+    return Figure(path, baseline, target, "x", base, unit)
+
+
+REGISTRY: tuple[Bench, ...] = (
+    Bench(
+        "hash",
+        "bench_hash.py",
+        (
+            _ratio("ratio", "vLLM's scheme (sha256 of pickle)", ">= 30", "vllm_ms_per_128k", "ms"),
+            Figure("ms_per_128k", "", "<= 0.5", "ms"),
+            _ratio(
+                "ratio_vs_vllm_real.256",
+                "vLLM's own block hasher, 256-token blocks",
+                ">= 30",
+                "vllm_real_ms_per_128k.256",
+                "ms",
+            ),
+            _ratio(
+                "ratio_vs_vllm_real.16",
+                "vLLM's own block hasher, 16-token blocks (both sides)",
+                ">= 30",
+                "vllm_real_ms_per_128k.16",
+                "ms",
+            ),
+            _ratio("ratio_list_input", "vLLM's scheme; kvstore given a Python list"),
+            Figure("prefix_lookup_ms_128k", "worst of the stored-block counts", "<= 1", "ms"),
+            _ratio("prefix_lookup_flatness", "the smallest store (largest / smallest)"),
+        ),
+        args=("--scaling",),
+        quick_args=("--quick", "--scaling", "--sizes", "10000,100000"),
+        timeout_s=900,
+    ),
+    Bench(
+        "index",
+        "bench_index.py",
+        (
+            Figure("index_bytes_per_block", "tracemalloc, at the largest size", "<= 256", "B"),
+            Figure("rss_bytes_per_block", "RSS growth minus the KV bytes", "", "B"),
+        ),
+        timeout_s=600,
+    ),
+    Bench(
+        "codec",
+        "bench_codec.py",
+        (
+            _ratio(
+                "results[dtype=bf16,distribution=normal,codec=SHUFFLE_LZ4].ratio",
+                "RAW (stored / raw bytes)",
+            ),
+            _ratio(
+                "results[dtype=bf16,distribution=realish,codec=SHUFFLE_LZ4].ratio",
+                "RAW (stored / raw bytes)",
+            ),
+            Figure(
+                "results[dtype=bf16,distribution=normal,codec=SHUFFLE_LZ4].decode_gbps",
+                "",
+                "",
+                "GB/s",
+            ),
+        ),
+    ),
+    Bench(
+        "host_tier",
+        "bench_host_tier.py",
+        (
+            _ratio("put_ratio", "memcpy", ">= 0.8", "memcpy_gbps", "GB/s"),
+            _ratio("get_ratio", "memcpy", ">= 0.8", "memcpy_gbps", "GB/s"),
+            _ratio(
+                "put_first_fill_after_prefault_ratio",
+                "memcpy (bar: as put_ratio)",
+                ">= 0.8",
+                "memcpy_gbps",
+                "GB/s",
+            ),
+            _ratio(
+                "put_first_fill_ratio",
+                "memcpy (fresh tier, right after open)",
+                "",
+                "memcpy_gbps",
+                "GB/s",
+            ),
+        ),
+        timeout_s=1200,
+    ),
+    Bench(
+        "disk_tier",
+        "bench_disk_tier.py",
+        (
+            _ratio("write_ratio", "os.pwrite, 1 thread", ">= 0.8", "raw_write_gbps", "GB/s"),
+            _ratio("read_ratio_cold", "os.preadv, cold", ">= 0.8", "raw_read_cold_gbps", "GB/s"),
+            _ratio("read_ratio_warm", "os.preadv, warm", ">= 0.9", "raw_read_warm_gbps", "GB/s"),
+            _ratio(
+                "read_after_write_ratio.keep", "os.preadv, warm", "", "raw_read_warm_gbps", "GB/s"
+            ),
+            Figure("recovery_s_100k", "reopen 100K blocks (full run only)", "<= 2", "s"),
+        ),
+        timeout_s=1200,
+    ),
+    Bench(
+        "prefetch",
+        "bench_prefetch.py",
+        (
+            _ratio("overlap_efficiency", "max(load only, compute only)", ">= 0.87"),
+            _ratio(
+                "speedup_vs_serial", "load, then compute (GPU bar: >= 1.3)", "", "serial_s", "s"
+            ),
+        ),
+        timeout_s=600,
+    ),
+    Bench(
+        "policies",
+        "bench_policies.py",
+        (
+            Figure("chat_hit_rate.lru.0.05", "cache of 5% of the distinct chunks"),
+            Figure("chat_hit_rate.s3fifo.0.05", "lru", "", "", "chat_hit_rate.lru.0.05"),
+            Figure("chat_hit_rate.arc.0.05", "lru", "", "", "chat_hit_rate.lru.0.05"),
+        ),
+        args=("--plot", "{tmp}/policies.png"),  # docs/benchmarks/policies.png stays as it is
+        timeout_s=900,
+    ),
+    Bench(
+        "remote_tiers",
+        "bench_remote_tiers.py",
+        (
+            _ratio("s3_put_ratio", "boto3 put_object", ">= 0.9", "s3_raw_put_mbps", "MB/s"),
+            _ratio("s3_get_ratio", "boto3 get_object", ">= 0.9", "s3_raw_get_mbps", "MB/s"),
+            _ratio("redis_put_ratio", "redis-py SET", ">= 0.9", "redis_raw_put_mbps", "MB/s"),
+            _ratio("redis_get_ratio", "redis-py GET", ">= 0.9", "redis_raw_get_mbps", "MB/s"),
+        ),
+    ),
+    Bench(
+        "server",
+        "bench_server.py",
+        (
+            _ratio(
+                "tcp_get_ratio_vs_socket", "raw TCP socket", ">= 0.6", "socket_tcp_get_gbps", "GB/s"
+            ),
+            _ratio("tcp_ratio_vs_redis", "redis-server SET/GET (redis-py)", ">= 4"),
+            _ratio("shm_get_ratio_vs_memcpy", "memcpy", ">= 0.7", "memcpy_gbps", "GB/s"),
+            _ratio("clients8_scaling", "1 client", ">= 1.5"),
+        ),
+        timeout_s=900,
+        quick_timeout_s=240,
+    ),
+    Bench(
+        "cluster",
+        "bench_cluster.py",
+        (
+            _ratio(
+                "peer_fetch_ratio_vs_local",
+                "the holding node itself",
+                ">= 0.5",
+                "local_fetch_gbps",
+                "GB/s",
+            ),
+            Figure("routing_margin", "random routing (hit rate)", ">= 0.2", "", "random_hit_rate"),
+            Figure("index_lookup_ms_p50", "", "<= 2", "ms"),
+            Figure("index_lookup_ms_p99", "", "<= 10", "ms"),
+            Figure("redis_bytes_per_block", "Redis used_memory, at the largest size", "", "B"),
+        ),
+        timeout_s=900,
+    ),
+    Bench(
+        "lmcache",
+        "bench_lmcache.py",
+        (
+            _ratio("lmcache_put_ratio", "LMCache put", ">= 3", "lmcache_put_gbps", "GB/s"),
+            _ratio(
+                "lmcache_put_first_fill_ratio",
+                "LMCache put, fresh store",
+                ">= 3",
+                "lmcache_put_first_fill_gbps",
+                "GB/s",
+            ),
+            _ratio("lmcache_get_ratio", "LMCache get", ">= 1.5", "lmcache_get_gbps", "GB/s"),
+            _ratio(
+                "lmcache_disk_get_cold_ratio",
+                "LMCache disk read, cold",
+                ">= 1",
+                "lmcache_disk_get_cold_gbps",
+                "GB/s",
+            ),
+            _ratio(
+                "lmcache_disk_get_warm_ratio",
+                "LMCache disk read, warm",
+                ">= 1",
+                "lmcache_disk_get_warm_gbps",
+                "GB/s",
+            ),
+            _ratio("lmcache_lookup_ratio", "LMCache lookup", "", "lmcache_lookup_ms", "ms"),
+        ),
+        timeout_s=1200,
+        quick_timeout_s=240,
+    ),
+    Bench(
+        "vllm",
+        "bench_vllm.py",
+        (
+            _ratio(
+                "hit_vs_nocache",
+                "no connector: full prefill (TTFT)",
+                "<= 0.5",
+                "ttft_nocache_s",
+                "s",
+            ),
+            _ratio(
+                "hit_vs_offload",
+                "vLLM OffloadingConnector (TTFT; null: it did not run, see offload_error)",
+                "<= 1",
+                "ttft_offload_s",
+                "s",
+            ),
+            Figure("ttft_hit_s", "", "", "s"),
+            _ratio("ttft_speedup", "no connector"),
+        ),
+        quick_args=None,
+        timeout_s=2400,
+        note="not part of --quick: its own --quick takes 2-4 minutes here, more than half "
+        "the quick budget; run it with `--only vllm --quick`",
+    ),
+)
+
+
+# -- running the scripts ----------------------------------------------------------------------
+def script_path(bench: Bench) -> Path:
+    """The script's file (a name is looked up in benchmarks/)."""
+    path = Path(bench.script)
+    return path if path.is_absolute() else HERE / path
+
+
+def parse_json(stdout: str) -> dict[str, Any] | None:
+    """The one JSON object a script printed (the last ``{...}`` line if stdout has more)."""
+    text = stdout.strip()
+    candidates = [text] + [ln for ln in reversed(text.splitlines()) if ln.startswith("{")]
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def _tail(stream: IO[bytes], lines: int = 40, chars: int = 4000) -> str:
+    stream.seek(0)
+    text = stream.read().decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:])[-chars:]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the script's process group (scripts stop their servers on it), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_script(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run ``cmd`` in its own process group: (exit status, None on timeout; stdout; stderr tail)."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            out, _ = proc.communicate()
+            rc = None
+        except BaseException:  # Ctrl-C: take the script's servers down with it
+            _stop(proc)
+            raise
+        return rc, out.decode("utf-8", "replace"), _tail(err)
+
+
+def run_bench(bench: Bench, quick: bool, scratch: Path) -> dict[str, Any]:
+    """Run one script; its entry of ``results.json``."""
+    script = script_path(bench)
+    template = (bench.quick_args if quick else bench.args) or ()
+    args = [a.format(tmp=scratch) for a in template]
+    shown = [a.format(tmp="<tmp>") for a in template]
+    entry: dict[str, Any] = {"script": script.name, "args": ["--json", *shown]}
+    if not script.exists():
+        return {**entry, "status": "missing", "seconds": 0.0, "error": f"{script} not found"}
+    timeout = bench.quick_timeout_s if quick else bench.timeout_s
+    start = time.perf_counter()
+    rc, stdout, stderr = run_script([sys.executable, str(script), "--json", *args], timeout)
+    entry["seconds"] = round(time.perf_counter() - start, 1)
+    result = parse_json(stdout)
+    if rc is None:
+        error = f"timed out after {timeout:.0f} s"
+    elif rc != 0:
+        error = f"exit status {rc}"
+    elif result is None:
+        error = "no JSON object on stdout"
+    else:
+        error = None
+    if error is not None:
+        return {
+            **entry,
+            "status": "timeout" if rc is None else "failed",
+            "error": error,
+            "stderr_tail": stderr,
+            "result": result,
+        }
+    if result and result.get("skipped"):
+        reason = result.get("reason") or result["skipped"]
+        return {**entry, "status": "skipped", "reason": str(reason), "result": result}
+    return {**entry, "status": "ok", "result": result}
+
+
+class Progress:
+    """A progress line on stderr: a bar redrawn every half second on a terminal, else lines."""
+
+    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+        self.total, self.stream = total, stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _line(self, i: int, name: str, began: float) -> str:
+        done = int(24 * (i - 1) / max(1, self.total))
+        now = time.monotonic()
+        return (
+            f"[{'#' * done}{'.' * (24 - done)}] {i}/{self.total} {name} "
+            f"{now - began:5.0f} s (all: {minutes(now - self.start)})"
+        )
+
+    @contextlib.contextmanager
+    def step(self, i: int, name: str) -> Iterator[dict[str, Any]]:
+        """Show script ``i`` of ``total`` while the block runs; it fills in ``status``."""
+        began, outcome = time.monotonic(), {"status": "?"}
+        if self.tty:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._redraw, args=(i, name, began), daemon=True)
+            self._thread.start()
+        else:
+            print(f"[{i}/{self.total}] {name}: running", file=self.stream, flush=True)
+        try:
+            yield outcome
+        finally:
+            if self._thread is not None:
+                self._stop.set()
+                self._thread.join()
+                self._thread = None
+            clear = "\r\033[K" if self.tty else ""
+            took = time.monotonic() - began
+            msg = f"{clear}[{i}/{self.total}] {name}: {outcome['status']} in {took:.0f} s"
+            print(msg, file=self.stream, flush=True)
+
+    def _redraw(self, i: int, name: str, began: float) -> None:
+        while True:
+            self.stream.write("\r\033[K" + self._line(i, name, began))
+            self.stream.flush()
+            if self._stop.wait(0.5):
+                return
+
+
+def run_all(benches: Sequence[Bench], quick: bool) -> dict[str, Any]:
+    """Run ``benches`` one after another; the ``results.json`` document."""
+    doc: dict[str, Any] = {
+        "generated_by": "benchmarks/run_all.py",
+        "mode": "quick" if quick else "full",
+        "machine": machine(),
+        "benchmarks": {},
+        "not_run": {},
+    }
+    todo = [b for b in benches if not quick or b.quick_args is not None]
+    for b in benches:
+        if b not in todo:
+            doc["not_run"][b.name] = b.note or "not part of --quick"
+    progress = Progress(len(todo))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvstore-run-all-") as tmp:
+        for i, bench in enumerate(todo, 1):
+            with progress.step(i, bench.name) as outcome:
+                entry = run_bench(bench, quick, Path(tmp))
+                outcome["status"] = entry["status"]
+            doc["benchmarks"][bench.name] = entry
+    doc["seconds"] = round(time.perf_counter() - start, 1)
+    return doc
+
+
+# -- the command line --------------------------------------------------------------------------
+def select(only: str | None) -> list[Bench]:
+    """The registry entries ``--only`` names (``hash`` or ``bench_hash.py``), in registry order."""
+    if not only:
+        return list(REGISTRY)
+    names = {n.strip().removesuffix(".py").removeprefix("bench_") for n in only.split(",")}
+    unknown = names - {b.name for b in REGISTRY}
+    if unknown:
+        known = ", ".join(b.name for b in REGISTRY)
+        raise SystemExit(f"run_all: unknown benchmark(s) {sorted(unknown)}; choose from {known}")
+    return [b for b in REGISTRY if b.name in names]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="every script's --quick run")
+    parser.add_argument("--only", help="comma-separated benchmarks (e.g. hash,disk_tier)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    parser.add_argument(
+        "--from-json", type=Path, help="re-render the table and plots from this results.json"
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="put the benchmarks run (--only) in place of theirs in OUT/results.json, keep the "
+        "others (to re-run one that failed); each is marked as re-run",
+    )
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    return parser.parse_args(argv)
+
+
+def merge(doc: dict[str, Any], into: Path) -> dict[str, Any]:
+    """The results in ``into`` (same mode) with ``doc``'s benchmarks in place of theirs."""
+    old = json.loads(into.read_text())
+    if old.get("mode") != doc["mode"]:
+        raise SystemExit(f"run_all: --merge: {into} is a {old.get('mode')} run, not {doc['mode']}")
+    when = f"{doc['machine']['date']}, commit {doc['machine']['git_commit']}"
+    runs = {**old["benchmarks"], **{n: {**e, "rerun": when} for n, e in doc["benchmarks"].items()}}
+    order = [b.name for b in REGISTRY if b.name in runs]
+    old["benchmarks"] = {n: runs[n] for n in [*order, *(n for n in runs if n not in order)]}
+    for name in doc["benchmarks"]:
+        old.get("not_run", {}).pop(name, None)
+    return old
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or re-render), write the outputs; 1 if a script failed or timed out."""
+    args = parse_args(argv)
+    if args.list:
+        for b in REGISTRY:
+            quick = " ".join(b.quick_args) if b.quick_args is not None else "(not in --quick)"
+            print(f"{b.name:13} {b.script:22} full: {' '.join(b.args) or '-'}; quick: {quick}")
+        return 0
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+    else:
+        doc = run_all(select(args.only), args.quick)
+        if args.merge:
+            doc = merge(doc, args.out / "results.json")
+    plots = render(doc, args.out, REGISTRY)
+    drawn = sum(p["drawn"] for p in plots)
+    print(f"run_all: wrote {args.out}/README.md, results.json and {drawn} plots", file=sys.stderr)
+    bad = [n for n, e in doc["benchmarks"].items() if e["status"] in ("failed", "timeout")]
+    if bad:
+        print(f"run_all: failed: {', '.join(bad)} (see results.json)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
