@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 #: One repetition: does its own untimed setup and returns the seconds it timed.
@@ -138,3 +139,14 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
     return str(value)
+
+
+def drop_cache(paths: Sequence[Path]) -> None:
+    """fsync ``paths`` and evict them from the page cache (so the next read hits the disk)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -6,8 +6,8 @@ do with it, without a GPU connector; ``cpu_options`` / ``disk_options`` are the 
 it is opened with. LMCache lives in its own venv (``.venv-lmcache``), so its classes are
 imported at run time (``load_lmcache``) and are ``Any`` here; ``ensure_lmcache`` re-runs
 the calling script under that venv when ``lmcache`` does not import. The kvstore side:
-``host_store``, ``kv_keys``, and the bytes both are timed on (``random_kv``, ``same``,
-``drop_cache``). The phases, timing and output are in bench_lmcache.py.
+``host_store``, ``kv_keys``, and the bytes both are timed on (``random_kv``, ``same``;
+``drop_cache`` is in _common.py). The phases, timing and output are in bench_lmcache.py.
 """
 
 from __future__ import annotations
@@ -214,17 +214,6 @@ def random_kv(layout: KVLayout, blocks: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = layout.tensor_shape(blocks)
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(layout.dtype)
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """fsync ``paths`` and evict them from the page cache (the next read hits the disk)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -151,28 +151,9 @@ def draw_hit_rates(results: Results, plt: Any) -> Any:
     result = result_of(results, "policies") or {}
     rows, repl = result.get("results") or [], result.get("with_replication") or []
     bound = resolve(result, "trace.max_hit_rate")
-    panels = (("hit_rate", "all chunks"), ("chat_hit_rate", "chat requests"))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for ax, (field, title) in zip(axes, panels, strict=True):
-        for i, policy in enumerate(policies):
-            for data, style, suffix in ((rows, "-o", ""), (repl, ":x", " + replication")):
-                mine = [r for r in data if r["policy"] == policy]
-                if mine:
-                    xs = [r["fraction"] * 100 for r in mine]
-                    ys = [r[field] for r in mine]
-                    ax.plot(xs, ys, style, color=f"C{i}", label=policy + suffix)
-        if field == "hit_rate" and isinstance(bound, float):
-            ax.axhline(bound, color="grey", lw=0.8, ls="--", label="infinite cache")
-        ax.set_xscale("log")
-        sizes = sorted({r["fraction"] * 100 for r in rows})
-        ax.set_xticks(sizes, [f"{x:g}%" for x in sizes])
-        ax.minorticks_off()
-        ax.set_xlabel("cache size, % of the trace's distinct chunks")
-        ax.set_ylabel("chunk hit rate")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    from bench_policies import hit_rate_figure  # its own plot, from its JSON
+
+    fig = hit_rate_figure(rows, repl, bound if isinstance(bound, float) else None, plt)
     fig.suptitle("Hit rate per eviction policy and cache size (bench_policies)")
     return fig
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import Rep, base_parser, emit, environment, log, median, run_rounds
+from _common import Rep, base_parser, drop_cache, emit, environment, log, median, run_rounds
 
 from kvstore import KVLayout, KVStore
 
@@ -53,17 +53,6 @@ MODES = ("keep", "bypass")
 def llama8b(num_layers: int) -> KVLayout:
     """Llama-3-8B KV geometry (32 MiB per 256-token block at 32 layers)."""
     return KVLayout(num_layers=num_layers, num_kv_heads=8, head_dim=128, block_tokens=256)
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """fsync and evict ``paths`` from the page cache (so the next read hits the disk)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class DiskBench:

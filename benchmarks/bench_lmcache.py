@@ -74,14 +74,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
+from _common import (
+    Rep,
+    base_parser,
+    drop_cache,
+    emit,
+    environment,
+    log,
+    median,
+    run_rounds,
+    timed,
+)
 from _lmcache import (
     GIB,
     LmcApi,
     LmcStore,
     cpu_options,
     disk_options,
-    drop_cache,
     ensure_lmcache,
     host_store,
     kv_keys,

@@ -144,17 +144,31 @@ def plot(rows: list[dict[str, Any]], repl: list[dict[str, Any]], bound: float, p
     matplotlib.use("Agg")  # files only; no display on servers
     import matplotlib.pyplot as plt
 
+    fig = hit_rate_figure(rows, repl, bound, plt)
+    fig.suptitle("Eviction policies: multi-turn chat + one-off document scans")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def hit_rate_figure(
+    rows: list[dict[str, Any]], repl: list[dict[str, Any]], bound: float | None, plt: Any
+) -> Any:
+    """The figure of :func:`plot` (also drawn by ``run_all.py`` from this script's JSON):
+    all chunks and chat requests side by side, a line per policy in ``rows``."""
     panels = (("hit_rate", "all chunks"), ("chat_hit_rate", "chat requests"))
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 4.2), sharex=True)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
     for ax, (field, title) in zip(axes, panels, strict=True):
-        for i, policy in enumerate(POLICIES):
-            for data, style in ((rows, "-o"), (repl, ":x")):
+        for i, policy in enumerate(policies):
+            for data, style, suffix in ((rows, "-o", ""), (repl, ":x", " + replication")):
                 mine = [r for r in data if r["policy"] == policy]
                 if mine:
-                    label = policy if style == "-o" else f"{policy} + replication"
                     xs = [r["fraction"] * 100 for r in mine]
-                    ax.plot(xs, [r[field] for r in mine], style, color=f"C{i}", label=label)
-        if field == "hit_rate":
+                    ys = [r[field] for r in mine]
+                    ax.plot(xs, ys, style, color=f"C{i}", label=policy + suffix)
+        if field == "hit_rate" and isinstance(bound, float):
             ax.axhline(bound, color="grey", lw=0.8, ls="--", label="infinite cache")
         ax.set_xscale("log")
         sizes = sorted({r["fraction"] * 100 for r in rows})
@@ -165,11 +179,7 @@ def plot(rows: list[dict[str, Any]], repl: list[dict[str, Any]], bound: float, p
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Eviction policies: multi-turn chat + one-off document scans")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def table_rows(rows: list[dict[str, Any]], repl: list[dict[str, Any]]) -> list[list[object]]:
