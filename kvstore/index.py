@@ -188,6 +188,9 @@ class ManagerCounters:
     leases_expired: int = 0
     layer_writes_expired: int = 0
     bytes_written: int = 0
+    #: Bytes writers copied themselves into room reserved in a tier (``begin_put``,
+    #: layer writes, a server's shared-memory puts): not timed, so not in ``write_gbps``.
+    bytes_written_in_place: int = 0
     bytes_read: int = 0
     write_seconds: float = 0.0
     read_seconds: float = 0.0

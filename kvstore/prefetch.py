@@ -425,6 +425,7 @@ class LayerWrites:
             m._unpin([p.entry for p in done])
             m._drop_unwritten(failed)
             m.counters.blocks_stored += len(done) - len(failed)
+            m.counters.bytes_written_in_place += len(landed) * m.layout.block_nbytes
         return len(done) - len(failed)
 
     def _reap(self, now: float | None = None) -> None:

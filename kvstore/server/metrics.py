@@ -101,6 +101,7 @@ _STORE_GAUGES = (
     ("block_nbytes", "gauge", "block_bytes"),
     ("lookup_hit_rate", "gauge", "lookup_hit_rate"),
     ("bytes_written", "counter", "bytes_written_total"),
+    ("bytes_written_in_place", "counter", "bytes_written_in_place_total"),
     ("bytes_read", "counter", "bytes_read_total"),
     ("evictions_total", "counter", "evictions_total"),
 )

@@ -40,6 +40,9 @@ def test_metrics_and_healthz(kv_server: Start) -> None:
     assert "kvstore_server_blocks_stored_total 2" in text
     assert "kvstore_server_connections_total 1" in text
     assert f'kvstore_store_blocks{{namespace="team-a",layout="{LAYOUT.fingerprint_hex}"}}' in text
+    labels = f'namespace="team-a",layout="{LAYOUT.fingerprint_hex}"'
+    in_place = 2 * LAYOUT.block_nbytes  # the shared-memory put copied both blocks itself
+    assert f"kvstore_store_bytes_written_in_place_total{{{labels}}} {in_place:g}" in text
     assert "# TYPE kvstore_server_bytes_received_total counter" in text
     assert fetch(base + "/healthz") == (200, "ok\n")
     assert fetch(base + "/nothing")[0] == 404
