@@ -91,8 +91,8 @@ class CorruptingProxy:
                     with self._lock:
                         self.flipped += len(spots)
                 dst.sendall(data)
-        except OSError:
-            pass
+        except OSError:  # either side went away (closed, reset, cut by a test): pump ends
+            return
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)

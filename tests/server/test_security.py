@@ -51,9 +51,12 @@ def test_exposed_listener_without_a_token_refuses_to_start(listen: str) -> None:
 
 def test_exposed_listener_with_a_token_starts(kv_server: Start) -> None:
     server = kv_server(listen="0.0.0.0:0", token=ADMIN)
-    port = server.address.rpartition(":")[2]
+    host, _, port = server.address.rpartition(":")
+    assert host == "0.0.0.0"  # really listening beyond loopback
+    keys = make_keys(2)
     with Client(LAYOUT, ClientOptions(f"127.0.0.1:{port}", token=ADMIN.encode())) as c:
-        c.ping()
+        assert all(c.put(keys, blocks(2, seed=3)))
+        assert c.lookup(keys) == 2
 
 
 def test_short_tokens_are_refused(kv_server: Start) -> None:
@@ -65,7 +68,14 @@ def test_token_file(kv_server: Start, tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text(ADMIN + "\n")
     server = kv_server(token_file=str(path))
+    keys = make_keys(1)
     with Client(LAYOUT, ClientOptions(server.address, token=ADMIN.encode())) as c:
+        assert all(c.put(keys, blocks(1, seed=4)))
+        assert c.lookup(keys) == 1
+    with (  # the file's token is the one enforced
+        Client(LAYOUT, ClientOptions(server.address, token=TEAM_A.encode())) as c,
+        pytest.raises(AccessDeniedError),
+    ):
         c.ping()
 
 
