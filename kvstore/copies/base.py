@@ -1,0 +1,180 @@
+"""The copy engine's contract: engines, lanes and events.
+
+Every copy between memories in kvstore (reads, moves, prefetch, layer
+writes, lending, the slab) goes through a :class:`CopyEngine`, so that
+batching, ordering and asynchrony live in one place:
+
+- :meth:`CopyEngine.copy_all` copies a batch at once, on the caller's thread,
+  coalesced (:func:`~kvstore.copies.coalescing.coalesce`).
+- :meth:`CopyEngine.lane` is a persistent, ordered queue of batches: what is
+  submitted on one lane runs in submission order, asynchronously.
+  :meth:`Lane.submit` returns an :class:`Event` that completes after the
+  batch (and its ``on_done`` callback); :meth:`Lane.after` orders one lane
+  behind another lane's event.
+
+Two engines fit this contract:
+
+- ``threads.py`` (CPU, and for now every device): one worker thread per
+  lane runs the batches; events are ``threading`` primitives; a wait is a
+  wait of the calling thread.
+- ``cuda.py`` (to come): a lane is a persistent CUDA stream per device and
+  direction (host to device, device to host, device to device); ``submit``
+  queues ``non_blocking`` copies from pinned memory on that stream at once
+  and records a CUDA event; ``after`` is ``stream.wait_event``;
+  :meth:`Event.wait_stream` makes the *engine's* stream wait on the GPU,
+  not its thread; ``on_done`` runs on a completion thread once the CUDA
+  event has completed, and only then is the event marked done for CPU
+  waiters. Errors raised while queueing are caught and delivered through the
+  event, as here.
+
+The thread engine is the CUDA engine's CPU twin: CI, which has no GPU, proves
+the contract with it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from kvstore.copies.coalescing import CopyPair
+
+__all__ = ["CopyEngine", "CopyPair", "Event", "Lane", "OnDone"]
+
+#: Called once a batch's copies are over, with the exception a copy raised (else None).
+OnDone = Callable[[BaseException | None], object]
+
+
+class Event(ABC):
+    """A point in a lane's queue: done once everything queued before it has run.
+
+    Made by :meth:`Lane.submit` (after that batch and its ``on_done``) and
+    :meth:`Lane.record` (after everything queued on the lane so far). Thread-safe.
+    """
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the event is done; False on timeout.
+
+        Once it returns True, the batch's copies and its ``on_done`` have run
+        and their effects are visible to the caller.
+        """
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the event is done (never blocks)."""
+
+    @property
+    @abstractmethod
+    def error(self) -> BaseException | None:
+        """What the batch's copy raised (None if it did not, or not done yet).
+
+        Copies before the failing one in the batch were made; those after it
+        were not. An exception in ``on_done`` is logged, not recorded here.
+        Events from :meth:`Lane.record` always have None.
+        """
+
+    @abstractmethod
+    def wait_stream(self, stream: object | None = None) -> None:
+        """Make work queued on ``stream`` after this call start only once the event is done.
+
+        CUDA engine: ``stream.wait_event(...)`` (``None``: the current stream):
+        the GPU waits, the calling thread returns at once. Thread engine:
+        there is no stream to order, so the calling thread waits for the event
+        (its copies ran synchronously on the worker, so the bytes are in place
+        for whatever the caller queues next); ``stream`` is ignored.
+        """
+
+
+class Lane(ABC):
+    """An ordered queue of copy batches (a worker thread; on a GPU, a CUDA stream).
+
+    A batch starts only after every batch submitted before it on the same
+    lane has finished (copies and ``on_done``). Lanes are thread-safe; many
+    threads may submit to one lane (the order is then the order in which the
+    submits took the lane's lock). Lanes live as long as their engine.
+    """
+
+    #: The lane's name, unique within its engine (the worker is ``kvstore-copy-<name>``).
+    name: str
+
+    @abstractmethod
+    def submit(self, pairs: Sequence[CopyPair], on_done: OnDone | None = None) -> Event:
+        """Queue ``dst.copy_(src)`` for each pair behind everything already on the lane.
+
+        The copies are coalesced and run in inference mode when a destination
+        is an inference tensor. ``on_done(error)`` runs on the lane's worker
+        after the copies, with the exception a copy raised or None, and
+        before the returned event is done: a thread that waited for the event
+        sees what ``on_done`` did. Errors never raise here: they land in the
+        event's :attr:`Event.error` and in ``on_done``. The caller must keep
+        the tensors alive and unchanged until the event is done.
+
+        Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
+        """
+
+    @abstractmethod
+    def record(self) -> Event:
+        """An event that is done once everything queued on the lane so far has run.
+
+        Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
+        """
+
+    @abstractmethod
+    def after(self, event: Event) -> None:
+        """Make batches submitted to this lane from now on start only once ``event`` is done.
+
+        Batches already queued are not held back. This orders lanes against
+        each other (CUDA: ``stream.wait_event``); ``event`` may come from any
+        lane of the same engine. The wait is for completion, not success: a
+        failed batch's event releases the lane too (check its ``error``).
+
+        Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
+        """
+
+    @abstractmethod
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued on the lane so far has run; False on timeout.
+
+        Also works after the engine is closed (then it returns True at once).
+        """
+
+
+class CopyEngine(ABC):
+    """Moves bytes between memories: synchronous batches and ordered lanes.
+
+    Get the process's engine for a device with
+    :func:`kvstore.copies.engine_for` (shared, created on first use) rather
+    than making one per object: lanes are meant to be few and persistent.
+    """
+
+    @abstractmethod
+    def copy_all(self, pairs: Sequence[CopyPair]) -> None:
+        """``dst.copy_(src)`` for every pair, coalesced, on the caller's thread; wait for them.
+
+        In inference mode where a destination needs it, otherwise in the
+        caller's autograd mode. Raises what ``copy_`` raises; the copies
+        before the failing one are made. Needs no worker, so it keeps working
+        after :meth:`close`.
+        """
+
+    @abstractmethod
+    def lane(self, name: str) -> Lane:
+        """The lane called ``name``: created on first use, the same object afterwards.
+
+        Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
+        """
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish every queued batch, then stop the lanes' workers. Idempotent.
+
+        Afterwards ``lane``, ``submit``, ``record`` and ``after`` raise
+        :class:`~kvstore.errors.ClosedError`. Called from a lane's own worker
+        (inside ``on_done``), it cannot wait for that lane: that worker
+        finishes its queue and stops after the callback returns.
+        """
