@@ -7,9 +7,16 @@ from a fixed 32-byte NONE_HASH, over a Python list of ints (what vLLM holds).
 kvstore gets the tokens as a numpy int32 array (what an engine holds as a
 tensor); it is also timed with the same Python list as input, reported apart.
 
-Timing: interleaved rounds; each round runs a block of kvstore reps, then a
-block of list-input reps, then a block of vLLM reps (order reversed on odd
-rounds). Every figure is the median over all reps of that subject.
+At vLLM's default 16-token blocks too: the same tokens, kvstore with a layout
+of 16-token chunks (8192 keys) against the same reimplemented scheme with
+``block_size=16``: ``ratio_block16`` (``ms_per_128k_block16``,
+``vllm_ms_per_128k_block16``). ``chain_impl`` says which ``chain_keys`` ran:
+``"c"`` (the compiled ``kvstore._chain``) or ``"python"`` (the fallback).
+
+Timing: interleaved rounds; each round runs a block of reps of each subject
+(kvstore, list input, vLLM; then kvstore and vLLM at 16-token blocks), in
+reverse order on odd rounds. Every figure is the median over all reps of that
+subject.
 
 vLLM's real hashing: where ``.venv-vllm/bin/python`` exists (``--vllm-python``;
 ``bash scripts/setup-vllm.sh`` makes it), ``peers/vllm_hash_worker.py`` runs
@@ -45,12 +52,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import base_parser, emit, environment, log, median, run_rounds, timed
+from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
 
 from kvstore import BlockKey, KVLayout, KVStore, StoreConfig
+from kvstore.keys import CHAIN_IMPL
 
 NUM_TOKENS = 131072
 BLOCK_TOKENS = 256
+#: vLLM's default block size: ``ratio_block16`` compares both at it.
+SMALL_BLOCK_TOKENS = 16
 TARGET_RATIO = 30.0
 TARGET_MS_PER_128K = 0.5
 TARGET_LOOKUP_MS = 1.0
@@ -82,50 +92,79 @@ def vllm_block_hashes(
     return hashes
 
 
-def small_store(capacity: str = "1MiB", dtype: torch.dtype = torch.bfloat16) -> KVStore:
+def small_store(
+    capacity: str = "1MiB", dtype: torch.dtype = torch.bfloat16, block_tokens: int = BLOCK_TOKENS
+) -> KVStore:
     """A store with a tiny layout and one small host tier (hashing needs no bytes)."""
     layout = KVLayout(
-        num_layers=1, num_kv_heads=1, head_dim=32, block_tokens=BLOCK_TOKENS, dtype=dtype
+        num_layers=1, num_kv_heads=1, head_dim=32, block_tokens=block_tokens, dtype=dtype
     )
     config = StoreConfig.from_dict({"tiers": [{"kind": "host", "capacity": capacity}]}, environ={})
     return KVStore(layout, config)
 
 
+def _check_keys(
+    store: KVStore, store16: KVStore, tokens_np: np.ndarray, tokens_list: list[int]
+) -> None:
+    """Both stores give one key per full chunk, the same for array and list input."""
+    keys_np = store.hash_tokens(tokens_np, NAMESPACE)
+    assert len(keys_np) == len(vllm_block_hashes(tokens_list)) == NUM_TOKENS // BLOCK_TOKENS
+    assert keys_np == store.hash_tokens(tokens_list, NAMESPACE), "list and array must agree"
+    keys16 = store16.hash_tokens(tokens_np, NAMESPACE)
+    assert len(keys16) == NUM_TOKENS // SMALL_BLOCK_TOKENS
+    assert keys16 == store16.hash_tokens(tokens_list, NAMESPACE), "list and array must agree"
+
+
+def _subjects(
+    store: KVStore,
+    store16: KVStore,
+    tokens_np: np.ndarray,
+    tokens_list: list[int],
+    reps: tuple[int, int],
+) -> dict[str, tuple[Rep, int]]:
+    """The timed subjects: kvstore (array, list) and vLLM's scheme, at 256 and 16 tokens."""
+    kv_reps, slow_reps = reps
+    small = SMALL_BLOCK_TOKENS
+    return {
+        "kvstore": (timed(lambda: store.hash_tokens(tokens_np, NAMESPACE)), kv_reps),
+        "kvstore_list": (timed(lambda: store.hash_tokens(tokens_list, NAMESPACE)), slow_reps),
+        "vllm_sha256": (timed(lambda: vllm_block_hashes(tokens_list)), slow_reps),
+        "kvstore_block16": (timed(lambda: store16.hash_tokens(tokens_np, NAMESPACE)), kv_reps),
+        "vllm_sha256_block16": (timed(lambda: vllm_block_hashes(tokens_list, small)), slow_reps),
+    }
+
+
 def bench_hashing(rounds: int, kv_reps: int, slow_reps: int) -> dict[str, Any]:
-    """kvstore (numpy and list input) vs vLLM's scheme, interleaved."""
+    """kvstore (numpy and list input) vs vLLM's scheme, at 256- and 16-token blocks, interleaved."""
     rng = np.random.default_rng(0)
     tokens_np = rng.integers(0, 128_256, NUM_TOKENS, dtype=np.int32)
     tokens_list = tokens_np.tolist()
-    with small_store() as store:
-        keys_np = store.hash_tokens(tokens_np, NAMESPACE)
-        keys_list = store.hash_tokens(tokens_list, NAMESPACE)
-        vllm = vllm_block_hashes(tokens_list)
-        n_keys = NUM_TOKENS // BLOCK_TOKENS
-        assert len(keys_np) == len(vllm) == n_keys, (len(keys_np), len(vllm))
-        assert keys_np == keys_list, "list and array input must give the same keys"
-        times = run_rounds(
-            {
-                "kvstore": (timed(lambda: store.hash_tokens(tokens_np, NAMESPACE)), kv_reps),
-                "kvstore_list": (
-                    timed(lambda: store.hash_tokens(tokens_list, NAMESPACE)),
-                    slow_reps,
-                ),
-                "vllm_sha256": (timed(lambda: vllm_block_hashes(tokens_list)), slow_reps),
-            },
-            rounds,
-        )
-    kv_s, kv_list_s, vllm_s = (median(times[k]) for k in ("kvstore", "kvstore_list", "vllm_sha256"))
-    ratio = vllm_s / kv_s
-    ms = kv_s * 1e3
+    with small_store() as store, small_store(block_tokens=SMALL_BLOCK_TOKENS) as store16:
+        _check_keys(store, store16, tokens_np, tokens_list)
+        subjects = _subjects(store, store16, tokens_np, tokens_list, (kv_reps, slow_reps))
+        times = run_rounds(subjects, rounds)
+    med = {name: median(values) for name, values in times.items()}
+    return {**_figures(med), "reps": {name: len(values) for name, values in times.items()}}
+
+
+def _figures(med: dict[str, float]) -> dict[str, Any]:
+    """The JSON figures from the median seconds of each subject."""
+    kv_s, kv_list_s, vllm_s = med["kvstore"], med["kvstore_list"], med["vllm_sha256"]
+    kv16_s, vllm16_s = med["kvstore_block16"], med["vllm_sha256_block16"]
+    ratio, ratio16, ms = vllm_s / kv_s, vllm16_s / kv16_s, kv_s * 1e3
     return {
         "num_tokens": NUM_TOKENS,
         "block_tokens": BLOCK_TOKENS,
-        "num_keys": n_keys,
+        "num_keys": NUM_TOKENS // BLOCK_TOKENS,
+        "chain_impl": CHAIN_IMPL,
         "kvstore_tokens_per_s": NUM_TOKENS / kv_s,
         "vllm_sha256_tokens_per_s": NUM_TOKENS / vllm_s,
         "ratio": ratio,
         "ms_per_128k": ms,
         "vllm_ms_per_128k": vllm_s * 1e3,
+        "ratio_block16": ratio16,
+        "ms_per_128k_block16": kv16_s * 1e3,
+        "vllm_ms_per_128k_block16": vllm16_s * 1e3,
         "kvstore_list_tokens_per_s": NUM_TOKENS / kv_list_s,
         "kvstore_list_ms_per_128k": kv_list_s * 1e3,
         "ratio_list_input": vllm_s / kv_list_s,
@@ -133,10 +172,10 @@ def bench_hashing(rounds: int, kv_reps: int, slow_reps: int) -> dict[str, Any]:
         "target_ms_per_128k": TARGET_MS_PER_128K,
         "meets_target": {
             "ratio": ratio >= TARGET_RATIO,
+            "ratio_block16": ratio16 >= TARGET_RATIO,
             "ms_per_128k": ms <= TARGET_MS_PER_128K,
             "ratio_list_input": vllm_s / kv_list_s >= TARGET_RATIO,
         },
-        "reps": {name: len(values) for name, values in times.items()},
     }
 
 
@@ -336,6 +375,15 @@ def _rows(result: dict[str, Any], scaling: bool) -> list[list[object]]:
         ["kvstore (np int32) ms / 128K tokens", result["ms_per_128k"], "<= 0.5", mt["ms_per_128k"]],
         ["vLLM sha256+pickle ms / 128K tokens", result["vllm_ms_per_128k"], "", ""],
         ["ratio vLLM / kvstore", result["ratio"], ">= 30", mt["ratio"]],
+        ["kvstore, 16-token blocks, ms / 128K", result["ms_per_128k_block16"], "", ""],
+        ["vLLM sha256+pickle, 16-token blocks, ms", result["vllm_ms_per_128k_block16"], "", ""],
+        [
+            "ratio vLLM / kvstore, 16-token blocks",
+            result["ratio_block16"],
+            ">= 30",
+            mt["ratio_block16"],
+        ],
+        ["chain_keys implementation", result["chain_impl"], "", ""],
         ["kvstore (list input) ms / 128K", result["kvstore_list_ms_per_128k"], "", ""],
         [
             "ratio vLLM / kvstore (list input)",

@@ -86,6 +86,13 @@ REGISTRY: tuple[Bench, ...] = (
             _ratio("ratio", "vLLM's scheme (sha256 of pickle)", ">= 30", "vllm_ms_per_128k", "ms"),
             Figure("ms_per_128k", "", "<= 0.5", "ms"),
             _ratio(
+                "ratio_block16",
+                "vLLM's scheme, 16-token blocks (both sides)",
+                ">= 30",
+                "vllm_ms_per_128k_block16",
+                "ms",
+            ),
+            _ratio(
                 "ratio_vs_vllm_real.256",
                 "vLLM's own block hasher, 256-token blocks",
                 ">= 30",

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVStore
+from kvstore import keys as keys_mod
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError
-from kvstore.keys import KEY_BYTES, Namespace, check_keys, engine_keys, format_key
+from kvstore.keys import KEY_BYTES, Namespace, chain_keys, check_keys, engine_keys, format_key
 from kvstore.layout import KVLayout
 
 B = 16  # block_tokens of the main test layout
@@ -101,6 +102,41 @@ GOLDEN_KEYS = [
     "4d610e4c743e6839f292de53805c29c6",
     "f75c0f29b1a1786ca86d793d86c58e2f",
 ]
+
+
+# Many keys at several block sizes, from the implementation before the C path (a digest of
+# their concatenation): the C loop and the Python fallback must both keep giving these.
+GOLDEN_TOKENS = b"".join(
+    ((2654435761 * i + 12345) % 2**32).to_bytes(4, "little") for i in range(4096)
+)
+GOLDEN_CHAIN_DIGESTS = {
+    1: "cc1369c14ca0a9e57a044263f2e99133",
+    3: "c2017815431207d88d5a1631c6504a27",
+    16: "e8bce63df90017af62425608f7744c8a",
+    100: "8c3c81f60b167ea801ec3c73a2402bcd",
+    256: "9ad91e04ba97ad73ed454a08a513a0d3",
+    512: "cf425ce495ee02ca5db742cf537e8c0d",
+}
+
+
+def _impls():
+    """The chain implementations this install has: the Python fallback, and C if built."""
+    impls = {"python": keys_mod._chain_keys_py}
+    if keys_mod._chain is not None:
+        impls["c"] = lambda data, bt, parent: keys_mod._chain.chain_keys(data, 4 * bt, parent)
+    return impls
+
+
+@pytest.mark.parametrize("impl", ["public", "python", "c"])
+@pytest.mark.parametrize("block_tokens", sorted(GOLDEN_CHAIN_DIGESTS))
+def test_golden_chain_digests(impl, block_tokens):
+    fn = chain_keys if impl == "public" else _impls().get(impl)
+    if fn is None:
+        pytest.skip("kvstore._chain is not built")
+    keys = fn(GOLDEN_TOKENS, block_tokens, bytes(range(16)))
+    assert len(keys) == 4096 // block_tokens
+    digest = xxhash.xxh3_128_hexdigest(b"".join(keys))
+    assert digest == GOLDEN_CHAIN_DIGESTS[block_tokens]
 
 
 # -- the chain formula ----------------------------------------------------------
@@ -549,3 +585,129 @@ def test_store_methods_check_keys(store, bad):
         store.lookup(bad)
     with pytest.raises(InvalidInputError):
         store.delete(bad)
+
+
+# -- the compiled chain and its fallback -------------------------------------------
+def reference_chain(data: bytes, block_tokens: int, parent: bytes) -> list[bytes]:
+    """The chain as the module docstring writes it, one chunk at a time."""
+    step = 4 * block_tokens
+    out = []
+    for start in range(0, len(data) - step + 1, step):
+        parent = xxhash.xxh3_128_digest(
+            parent, seed=xxhash.xxh3_64_intdigest(data[start : start + step])
+        )
+        out.append(parent)
+    return out
+
+
+def _random_case(rng: np.random.Generator) -> tuple[bytes, int, bytes]:
+    """Random int32 token bytes (0 to ~24 chunks, sometimes a long prompt), block size, parent."""
+    block_tokens = int(rng.integers(1, 513))
+    n_tokens = int(rng.integers(0, 24 * block_tokens + block_tokens))
+    if rng.random() < 0.1:
+        n_tokens = int(rng.integers(16_000, 40_000))  # past the size where C drops the GIL
+    data = rng.integers(-(2**31), 2**31, n_tokens, dtype=np.int64).astype("<i4").tobytes()
+    parent = rng.bytes(int(rng.choice([16, 16, 16, 0, 1, 15, 17, 32])))
+    return data, block_tokens, parent
+
+
+def test_chain_implementations_match_reference_on_random_inputs():
+    rng = np.random.default_rng(1234)
+    impls = _impls()
+    for case in range(300):
+        data, block_tokens, parent = _random_case(rng)
+        expected = reference_chain(data, block_tokens, parent)
+        assert len(expected) == len(data) // (4 * block_tokens)
+        assert chain_keys(data, block_tokens, parent) == expected, case
+        assert chain_keys(memoryview(data), block_tokens, parent) == expected, case
+        for name, fn in impls.items():
+            got = fn(data, block_tokens, parent)
+            assert got == expected, (name, case, block_tokens, len(data))
+            assert all(type(k) is bytes for k in got)
+
+
+def test_hash_tokens_matches_reference_for_random_lists_and_arrays():
+    rng = np.random.default_rng(99)
+    sizes = [1, 2, 3, 7, 16, 64, 255, 256, 512, *(int(x) for x in rng.integers(1, 513, 7))]
+    for block_tokens in sizes:
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=block_tokens)
+        s = make_store(layout)
+        try:
+            ns = s.namespace(MODEL)
+            for _ in range(4):
+                n = int(rng.integers(0, 20 * block_tokens + block_tokens))
+                arr = rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
+                parent = rng.bytes(16)
+                data = arr.astype("<i4").tobytes()
+                assert s.hash_tokens(arr.tolist(), ns) == reference_chain(
+                    data, block_tokens, ns.seed
+                )
+                assert s.hash_tokens(arr, ns) == reference_chain(data, block_tokens, ns.seed)
+                expected = reference_chain(data, block_tokens, parent)
+                assert s.hash_tokens(arr.tolist(), ns, parent=parent) == expected
+                assert s.hash_tokens(torch.from_numpy(arr), ns, parent=parent) == expected
+        finally:
+            s.close()
+
+
+def test_compiled_chain_is_built():
+    # The install (scripts/setup.sh: pip install -e .) compiles kvstore._chain; without it
+    # keys are the same but hashing is ~4x slower at 16-token chunks.
+    assert keys_mod.CHAIN_IMPL == "c", "kvstore._chain is missing: run `pip install -e .`"
+    assert keys_mod._chain is not None
+
+
+_FALLBACK_CHILD = """
+import sys
+sys.modules["kvstore._chain"] = None  # as if the extension had not been built
+import xxhash
+from kvstore import keys
+data = bytes.fromhex(sys.argv[1])
+print(keys.CHAIN_IMPL)
+for bt in (1, 16, 256):
+    print(xxhash.xxh3_128_hexdigest(b"".join(keys.chain_keys(data, bt, bytes(range(16))))))
+"""
+
+
+def test_pure_python_fallback_when_extension_is_missing():
+    data = GOLDEN_TOKENS
+    out = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_CHILD, data.hex()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+        check=True,
+    ).stdout.split()
+    assert out == ["python", *(GOLDEN_CHAIN_DIGESTS[bt] for bt in (1, 16, 256))]
+
+
+def test_chain_keys_is_thread_safe():
+    # The C loop hashes with the GIL released: threads hashing at once get their own keys.
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(7)
+    inputs = [rng.integers(0, 2**31, 40_000, dtype=np.int32).tobytes() for _ in range(4)]
+    expected = [reference_chain(d, 16, b"p" * 16) for d in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda d: chain_keys(d, 16, b"p" * 16), inputs))
+            assert got == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, None, True])
+def test_chain_keys_rejects_bad_block_tokens(bad):
+    with pytest.raises(InvalidInputError, match="block_tokens"):
+        chain_keys(b"\0" * 64, bad, b"p" * 16)
+
+
+def test_compiled_chain_rejects_bad_arguments():
+    if keys_mod._chain is None:
+        pytest.skip("kvstore._chain is not built")
+    with pytest.raises(ValueError, match="step"):
+        keys_mod._chain.chain_keys(b"\0" * 64, 0, b"p" * 16)
+    with pytest.raises(TypeError):
+        keys_mod._chain.chain_keys("text", 4, b"p" * 16)
+    with pytest.raises(TypeError):
+        keys_mod._chain.chain_keys(b"\0" * 64, 4)
+    assert keys_mod._chain.chain_keys(b"", 4, b"p" * 16) == []

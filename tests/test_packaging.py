@@ -1,6 +1,9 @@
 """Release packaging: ``python -m build`` makes an sdist and, from it, a wheel that
 installs into a fresh virtualenv and runs ``kvstore demo`` and ``kvstore --version``.
 
+The wheel is platform-specific: it carries the compiled ``kvstore._chain`` (csrc/, built
+by setup.py), and the installed copy must hash with it (``kvstore.keys.CHAIN_IMPL``).
+
 The build runs in build's isolated environment (it fetches ``setuptools>=77`` from the
 package index, as a release build would); the fresh venv gets kvstore's dependencies from
 the index too, torch pinned the way ``scripts/setup.sh`` pins it. About 45 s on 2 cores.
@@ -14,6 +17,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from collections.abc import Sequence
@@ -104,11 +108,57 @@ def _install_torch(pip: list[str], tmp: Path, env: dict[str, str]) -> None:
         _run([*pip, "install", TORCH_PIN], cwd=tmp, env=env, timeout=600)
 
 
+def _wheel_tag() -> str:
+    """The tag of a wheel with a C extension built here: ``cp311-cp311-linux_x86_64``."""
+    py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    return f"{py}-{py}-{platform}"
+
+
 def _license_deprecations(log: str) -> list[str]:
     """Lines of a build log that warn about a deprecated way of declaring the license."""
     return [
         line for line in log.splitlines() if "deprecat" in line.lower() and "licen" in line.lower()
     ]
+
+
+def _check_wheel(wheel: Path, version: str) -> None:
+    """The wheel holds the package, its stub and compiled extension, and the licence files."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        metadata = email.parser.Parser().parsestr(
+            zf.read(f"kvstore-{version}.dist-info/METADATA").decode()
+        )
+    assert "kvstore/py.typed" in names
+    assert "kvstore/_chain.pyi" in names
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    assert f"kvstore/_chain{ext}" in names, "the wheel lacks the compiled kvstore._chain"
+    licenses = ["LICENSE", "NOTICE", "csrc/xxhash/LICENSE"]
+    for name in licenses:
+        assert f"kvstore-{version}.dist-info/licenses/{name}" in names
+    assert {n.split("/")[0] for n in names} == {"kvstore", f"kvstore-{version}.dist-info"}, (
+        "the wheel holds only the kvstore package (no tests/, benchmarks/, examples/)"
+    )
+    assert metadata["Version"] == version
+    assert metadata["License-Expression"] == "Apache-2.0 AND BSD-2-Clause"
+    assert metadata.get_all("License-File") == licenses
+
+
+def _check_sdist(sdist: Path, version: str) -> None:
+    """The sdist holds what a wheel build needs (the C sources too), and nothing compiled."""
+    with tarfile.open(sdist) as tf:
+        members = set(tf.getnames())
+    root = f"kvstore-{version}"
+    for path in (
+        *("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "kvstore/py.typed"),
+        *("csrc/chain.c", "csrc/xxhash/xxhash.h", "csrc/xxhash/LICENSE"),
+    ):
+        assert f"{root}/{path}" in members, f"sdist lacks {path}"
+    assert not [m for m in members if m.endswith(".so")], "the sdist holds no compiled files"
+
+
+# Where the installed package is, and which chain_keys it runs ("c": the compiled one).
+_WHERE = "import kvstore, kvstore.keys as k; print(kvstore.__file__, k.CHAIN_IMPL)"
 
 
 @pytest.mark.slow
@@ -125,29 +175,12 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     log = built.stdout + built.stderr
     assert not _license_deprecations(log), "\n".join(_license_deprecations(log))
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
-    assert [w.name for w in wheels] == [f"kvstore-{version}-py3-none-any.whl"]
+    assert [w.name for w in wheels] == [f"kvstore-{version}-{_wheel_tag()}.whl"]
     assert [s.name for s in sdists] == [f"kvstore-{version}.tar.gz"]
     wheel = wheels[0]
 
-    with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        metadata = email.parser.Parser().parsestr(
-            zf.read(f"kvstore-{version}.dist-info/METADATA").decode()
-        )
-    assert "kvstore/py.typed" in names
-    assert f"kvstore-{version}.dist-info/licenses/LICENSE" in names
-    assert {n.split("/")[0] for n in names} == {"kvstore", f"kvstore-{version}.dist-info"}, (
-        "the wheel holds only the kvstore package (no tests/, benchmarks/, examples/)"
-    )
-    assert metadata["Version"] == version
-    assert metadata["License-Expression"] == "Apache-2.0"
-    assert metadata.get_all("License-File") == ["LICENSE"]
-
-    with tarfile.open(sdists[0]) as tf:
-        members = set(tf.getnames())
-    root = f"kvstore-{version}"
-    for path in ("pyproject.toml", "README.md", "LICENSE", "kvstore/py.typed"):
-        assert f"{root}/{path}" in members, f"sdist lacks {path}"
+    _check_wheel(wheel, version)
+    _check_sdist(sdists[0], version)
 
     # A fresh venv: torch pinned first, then the wheel with its dependencies from the index.
     venv = tmp_path / "venv"
@@ -158,13 +191,10 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     env = _run_env(tmp_path)
 
     # The installed copy runs, not the source tree (cwd is outside the repository).
-    where = _run(
-        [venv / "bin" / "python", "-c", "import kvstore; print(kvstore.__file__)"],
-        cwd=tmp_path,
-        env=env,
-        timeout=60,
-    )
-    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    where = _run([venv / "bin" / "python", "-c", _WHERE], cwd=tmp_path, env=env, timeout=60)
+    package, impl = where.stdout.split()
+    assert Path(package).is_relative_to(venv), where.stdout
+    assert impl == "c", "the installed kvstore hashes without its compiled kvstore._chain"
 
     shown = _run([venv / "bin" / "kvstore", "--version"], cwd=tmp_path, env=env, timeout=60)
     assert shown.stdout.strip() == f"kvstore {version}"
