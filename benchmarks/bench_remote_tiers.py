@@ -49,8 +49,8 @@ from kvstore.config import RedisTierConfig, S3TierConfig
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.servers import DUMMY_AWS_ENV, RedisServer, S3Server
-from kvstore.tiers._remote import encode_value
 from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.remote_common import encode_value
 from kvstore.tiers.s3 import S3Tier
 
 TARGET_RATIO = 0.9

@@ -86,10 +86,10 @@ from _common import Rep, base_parser, emit, environment, log, median, run_rounds
 from kvstore import KVLayout
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import ConfigError
-from kvstore.server.protocol import SlotStatus
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.kvserver import KVStoreServerProcess
 from kvstore.testing.servers import HOST, RedisServer
+from kvstore.wire.protocol import SlotStatus
 
 TARGETS = {
     "tcp_get_ratio_vs_socket": 0.6,

@@ -8,8 +8,8 @@
 
 Most users never touch these directly: a ``remote`` tier in a store config
 (``{"kind": "remote", "address": ...}``) makes any :class:`~kvstore.KVStore`,
-the vLLM connector or the SGLang backend use a server. Names are imported on
-first use.
+the vLLM connector or the SGLang backend use a server; that tier is
+:class:`kvstore.client.tier.RemoteTier`. Names are imported on first use.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from kvstore.errors import (
     TierError,
 )
 from kvstore.layout import KVLayout
-from kvstore.server import auth
-from kvstore.server.protocol import Frame, Op, Status, encode_json
-from kvstore.server.wire import wire_nbytes
+from kvstore.wire import auth
+from kvstore.wire.blocks import wire_nbytes
+from kvstore.wire.protocol import Frame, Op, Status, encode_json
 
 __all__ = [
     "FATAL_STATUSES",
@@ -43,6 +43,8 @@ MAX_REQUEST_BYTES = 256 * 1024**2
 FATAL_STATUSES = frozenset(
     {Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_LARGE, Status.UNSUPPORTED_VERSION}
 )
+#: Every status of the protocol (IntEnum members hash as their values).
+_KNOWN_STATUSES = frozenset(Status)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def check_reply(frame: Frame, request_id: int, op: int, meta: bytes) -> None:
 
 def error_for(status: int, message: str) -> KVStoreError:
     """The exception a server's error reply means."""
-    name = Status(status).name if status in Status._value2member_map_ else str(status)
+    name = Status(status).name if status in _KNOWN_STATUSES else str(status)
     text = f"kvstore-server: {message} ({name})"
     if status in (Status.UNAUTHENTICATED, Status.FORBIDDEN):
         exc: KVStoreError = AccessDeniedError(text)

@@ -35,6 +35,7 @@ from kvstore.client._common import (
     same_length,
 )
 from kvstore.codec import Codec, encode_block
+from kvstore.copies import engine_for
 from kvstore.errors import (
     ClosedError,
     CorruptBlockError,
@@ -46,8 +47,8 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_async
-from kvstore.server import wire
-from kvstore.server.protocol import (
+from kvstore.wire.blocks import read_header, verify_span, wire_nbytes
+from kvstore.wire.protocol import (
     FRAME,
     Flag,
     Frame,
@@ -262,12 +263,12 @@ class AsyncClient:
         rid = await conn.send(Op.GET, encode_get_request(keys, layers))
         frame, meta = await conn.reply(rid, Op.GET)
         _, slots = decode_get_reply(meta, len(keys))
-        per = wire.wire_nbytes(self.layout, layers)
+        per = wire_nbytes(self.layout, layers)
         inline = sum(1 for s, _ in slots if s == SlotStatus.INLINE)
         if frame.payload_len != inline * per or any(s == SlotStatus.SHM for s, _ in slots):
             conn.close()
             raise ProtocolError("GET reply does not match what was asked")
-        head_len = wire.wire_nbytes(self.layout) - self.layout.block_nbytes
+        head_len = wire_nbytes(self.layout) - self.layout.block_nbytes
         done = [False] * len(keys)
         for i, (key, out, (status, _)) in enumerate(zip(keys, outs, slots, strict=True)):
             if status != SlotStatus.INLINE:
@@ -286,10 +287,10 @@ class AsyncClient:
     ) -> bool:
         host = torch.frombuffer(bytearray(body), dtype=self.layout.dtype).view(tuple(out.shape))
         try:
-            wire.verify_span(wire.read_header(head, self.layout, key), host, layers)
+            verify_span(read_header(head, self.layout, key), host, layers)
         except (CorruptBlockError, LayoutMismatchError):
             return False
-        out.copy_(host)
+        engine_for(out.device).copy_all([(out, host)])
         return True
 
     # -- queries ------------------------------------------------------------------

@@ -24,8 +24,8 @@ from kvstore.client._common import (
 )
 from kvstore.errors import KVStoreError, ProtocolError, TierError
 from kvstore.layout import KVLayout
-from kvstore.server import shm
-from kvstore.server.protocol import FRAME, Frame, Op, decode_json
+from kvstore.wire import shm
+from kvstore.wire.protocol import FRAME, Frame, Op, decode_json
 
 __all__ = ["Connection", "Dead"]
 

@@ -36,6 +36,7 @@ from kvstore.client._common import (
 )
 from kvstore.client.connection import Connection, Dead
 from kvstore.codec import Codec, encode_block, layer_pieces, verify_layers
+from kvstore.copies import engine_for
 from kvstore.errors import (
     AccessDeniedError,
     ClosedError,
@@ -47,8 +48,9 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_call
-from kvstore.server import shm, wire
-from kvstore.server.protocol import (
+from kvstore.wire import shm
+from kvstore.wire.blocks import pieces_of, read_header, wire_nbytes
+from kvstore.wire.protocol import (
     Flag,
     Op,
     SlotStatus,
@@ -62,7 +64,6 @@ from kvstore.server.protocol import (
     encode_keys,
     encode_u64,
 )
-from kvstore.tiers.slab import copy_all
 
 __all__ = ["Client"]
 
@@ -207,9 +208,7 @@ class Client:
         # The header goes first (the payload's size is known), then the blocks a few MiB
         # at a time, each group checksummed just before it goes: the server receives one
         # group while this thread hashes the next.
-        rid = conn.send_head(
-            Op.PUT, encode_keys(keys), len(keys) * wire.wire_nbytes(self.layout), flags
-        )
+        rid = conn.send_head(Op.PUT, encode_keys(keys), len(keys) * wire_nbytes(self.layout), flags)
         group: list[Buffer] = []
         size = 0
         for key, block in zip(keys, blocks, strict=True):
@@ -243,7 +242,7 @@ class Client:
                 elif status == SlotStatus.INLINE:
                     inline += encode_block(key, self.layout, block, Codec.RAW).parts()
                 written[i] = status in (SlotStatus.SHM, SlotStatus.INLINE)
-            copy_all(pairs)
+            engine_for("cpu").copy_all(pairs)
         except BaseException:
             conn.reply(
                 conn.send(Op.COMMIT, encode_commit_request(ident, [False] * len(keys))), Op.COMMIT
@@ -308,7 +307,7 @@ class Client:
         frame, meta = conn.reply(rid, Op.GET)
         lease, slots = decode_get_reply(meta, len(keys))
         inline = sum(1 for s, _ in slots if s == SlotStatus.INLINE)
-        if frame.payload_len != inline * wire.wire_nbytes(self.layout, layers):
+        if frame.payload_len != inline * wire_nbytes(self.layout, layers):
             conn.close()
             raise ProtocolError("GET reply payload does not match its inline blocks")
         done: list[bool | None] = [False] * len(keys)
@@ -329,7 +328,7 @@ class Client:
                 arriving, self._receive(conn, keys, outs, arriving, layers), strict=True
             ):
                 done[i] = ok
-            copy_all(pairs)
+            engine_for("cpu").copy_all(pairs)
         finally:
             if lease:
                 conn.send(Op.RELEASE, encode_u64(lease), (), Flag.NO_REPLY)
@@ -480,24 +479,24 @@ class _Arrival:
     def prepare(
         cls, layout: KVLayout, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
     ) -> _Arrival:
-        head = bytearray(wire.wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
+        head = bytearray(wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
         pieces = layer_pieces(out)
         target = out
         if pieces is None:  # a GPU tensor or an odd view: through a host buffer
             target = torch.empty(tuple(out.shape), dtype=layout.dtype)
-            pieces = wire.pieces_of(target)
+            pieces = pieces_of(target)
         return cls(key, out, target, pieces, head)
 
     def finish(self, layout: KVLayout, layers: tuple[int, int] | None) -> bool | None:
         """Verify what arrived; copy it out of a host buffer; None if damaged."""
         try:
-            header = wire.read_header(self.head, layout, self.key)
+            header = read_header(self.head, layout, self.key)
             verify_layers(header, self.pieces, layers[0] if layers is not None else 0)
         except (CorruptBlockError, LayoutMismatchError) as exc:
             log.warning("kvstore client: block %s arrived damaged: %s", self.key.hex(), exc)
             return None
         if self.target is not self.out:
-            self.out.copy_(self.target)
+            engine_for(self.out.device).copy_all([(self.out, self.target)])
         return True
 
 

@@ -35,8 +35,8 @@ from kvstore.config.tiers import ClusterTierConfig
 from kvstore.errors import AccessDeniedError, TierError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.tiers._remote import Counters, check_get_args
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.remote_common import Counters, check_get_args
 
 __all__ = ["ClusterTier"]
 

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvstore.config import StoreConfig
 from kvstore.connectors.settings import Counters
+from kvstore.copies import engine_for
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import BlockKey, Namespace
 from kvstore.layout import KVLayout
@@ -130,7 +131,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if not store.get_prefix([key], self._page(buffer)):
                 return i
             if not direct:
-                target.copy_(buffer)
+                engine_for(target.device).copy_all([(target, buffer)])
         return len(block_keys)
 
     def _write(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
@@ -214,7 +215,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 index = host_indices[i * pool.page_size]
                 page = pool.get_data_page(index, flat=True)
                 # A view of the pool (page-major layouts) is filled in place: zero-copy.
-                in_place = page._is_view() and page.is_contiguous()
+                in_place = _window_of_larger_buffer(page)
                 if not self._read([key], [page]):
                     break
                 if not in_place:
@@ -294,6 +295,16 @@ class StorageStats:
     prefetch_bandwidth: list[float] = field(default_factory=list)
     backup_bandwidth: list[float] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+
+
+def _window_of_larger_buffer(page: torch.Tensor) -> bool:
+    """Whether ``page`` is a contiguous window of a larger buffer (the pool's memory),
+    so filling it fills the pool; False for a page of its own (a gathered copy,
+    even one seen through a reshaping view), which must be written back."""
+    own = page.numel() * page.element_size()
+    return page.is_contiguous() and (
+        page.storage_offset() > 0 or page.untyped_storage().nbytes() > own
+    )
 
 
 def _model_name(storage_config: Any, override: Any) -> str:

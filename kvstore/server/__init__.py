@@ -1,8 +1,10 @@
 """``kvstore-server``: a daemon holding tiers for many engine processes and hosts.
 
-- :mod:`kvstore.server.protocol` -- the wire format (docs/protocol.md)
 - :mod:`kvstore.server.daemon` -- :class:`Server`, :class:`ServerThread`
 - :mod:`kvstore.server.cli` -- the ``kvstore-server`` command
+
+The wire format, shared memory and auth it shares with its clients are in
+:mod:`kvstore.wire` (docs/protocol.md).
 
 Importing this package imports nothing else; names load on first use.
 """

@@ -26,13 +26,10 @@ import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvstore import __version__
-from kvstore.config import StoreConfig
-from kvstore.config.server import Credential, ServerConfig
+from kvstore.config.server import Credential
 from kvstore.config.tiers import check_namespace
 from kvstore.errors import (
     AccessDeniedError,
@@ -45,10 +42,12 @@ from kvstore.errors import (
 )
 from kvstore.layout import KVLayout
 from kvstore.lending import Loan, PendingPut
-from kvstore.server import auth, handlers, shm
+from kvstore.server import handlers
 from kvstore.server.channel import Buffer, Channel
-from kvstore.server.metrics import ServerMetrics
-from kvstore.server.protocol import (
+from kvstore.server.session import Refused, Reservation, ServerContext
+from kvstore.server.stores import HostedStore
+from kvstore.wire import auth, shm
+from kvstore.wire.protocol import (
     FRAME,
     MAGIC,
     MAX_JSON_META,
@@ -59,65 +58,11 @@ from kvstore.server.protocol import (
     decode_json,
     encode_json,
 )
-from kvstore.server.staging import StagingPool
-from kvstore.server.stores import HostedStore, StoreRegistry
 
-__all__ = ["ByteBudget", "Connection", "ServerContext"]
+__all__ = ["Connection"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ByteBudget:
-    """Payload bytes in flight across the server. Loop-only (no lock needed).
-
-    A request bigger than the whole budget is let through alone, so nothing
-    is refused for its size here (frame limits do that); others wait.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, nbytes: int, deadline: float) -> bool:
-        """Take ``nbytes``; False if they did not free up before ``deadline``."""
-        loop = asyncio.get_running_loop()
-        async with self._cond:
-            while self.used and self.used + nbytes > self.limit:
-                left = deadline - loop.time()
-                if left <= 0:
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), left)
-            self.used += nbytes
-            return True
-
-    async def release(self, nbytes: int) -> None:
-        """Give ``nbytes`` back."""
-        async with self._cond:
-            self.used -= nbytes
-            self._cond.notify_all()
-
-
-@dataclass
-class ServerContext:
-    """What every connection of one server shares."""
-
-    config: StoreConfig
-    registry: StoreRegistry
-    authenticator: auth.Authenticator
-    metrics: ServerMetrics
-    budget: ByteBudget
-    executor: Executor
-    staging: StagingPool
-    draining: bool = False
-    connections: set[Connection] = field(default_factory=set)
-
-    @property
-    def server(self) -> ServerConfig:
-        """The ``server:`` section of the config."""
-        return self.config.server
 
 
 class State(enum.IntEnum):
@@ -129,15 +74,6 @@ class State(enum.IntEnum):
     OPEN = 3
 
 
-class Refused(Exception):
-    """A request refused with ``status``; ``fatal``: the connection closes after the reply."""
-
-    def __init__(self, status: Status, message: str, fatal: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.fatal = fatal
-
-
 _ERRORS: tuple[tuple[type[Exception], Status], ...] = (
     (AccessDeniedError, Status.FORBIDDEN),
     (ProtocolError, Status.BAD_REQUEST),
@@ -147,6 +83,8 @@ _ERRORS: tuple[tuple[type[Exception], Status], ...] = (
     (ClosedError, Status.SHUTTING_DOWN),
 )
 _PAYLOAD_OPS = (Op.PUT, Op.COMMIT)
+#: Every op of the protocol (IntEnum members hash as their values: ``5 in _KNOWN_OPS``).
+_KNOWN_OPS = frozenset(Op)
 
 
 class Connection:
@@ -161,7 +99,7 @@ class Connection:
         self.credential: Credential | None = None
         self.hosted: HostedStore | None = None
         self.loans: dict[int, Loan] = {}
-        self.reservations: dict[int, handlers.Reservation] = {}
+        self.reservations: dict[int, Reservation] = {}
         self.ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(ctx.server.max_inflight_requests)
@@ -319,7 +257,7 @@ class Connection:
 
     def _check_state(self, frame: Frame) -> None:
         """Refuse a request the handshake has not reached (fatal before authentication)."""
-        if frame.op not in Op._value2member_map_:
+        if frame.op not in _KNOWN_OPS:
             fatal = bool(frame.payload_len) or self.state < State.AUTHED
             raise Refused(Status.UNKNOWN_OP, f"unknown op {frame.op}", fatal)
         op = Op(frame.op)
@@ -469,4 +407,4 @@ def _abort(pending: list[PendingPut]) -> None:
 
 
 def _op_name(op: int) -> str:
-    return Op(op).name.lower() if op in Op._value2member_map_ else f"op{op}"
+    return Op(op).name.lower() if op in _KNOWN_OPS else f"op{op}"

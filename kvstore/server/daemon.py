@@ -32,12 +32,13 @@ from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.server.auth import Authenticator
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
-from kvstore.server.connection import ByteBudget, Connection, ServerContext
+from kvstore.server.connection import Connection
 from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
+from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
+from kvstore.wire.auth import Authenticator
 
 __all__ = ["Server", "ServerThread"]
 

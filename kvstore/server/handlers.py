@@ -16,6 +16,9 @@ can hold them directly:
 - RESERVE/COMMIT is PUT through shared memory: the client copies into the
   slots it was given, then COMMIT publishes them (blocks the host tier could
   not take come inline in COMMIT's payload, verified like PUT's).
+
+Each handler is handed the connection as a :class:`~kvstore.server.session.Session`
+(what a handler may use of it), so this module never imports the connection's.
 """
 
 from __future__ import annotations
@@ -23,16 +26,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.errors import CorruptBlockError, LayoutMismatchError, ProtocolError
 from kvstore.lending import Loan, PendingPut
-from kvstore.server import wire
 from kvstore.server.channel import Buffer
-from kvstore.server.protocol import (
+from kvstore.server.session import Refused, Reservation, Session
+from kvstore.server.staging import StagingPool
+from kvstore.server.stores import HostedStore
+from kvstore.wire.blocks import HeaderCache, encode_span, read_header, verify_span, wire_nbytes
+from kvstore.wire.protocol import (
     Flag,
     Frame,
     Op,
@@ -48,32 +53,20 @@ from kvstore.server.protocol import (
     encode_put_reply,
     encode_reserve_reply,
 )
-from kvstore.server.staging import StagingPool
 
 if TYPE_CHECKING:
-    from kvstore.server.connection import Connection
-    from kvstore.server.stores import HostedStore
     from kvstore.tiers.slab import SharedSegment
 
-__all__ = ["CONCURRENT", "Reservation", "commit", "expire_reservations", "put", "release"]
+__all__ = ["CONCURRENT", "commit", "expire_reservations", "put", "release"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Reservation:
-    """A RESERVE waiting for its COMMIT."""
-
-    pending: PendingPut
-    slots: list[tuple[int, int]]
-    created: float
-
-
 # -- PUT ---------------------------------------------------------------------
-async def put(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def put(conn: Session, frame: Frame, meta: bytes) -> None:
     """Receive whole blocks into reserved slots, verify, commit."""
     hosted = conn.store
-    each = wire.wire_nbytes(hosted.layout)
+    each = wire_nbytes(hosted.layout)
     try:
         keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
         if frame.payload_len != len(keys) * each:
@@ -98,24 +91,24 @@ async def put(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_put_reply(statuses))
 
 
-async def _acquire(conn: Connection, nbytes: int) -> None:
+async def _acquire(conn: Session, nbytes: int) -> None:
     if not await conn.ctx.budget.acquire(nbytes, conn.deadline()):
         raise _busy(nbytes)
 
 
 def _busy(nbytes: int) -> Exception:
-    return _refused(Status.BUSY, f"{nbytes} payload bytes do not fit in flight now; retry")
+    return Refused(Status.BUSY, f"{nbytes} payload bytes do not fit in flight now; retry")
 
 
 async def _receive_blocks(
-    conn: Connection, frame: Frame, views: list[torch.Tensor | None]
+    conn: Session, frame: Frame, views: list[torch.Tensor | None]
 ) -> list[bytes | None]:
     """Receive each block's header, and its bytes into its view (dropped where None).
 
     Returns the headers of the blocks received into a view (None elsewhere).
     """
     layout = conn.store.layout
-    size = wire.wire_nbytes(layout) - layout.block_nbytes
+    size = wire_nbytes(layout) - layout.block_nbytes
     deadline = conn.deadline(frame.payload_len)
     headers: list[bytes | None] = []
     for view in views:
@@ -134,7 +127,7 @@ def _bytes_of(view: torch.Tensor) -> memoryview:
 
 
 async def _commit(
-    conn: Connection, frame: Frame, pending: PendingPut, arrived: list[bytes | None]
+    conn: Session, frame: Frame, pending: PendingPut, arrived: list[bytes | None]
 ) -> list[int]:
     """Verify what arrived, commit the good blocks, persist if asked; per-key statuses."""
     hosted = conn.store
@@ -178,7 +171,7 @@ def _verify_and_commit(
             status = SlotStatus.MISS
         elif head:
             try:
-                wire.verify_span(wire.read_header(head, store.layout, key), view)
+                verify_span(read_header(head, store.layout, key), view)
             except (CorruptBlockError, LayoutMismatchError) as exc:
                 log.warning("dropping block %s from a client: %s", key.hex(), exc)
                 good, status = False, SlotStatus.CORRUPT
@@ -196,12 +189,12 @@ def _verify_and_commit(
 
 
 # -- RESERVE / COMMIT (puts through shared memory) ----------------------------
-async def reserve(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def reserve(conn: Session, frame: Frame, meta: bytes) -> None:
     """Room for new blocks: a shared-memory offset each, or INLINE (send in COMMIT)."""
     hosted = conn.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
     if len(conn.reservations) >= conn.ctx.server.max_inflight_requests:
-        raise _refused(Status.BUSY, "too many reservations waiting for COMMIT")
+        raise Refused(Status.BUSY, "too many reservations waiting for COMMIT")
     pending = await conn.run(hosted.store.begin_put, keys)
     segment = hosted.segment
     slots: list[tuple[int, int]] = []
@@ -218,10 +211,10 @@ async def reserve(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_reserve_reply(ident, slots))
 
 
-async def commit(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def commit(conn: Session, frame: Frame, meta: bytes) -> None:
     """Publish a reservation: shared-memory blocks as written, inline ones received."""
     layout = conn.store.layout
-    each = wire.wire_nbytes(layout)
+    each = wire_nbytes(layout)
     try:
         ident, written = decode_commit_request(meta, conn.ctx.server.max_batch_blocks)
         res = conn.reservations.get(ident)
@@ -253,14 +246,14 @@ async def commit(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_put_reply(await _commit(conn, frame, pending, arrived)))
 
 
-def expire_reservations(conn: Connection, older_than: float) -> list[PendingPut]:
+def expire_reservations(conn: Session, older_than: float) -> list[PendingPut]:
     """Forget reservations made before ``older_than`` (loop time); their puts, to abort."""
     old = [k for k, r in conn.reservations.items() if r.created < older_than]
     return [conn.reservations.pop(k).pending for k in old]
 
 
 # -- GET / RELEASE --------------------------------------------------------------
-async def get(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def get(conn: Session, frame: Frame, meta: bytes) -> None:
     """Send blocks (or layer ranges) from the memory holding them, or their places in
     shared memory; misses are marked, never an error."""
     hosted = conn.store
@@ -274,7 +267,7 @@ async def get(conn: Connection, frame: Frame, meta: bytes) -> None:
     try:
         slots = _slots(loan, hosted.segment if shared else None, layers)
         inline = [i for i, (s, _) in enumerate(slots) if s == SlotStatus.INLINE]
-        nbytes = len(inline) * wire.wire_nbytes(layout, layers)
+        nbytes = len(inline) * wire_nbytes(layout, layers)
         await _acquire(conn, nbytes)
         staged: list[torch.Tensor] = []
         try:
@@ -321,7 +314,7 @@ def _slots(
 
 def _inline_parts(
     staging: StagingPool,
-    headers: wire.HeaderCache,
+    headers: HeaderCache,
     loan: Loan,
     what: tuple[list[int], tuple[int, int] | None],
     staged: list[torch.Tensor],
@@ -348,14 +341,14 @@ def _inline_parts(
     for i, block in blocks.items():
         key = loan.keys[i]
         known = headers.get(key)
-        header, pieces = wire.encode_span(key, layout, block, layers, known)
+        header, pieces = encode_span(key, layout, block, layers, known)
         if known is None and layers is None:
             headers.put(key, header)
         parts[i] = [header, *pieces]
     return parts
 
 
-async def release(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def release(conn: Session, frame: Frame, meta: bytes) -> None:
     """End a loan of shared-memory blocks (the client has copied them).
 
     On the loop, not a worker thread: unpinning is a short critical section, and
@@ -369,7 +362,7 @@ async def release(conn: Connection, frame: Frame, meta: bytes) -> None:
 
 
 # -- queries ------------------------------------------------------------------
-async def exists(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def exists(conn: Session, frame: Frame, meta: bytes) -> None:
     """One byte per key: 1 if stored."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
@@ -377,7 +370,7 @@ async def exists(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_count(len(keys)) + bytes(found))
 
 
-async def lookup(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def lookup(conn: Session, frame: Frame, meta: bytes) -> None:
     """How many leading keys are stored; blocks only shared tiers hold (a peer, S3) are
     confirmed with them first, so a node never claims what it can no longer load."""
     store = conn.store.store
@@ -386,14 +379,14 @@ async def lookup(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_count(found))
 
 
-async def delete(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def delete(conn: Session, frame: Frame, meta: bytes) -> None:
     """Delete keys from every tier of this namespace's store."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
     await conn.reply(frame, encode_count(await conn.run(store.delete, keys)))
 
 
-async def list_keys(conn: Connection, frame: Frame, meta: bytes) -> None:
+async def list_keys(conn: Session, frame: Frame, meta: bytes) -> None:
     """Up to ``limit`` stored keys of this namespace's store, as the payload."""
     store = conn.store.store
     limit = min(decode_count(meta), conn.ctx.server.max_frame_bytes // 16)
@@ -401,13 +394,7 @@ async def list_keys(conn: Connection, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_count(min(limit, len(keys))), [b"".join(keys[:limit])])
 
 
-def _refused(status: Status, message: str) -> Exception:
-    from kvstore.server.connection import Refused
-
-    return Refused(status, message)
-
-
-Handler = Callable[["Connection", Frame, bytes], Awaitable[None]]
+Handler = Callable[[Session, Frame, bytes], Awaitable[None]]
 #: Requests served beside the reader, several at once per connection.
 CONCURRENT: dict[int, Handler] = {
     Op.GET: get,

@@ -33,9 +33,9 @@ from kvstore.config.tiers import (
 )
 from kvstore.errors import CapacityError, ClosedError
 from kvstore.layout import KVLayout
-from kvstore.server.wire import HeaderCache
 from kvstore.store import KVStore
 from kvstore.tiers.slab import SharedSegment, SlabTier
+from kvstore.wire.blocks import HeaderCache
 
 __all__ = ["HostedStore", "StoreRegistry", "namespaced_config"]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import sys
 
 import torch
@@ -76,6 +77,14 @@ def _write(path: str, count: int) -> None:
         store.delete(keys)
 
 
+def _die() -> None:
+    """End a forked child now: no atexit handlers, no flush of the stdio buffers it
+    inherited, no return into the zygote's loop. SIGABRT, without a core file: the
+    parent, which ends children with SIGKILL, sees that this one failed by itself."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
+
+
 def _zygote(universe: int = 48) -> None:
     # Computed once here, inherited by every forked child (which runs no torch kernels).
     blocks = [block_for(WORKER_LAYOUT, i) for i in range(universe)]
@@ -89,7 +98,7 @@ def _zygote(universe: int = 48) -> None:
                     sys.stdin.close()
                     _churn(arg, blocks)
                 finally:
-                    os._exit(1)
+                    _die()
             print(pid, flush=True)
         elif command == "reap":
             _, status = os.waitpid(int(arg), 0)

@@ -26,7 +26,7 @@ _REGISTRY: dict[str, str] = {
     "disk": "kvstore.tiers.disk:DiskTier",
     "s3": "kvstore.tiers.s3:S3Tier",
     "redis": "kvstore.tiers.redis:RedisTier",
-    "remote": "kvstore.tiers.remote:RemoteTier",
+    "remote": "kvstore.client.tier:RemoteTier",
 }
 _INSTALL_HINTS: dict[str, str] = {
     "s3": "install it with: pip install 'kvstore[s3]'",

@@ -1,7 +1,9 @@
-"""S3 tier helpers: error classification, shared API models, the header cache,
-multipart uploads and body reads.
+"""The S3 tier's requests and helpers: :class:`S3Requests` (the client, its thread
+pool, retries and circuit breaker, multipart uploads), error classification,
+shared API models, the header cache and body reads.
 
-Imported only by :mod:`kvstore.tiers.s3` (it needs boto3).
+Imported only by :mod:`kvstore.tiers.s3` (it needs boto3); the tier hands
+:class:`S3Requests` its config and counters, and each keeps its own state.
 """
 
 from __future__ import annotations
@@ -11,18 +13,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import boto3
+import botocore.config
 import botocore.exceptions
 import botocore.loaders
 import botocore.session
 
 from kvstore.codec import BlockHeader
+from kvstore.config import S3TierConfig
+from kvstore.errors import TierError
 from kvstore.keys import BlockKey
-
-if TYPE_CHECKING:
-    from kvstore.tiers.s3 import S3Tier
+from kvstore.retry import Backoff, Breaker, retry_call
+from kvstore.tiers.remote_common import Counters
 
 __all__ = [
     "CORRUPT_CODES",
@@ -30,9 +36,8 @@ __all__ = [
     "PERMANENT_CODES",
     "TRANSPORT",
     "HeaderCache",
-    "abort_upload",
-    "put_multipart",
     "BodyReader",
+    "S3Requests",
     "error_info",
     "has_code",
     "new_session",
@@ -40,6 +45,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvstore.tiers.s3")
+T = TypeVar("T")
 
 RETRY_CODES = frozenset(
     {
@@ -88,6 +94,7 @@ def retryable(exc: BaseException) -> bool:
 
 
 def has_code(exc: BaseException, codes: frozenset[str], status: int) -> bool:
+    """Whether ``exc`` carries one of the error ``codes``, or the HTTP ``status`` (not 0)."""
     code, got = error_info(exc)
     return code in codes or (got == status and status != 0)
 
@@ -120,6 +127,7 @@ class HeaderCache:
         self._lock = threading.Lock()
 
     def get(self, key: BlockKey) -> tuple[BlockHeader, str] | None:
+        """The header and ETag cached for ``key`` (now the most recently used), if any."""
         with self._lock:
             hit = self._map.get(key)
             if hit is not None:
@@ -127,6 +135,7 @@ class HeaderCache:
             return hit
 
     def put(self, key: BlockKey, header: BlockHeader, etag: str) -> None:
+        """Cache ``key``'s verified header and its object's ETag (the oldest go past the bound)."""
         with self._lock:
             self._map[key] = (header, etag)
             self._map.move_to_end(key)
@@ -134,73 +143,189 @@ class HeaderCache:
                 self._map.popitem(last=False)
 
     def drop(self, key: BlockKey) -> None:
+        """Forget ``key`` (its object was rewritten, deleted or found bad)."""
         with self._lock:
             self._map.pop(key, None)
 
 
-def put_multipart(tier: S3Tier, name: str, data: bytes, deadline_at: float) -> None:
-    """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""
-    bucket, part = tier.cfg.bucket, tier.cfg.part_size
-    created = tier._pooled(
-        lambda: tier._client.create_multipart_upload(Bucket=bucket, Key=name), deadline_at
-    )
-    upload_id = created["UploadId"]
-    view = memoryview(data)
-    offsets = list(range(0, len(data), part))
+class S3Requests:
+    """One S3 tier's client, the thread pool its requests run on, and its circuit breaker.
 
-    def upload(i: int) -> dict[str, Any]:
-        body = bytes(view[offsets[i] : offsets[i] + part])
-        sent = tier._call(
-            lambda: tier._client.upload_part(
-                Bucket=bucket, Key=name, UploadId=upload_id, PartNumber=i + 1, Body=body
+    Every request goes through :meth:`call`: retried with backoff on transient
+    errors (:func:`retryable`) inside a deadline, counted in ``counters``, and
+    failed at once while the breaker is open (the endpoint was unreachable).
+    The pool has as many threads as the client has connections
+    (``concurrency``), so requests run on it (:meth:`pooled`, :meth:`map`)
+    never open more. botocore's own retries are off.
+    """
+
+    def __init__(self, config: S3TierConfig, counters: Counters) -> None:
+        self.cfg = config
+        #: The tier's counters (requests, retries, outages, multipart uploads, ...).
+        self.counters = counters
+        self.breaker = Breaker(config.retry_interval)
+        #: The boto3 S3 client (thread-safe; its pool holds ``concurrency`` connections).
+        self.client: Any = new_session().client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            config=botocore.config.Config(
+                max_pool_connections=config.concurrency,
+                connect_timeout=config.connect_timeout,
+                read_timeout=config.read_timeout,
+                retries={"total_max_attempts": 1, "mode": "standard"},  # call() retries
+                s3={"addressing_style": config.addressing_style},
             ),
-            deadline_at,
         )
-        return {"ETag": sent["ETag"], "PartNumber": i + 1}
+        #: ``concurrency`` threads: a batch moves that many objects at once.
+        self.pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="kvstore-s3")
 
-    try:
-        parts = list(tier._pool.map(upload, range(len(offsets))))
-        tier._pooled(
-            lambda: tier._client.complete_multipart_upload(
-                Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
-            ),
-            deadline_at,
+    @property
+    def available(self) -> bool:
+        """False while the endpoint is unreachable (the breaker is open)."""
+        return self.breaker.available
+
+    def call(self, fn: Callable[[], T], deadline_at: float, attempts: int = 0) -> T:
+        """``fn()`` with retries on transient errors, inside the deadline.
+
+        ``attempts`` (0: ``max_attempts``) bounds the tries. While the circuit
+        breaker is open (the endpoint was unreachable) it fails at once.
+        """
+        remaining = deadline_at - time.monotonic()
+        if remaining <= 0:
+            self.counters.add("deadline_exceeded")
+            raise TierError(f"s3 request not started: the {self.cfg.deadline:g}s deadline passed")
+        if not self.breaker.allow():
+            self.counters.add("skipped_unavailable")
+            raise TierError("s3 endpoint unavailable; waiting to probe it again")
+        limit = attempts or self.cfg.max_attempts
+        started = [1]
+
+        def attempt() -> T:
+            self.counters.add("requests")
+            return fn()
+
+        def on_retry(failed: int, exc: BaseException) -> None:
+            started[0] = failed + 1
+            self.counters.add("retries")
+
+        try:
+            result = retry_call(
+                attempt,
+                retryable,
+                Backoff(max_attempts=limit, deadline=remaining),
+                on_retry=on_retry,
+            )
+        except Exception as exc:
+            self._gave_up(exc, exhausted=started[0] >= limit)
+            raise
+        self._reachable()
+        return result
+
+    def _gave_up(self, exc: BaseException, exhausted: bool) -> None:
+        """Count a request that failed for good; open the breaker if nothing answered."""
+        if isinstance(exc, botocore.exceptions.ClientError):
+            self._reachable()  # the server answered, if only with an error
+        if not retryable(exc):
+            return
+        self.counters.add("retries_exhausted" if exhausted else "deadline_exceeded")
+        if isinstance(exc, TRANSPORT) and self.breaker.failed():
+            self.counters.add("outages")
+            log.warning(
+                "s3 tier: %s unreachable (%s); serving misses, probing every %gs",
+                self.cfg.endpoint_url or "the S3 endpoint",
+                exc,
+                self.cfg.retry_interval,
+            )
+
+    def _reachable(self) -> None:
+        if self.breaker.succeeded():
+            self.counters.add("reconnects")
+            log.info("s3 tier: %s is reachable again", self.cfg.endpoint_url or "S3")
+
+    def pooled(self, fn: Callable[[], T], deadline_at: float) -> T:
+        """:meth:`call` of ``fn`` on the pool, so connections stay within the pool's size."""
+        return self.pool.submit(self.call, fn, deadline_at).result()
+
+    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        """``[fn(0), ..., fn(n-1)]`` run concurrently on the pool."""
+        return list(self.pool.map(fn, range(n)))
+
+    def put_multipart(self, name: str, data: bytes, deadline_at: float) -> None:
+        """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""
+        bucket, part = self.cfg.bucket, self.cfg.part_size
+        created = self.pooled(
+            lambda: self.client.create_multipart_upload(Bucket=bucket, Key=name), deadline_at
         )
-    except Exception:
-        abort_upload(tier, name, upload_id)
-        raise
-    tier._counters.add("multipart_uploads")
+        upload_id = created["UploadId"]
+        view = memoryview(data)
+        offsets = list(range(0, len(data), part))
+
+        def upload(i: int) -> dict[str, Any]:
+            body = bytes(view[offsets[i] : offsets[i] + part])
+            sent = self.call(
+                lambda: self.client.upload_part(
+                    Bucket=bucket, Key=name, UploadId=upload_id, PartNumber=i + 1, Body=body
+                ),
+                deadline_at,
+            )
+            return {"ETag": sent["ETag"], "PartNumber": i + 1}
+
+        try:
+            parts = self.map(upload, len(offsets))
+            self.pooled(
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+                deadline_at,
+            )
+        except Exception:
+            self._abort_upload(name, upload_id)
+            raise
+        self.counters.add("multipart_uploads")
+
+    def _abort_upload(self, name: str, upload_id: str) -> None:
+        """Best effort: an upload left behind costs storage until a lifecycle rule ends it."""
+        try:
+            self.pooled(
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=self.cfg.bucket, Key=name, UploadId=upload_id
+                ),
+                time.monotonic() + self.cfg.connect_timeout + self.cfg.read_timeout,
+            )
+        except Exception as exc:
+            log.warning("s3 tier: could not abort multipart upload of %s: %s", name, exc)
+
+    def close(self) -> None:
+        """Wait for requests in flight, then close the client's connections."""
+        self.pool.shutdown(wait=True)
+        self.client.close()
 
 
-def abort_upload(tier: S3Tier, name: str, upload_id: str) -> None:
-    """Best effort: an upload left behind costs storage until a lifecycle rule ends it."""
-    try:
-        tier._pooled(
-            lambda: tier._client.abort_multipart_upload(
-                Bucket=tier.cfg.bucket, Key=name, UploadId=upload_id
-            ),
-            time.monotonic() + tier.cfg.connect_timeout + tier.cfg.read_timeout,
-        )
-    except Exception as exc:
-        log.warning("s3 tier: could not abort multipart upload of %s: %s", name, exc)
+def _socket_reader(body: Any) -> tuple[Any, Any] | None:
+    """``(urllib3 response, http.client response)`` under a botocore body, when reading
+    the latter directly is equivalent (no content decoding); else None.
 
-
-def _socket_reader(body: Any) -> Any:
-    """The ``http.client`` response under a botocore body, when reading it directly
-    is equivalent (no content decoding); else None.
-
-    urllib3's ``readinto`` is ``read`` plus a copy; the ``http.client`` object
-    underneath receives straight into the caller's buffer: measured on a 2-core
-    host, an S3 tier get went from 0.73-0.81 to 1.02-1.13 of a plain ``read()``.
+    Why reach under the body at all: urllib3's ``readinto`` is ``read`` plus a
+    copy; the ``http.client`` object underneath receives straight into the
+    caller's buffer. Measured on a 2-core host, an S3 tier get went from
+    0.73-0.81 to 1.02-1.13 of a plain ``read()``. Neither botocore's
+    ``StreamingBody`` nor urllib3's ``HTTPResponse`` exposes the object below it,
+    so this is the one place that looks (by ``getattr``, never assuming): a
+    botocore or urllib3 that stores them otherwise gets None here, and
+    :class:`BodyReader` then reads through the body's public ``readinto`` -- the
+    same bytes, only slower.
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     headers = getattr(raw, "headers", None)
     if fp is None or not hasattr(fp, "readinto") or headers is None:
         return None
+    if not hasattr(raw, "release_conn"):
+        return None
     if headers.get("content-encoding", "identity") not in ("identity", ""):
         return None
-    return fp
+    return raw, fp
 
 
 class BodyReader:
@@ -208,13 +333,19 @@ class BodyReader:
 
     Where :func:`_socket_reader` allows, it reads the ``http.client`` response
     directly; urllib3 then never sees the bytes go by, so :meth:`at_end` hands
-    the connection back to the pool itself and :meth:`close` drops it after a
-    failure. Not thread-safe: one reader per response, used by one thread.
+    the connection back to the pool itself (urllib3's public ``release_conn``)
+    and :meth:`close` drops it after a failure. Elsewhere it reads through the
+    body's public ``readinto``. Not thread-safe: one reader per response, used by
+    one thread.
     """
 
     def __init__(self, body: Any) -> None:
         self._body = body
-        self._fp = _socket_reader(body)
+        found = _socket_reader(body)
+        #: The urllib3 response (to release its connection) and the http.client one
+        #: below it (to read from), or None: read ``body`` itself.
+        self._raw: Any = None if found is None else found[0]
+        self._fp: Any = None if found is None else found[1]
 
     def fill(self, views: list[memoryview]) -> int:
         """Fill ``views`` in order; the bytes read, short only if the body ended."""
@@ -236,7 +367,7 @@ class BodyReader:
             return not self._body.read(1)
         if self._fp.read(1):
             return False
-        self._body._raw_stream.release_conn()
+        self._raw.release_conn()
         return True
 
     def close(self) -> None:

@@ -51,7 +51,8 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, retry_call
-from kvstore.tiers._remote import (
+from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.remote_common import (
     Breaker,
     BufferPool,
     Counters,
@@ -63,7 +64,6 @@ from kvstore.tiers._remote import (
     pack_into,
     value_header_size,
 )
-from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["RedisTier"]
 
@@ -113,7 +113,9 @@ def _redact(url: str) -> str:
         return url
     netloc = parts.netloc.rpartition("@")[2]
     user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
+    return urllib.parse.urlunsplit(
+        (parts.scheme, user + netloc, parts.path, parts.query, parts.fragment)
+    )
 
 
 class RedisTier(Tier):

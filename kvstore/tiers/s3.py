@@ -23,8 +23,9 @@ objects at once and never opens more connections. Blocks above
 ``multipart_threshold`` go up as a multipart upload and come down as
 parallel ranged GETs of ``part_size`` bytes.
 
-Failures: botocore's own retries are off; every request retries through
-:func:`kvstore.retry.retry_call` (backoff with full jitter) on throttling,
+Failures: botocore's own retries are off; every request goes through
+:meth:`S3Requests.call <kvstore.tiers._s3util.S3Requests.call>`, which retries
+(:func:`kvstore.retry.retry_call`: backoff with full jitter) on throttling,
 5xx, connection errors and timeouts, inside the batch's ``deadline``. Past
 it, the block is a miss (``deadline_exceeded`` counts it). Connect and read
 timeouts come from the config, so no request waits unbounded. Credentials
@@ -36,11 +37,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import botocore.config
 import botocore.exceptions
 import torch
 
@@ -62,9 +61,18 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.retry import Backoff, retry_call
-from kvstore.tiers._remote import (
-    Breaker,
+from kvstore.tiers._s3util import (
+    CORRUPT_CODES,
+    MISSING_CODES,
+    PERMANENT_CODES,
+    BodyReader,
+    HeaderCache,
+    S3Requests,
+    error_info,
+    has_code,
+)
+from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.remote_common import (
     BufferPool,
     Counters,
     check_get_args,
@@ -75,25 +83,10 @@ from kvstore.tiers._remote import (
     pack_into,
     value_header_size,
 )
-from kvstore.tiers._s3util import (
-    CORRUPT_CODES,
-    MISSING_CODES,
-    PERMANENT_CODES,
-    TRANSPORT,
-    BodyReader,
-    HeaderCache,
-    error_info,
-    has_code,
-    new_session,
-    put_multipart,
-    retryable,
-)
-from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["S3Tier"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _COUNTERS = (
     "requests",
@@ -150,22 +143,10 @@ class S3Tier(Tier):
         self._counters = Counters(_COUNTERS)
         self._headers = HeaderCache(_HEADER_CACHE_ENTRIES)
         self._buffers = BufferPool(_IDLE_BUFFER_BYTES)
-        self._breaker = Breaker(config.retry_interval)
         self._healthy = True
         self._closed = False
-        self._client = new_session().client(
-            "s3",
-            endpoint_url=config.endpoint_url,
-            region_name=config.region,
-            config=botocore.config.Config(
-                max_pool_connections=config.concurrency,
-                connect_timeout=config.connect_timeout,
-                read_timeout=config.read_timeout,
-                retries={"total_max_attempts": 1, "mode": "standard"},  # retry_call retries
-                s3={"addressing_style": config.addressing_style},
-            ),
-        )
-        self._pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="kvstore-s3")
+        #: The client, its thread pool and breaker: every request goes through it.
+        self._s3 = S3Requests(config, self._counters)
 
     # -- names and sizes ----------------------------------------------------
     @property
@@ -190,7 +171,7 @@ class S3Tier(Tier):
         if self._large:  # one block at a time, its parts in parallel
             done = [self._put_large(k, b, deadline_at) for k, b in zip(keys, blocks, strict=True)]
         else:
-            done = self._map(lambda i: self._put_one(keys[i], blocks[i], deadline_at), len(keys))
+            done = self._s3.map(lambda i: self._put_one(keys[i], blocks[i], deadline_at), len(keys))
         return self._unless_down(done, "stored")
 
     def get(
@@ -209,7 +190,7 @@ class S3Tier(Tier):
                 self._get_guarded(k, o, None, deadline_at) for k, o in zip(keys, outs, strict=True)
             ]
         else:
-            done = self._map(
+            done = self._s3.map(
                 lambda i: self._get_guarded(keys[i], outs[i], layers, deadline_at), len(keys)
             )
         return self._unless_down(done, "read")
@@ -217,7 +198,7 @@ class S3Tier(Tier):
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         self._check_open()
         deadline_at = time.monotonic() + self.cfg.deadline
-        done = self._map(lambda i: self._head(keys[i], deadline_at), len(keys))
+        done = self._s3.map(lambda i: self._head(keys[i], deadline_at), len(keys))
         return self._unless_down(done, "checked")
 
     def _unless_down(self, done: list[bool], what: str) -> list[bool]:
@@ -227,7 +208,7 @@ class S3Tier(Tier):
         forgets that copy); an unreachable endpoint is not the blocks' fault,
         so it raises and the manager keeps its books for when S3 is back.
         """
-        if done and not any(done) and not self._breaker.available:
+        if done and not any(done) and not self._s3.available:
             raise TierError(f"s3 endpoint unavailable: {len(done)} blocks not {what}")
         return done
 
@@ -238,7 +219,9 @@ class S3Tier(Tier):
             self._headers.drop(key)
         chunks = [unique[i : i + _DELETE_BATCH] for i in range(0, len(unique), _DELETE_BATCH)]
         deadline_at = time.monotonic() + self.cfg.deadline
-        failed = sum(self._map(lambda i: self._delete_chunk(chunks[i], deadline_at), len(chunks)))
+        failed = sum(
+            self._s3.map(lambda i: self._delete_chunk(chunks[i], deadline_at), len(chunks))
+        )
         if failed:
             raise TierError(
                 f"s3 tier: {failed} of {len(unique)} deletes under s3://{self.cfg.bucket}/"
@@ -269,9 +252,9 @@ class S3Tier(Tier):
             data = encode_value(key, self.layout, block, self.cfg.codec).tobytes()
             name = self.object_name(key)
             if len(data) <= self.cfg.multipart_threshold:  # compression brought it under
-                self._pool.submit(self._put_object, name, data, deadline_at).result()
+                self._s3.pool.submit(self._put_object, name, data, deadline_at).result()
             else:
-                put_multipart(self, name, data, deadline_at)
+                self._s3.put_multipart(name, data, deadline_at)
         except Exception as exc:
             self._failed("put", key, exc)
             return False
@@ -280,7 +263,9 @@ class S3Tier(Tier):
 
     def _put_object(self, name: str, data: bytes | bytearray, deadline_at: float) -> None:
         bucket = self.cfg.bucket
-        self._call(lambda: self._client.put_object(Bucket=bucket, Key=name, Body=data), deadline_at)
+        self._s3.call(
+            lambda: self._s3.client.put_object(Bucket=bucket, Key=name, Body=data), deadline_at
+        )
 
     def _stored(self, key: BlockKey, nbytes: int) -> None:
         self._headers.drop(key)  # a rewrite may have another codec and ETag
@@ -323,7 +308,7 @@ class S3Tier(Tier):
         bufs: list[bytearray] = []
 
         def fetch() -> None:
-            resp = self._client.get_object(Bucket=bucket, Key=name)
+            resp = self._s3.client.get_object(Bucket=bucket, Key=name)
             size, reader = int(resp.get("ContentLength", 0)), BodyReader(resp["Body"])
             try:
                 self._read_whole(key, reader, (size, str(resp.get("ETag", ""))), out, bufs)
@@ -333,7 +318,7 @@ class S3Tier(Tier):
             self._counters.add("bytes_in", size)
 
         try:
-            self._call(fetch, deadline_at)
+            self._s3.call(fetch, deadline_at)
         finally:
             self._buffers.give(bufs)
 
@@ -371,21 +356,21 @@ class S3Tier(Tier):
     def _fetch_ranged(self, key: BlockKey, deadline_at: float) -> bytearray:
         """A large object in ``part_size`` ranged GETs, all but the first in parallel."""
         name, part = self.object_name(key), self.cfg.part_size
-        first, total, etag = self._pooled(lambda: self._range(name, 0, part, None), deadline_at)
+        first, total, etag = self._s3.pooled(lambda: self._range(name, 0, part, None), deadline_at)
         buf = bytearray(total)
         buf[: len(first)] = first
         starts = list(range(len(first), total, part))
 
         def fetch(i: int) -> None:
             start = starts[i]
-            chunk, _, _ = self._call(
+            chunk, _, _ = self._s3.call(
                 lambda: self._range(name, start, min(part, total - start), etag), deadline_at
             )
             if len(chunk) != min(part, total - start):
                 raise CorruptBlockError(f"ranged GET of {name} returned {len(chunk)} bytes")
             buf[start : start + len(chunk)] = chunk
 
-        list(self._pool.map(fetch, range(len(starts))))
+        self._s3.map(fetch, len(starts))
         self._counters.add("ranged_gets", len(starts) + 1)
         self._counters.add("bytes_in", total)
         return buf
@@ -395,7 +380,7 @@ class S3Tier(Tier):
     ) -> tuple[bytes, int, str]:
         """One ranged GET: ``(bytes, object size, ETag)``."""
         extra = {"IfMatch": etag} if etag else {}
-        resp = self._client.get_object(
+        resp = self._s3.client.get_object(
             Bucket=self.cfg.bucket, Key=name, Range=f"bytes={start}-{start + nbytes - 1}", **extra
         )
         data = resp["Body"].read()
@@ -417,7 +402,9 @@ class S3Tier(Tier):
         start = header.header_nbytes + offset
         name = self.object_name(key)
         try:
-            payload, _, _ = self._call(lambda: self._range(name, start, nbytes, etag), deadline_at)
+            payload, _, _ = self._s3.call(
+                lambda: self._range(name, start, nbytes, etag), deadline_at
+            )
         except botocore.exceptions.ClientError as exc:
             if cached is not None and has_code(exc, frozenset({"PreconditionFailed"}), 412):
                 self._headers.drop(key)  # rewritten since we cached it: read it afresh
@@ -430,7 +417,7 @@ class S3Tier(Tier):
 
     def _fetch_header(self, key: BlockKey, deadline_at: float) -> tuple[BlockHeader, str]:
         name, size = self.object_name(key), self._header_nbytes
-        data, total, etag = self._call(lambda: self._range(name, 0, size, None), deadline_at)
+        data, total, etag = self._s3.call(lambda: self._range(name, 0, size, None), deadline_at)
         self._counters.add("ranged_gets")
         self._counters.add("bytes_in", len(data))
         header = parse_header(data, self.layout, key)
@@ -447,7 +434,9 @@ class S3Tier(Tier):
         try:
             # One attempt: an existence check is on the lookup path, and a failed
             # one only costs a miss.
-            self._call(lambda: self._client.head_object(Bucket=bucket, Key=name), deadline_at, 1)
+            self._s3.call(
+                lambda: self._s3.client.head_object(Bucket=bucket, Key=name), deadline_at, 1
+            )
         except Exception as exc:
             if not has_code(exc, MISSING_CODES, 404):
                 self._failed("head", key, exc)
@@ -458,8 +447,8 @@ class S3Tier(Tier):
         """Delete up to 1000 objects in one request; return how many failed."""
         objects = [{"Key": self.object_name(k)} for k in keys]
         try:
-            resp = self._call(
-                lambda: self._client.delete_objects(
+            resp = self._s3.call(
+                lambda: self._s3.client.delete_objects(
                     Bucket=self.cfg.bucket, Delete={"Objects": objects, "Quiet": True}
                 ),
                 deadline_at,
@@ -487,8 +476,8 @@ class S3Tier(Tier):
             if token:
                 params["ContinuationToken"] = token
             try:
-                page = self._pooled(
-                    functools.partial(self._client.list_objects_v2, **params),
+                page = self._s3.pooled(
+                    functools.partial(self._s3.client.list_objects_v2, **params),
                     time.monotonic() + self.cfg.deadline,
                 )
             except Exception as exc:
@@ -511,72 +500,6 @@ class S3Tier(Tier):
         log.warning("s3 tier: listing %s failed (%s); the index misses the rest", where, exc)
 
     # -- plumbing -----------------------------------------------------------
-    def _call(self, fn: Callable[[], T], deadline_at: float, attempts: int = 0) -> T:
-        """``fn()`` with retries on transient errors, inside the deadline.
-
-        ``attempts`` (0: ``max_attempts``) bounds the tries. While the circuit
-        breaker is open (the endpoint was unreachable) it fails at once.
-        """
-        remaining = deadline_at - time.monotonic()
-        if remaining <= 0:
-            self._counters.add("deadline_exceeded")
-            raise TierError(f"s3 request not started: the {self.cfg.deadline:g}s deadline passed")
-        if not self._breaker.allow():
-            self._counters.add("skipped_unavailable")
-            raise TierError("s3 endpoint unavailable; waiting to probe it again")
-        limit = attempts or self.cfg.max_attempts
-        started = [1]
-
-        def attempt() -> T:
-            self._counters.add("requests")
-            return fn()
-
-        def on_retry(failed: int, exc: BaseException) -> None:
-            started[0] = failed + 1
-            self._counters.add("retries")
-
-        try:
-            result = retry_call(
-                attempt,
-                retryable,
-                Backoff(max_attempts=limit, deadline=remaining),
-                on_retry=on_retry,
-            )
-        except Exception as exc:
-            self._gave_up(exc, exhausted=started[0] >= limit)
-            raise
-        self._reachable()
-        return result
-
-    def _gave_up(self, exc: BaseException, exhausted: bool) -> None:
-        """Count a request that failed for good; open the breaker if nothing answered."""
-        if isinstance(exc, botocore.exceptions.ClientError):
-            self._reachable()  # the server answered, if only with an error
-        if not retryable(exc):
-            return
-        self._counters.add("retries_exhausted" if exhausted else "deadline_exceeded")
-        if isinstance(exc, TRANSPORT) and self._breaker.failed():
-            self._counters.add("outages")
-            log.warning(
-                "s3 tier: %s unreachable (%s); serving misses, probing every %gs",
-                self.cfg.endpoint_url or "the S3 endpoint",
-                exc,
-                self.cfg.retry_interval,
-            )
-
-    def _reachable(self) -> None:
-        if self._breaker.succeeded():
-            self._counters.add("reconnects")
-            log.info("s3 tier: %s is reachable again", self.cfg.endpoint_url or "S3")
-
-    def _pooled(self, fn: Callable[[], T], deadline_at: float) -> T:
-        """``_call(fn)`` on the pool, so connections stay within the pool's size."""
-        return self._pool.submit(self._call, fn, deadline_at).result()
-
-    def _map(self, fn: Callable[[int], T], n: int) -> list[T]:
-        """``[fn(0), ..., fn(n-1)]`` run concurrently on the pool."""
-        return list(self._pool.map(fn, range(n)))
-
     def _failed(self, op: str, key: BlockKey, exc: BaseException) -> None:
         self._counters.add("errors")
         # Warn on the first failure after a success; the rest of an outage goes to debug.
@@ -601,7 +524,7 @@ class S3Tier(Tier):
     def stats(self) -> dict[str, Any]:
         return {
             **self._counters.snapshot(),
-            "available": self._breaker.available,
+            "available": self._s3.available,
             "bucket": self.cfg.bucket,
             "prefix": self._dir,
             "concurrency": self.cfg.concurrency,
@@ -612,5 +535,4 @@ class S3Tier(Tier):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        self._client.close()
+        self._s3.close()

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from kvstore.layout import KVLayout
-from kvstore.server import auth
-from kvstore.server.protocol import (
+from kvstore.wire import auth
+from kvstore.wire.protocol import (
     FRAME,
     Flag,
     Frame,

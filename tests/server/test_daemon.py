@@ -16,9 +16,9 @@ import torch
 from kvstore.client import Client, ClientOptions
 from kvstore.layout import KVLayout
 from kvstore.server import ServerThread
-from kvstore.server.protocol import SlotStatus
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.wire.protocol import SlotStatus
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()

@@ -21,7 +21,10 @@ from kvstore.codec import Codec, encode_block
 from kvstore.config import StoreConfig
 from kvstore.errors import TierError
 from kvstore.server import ServerThread
-from kvstore.server.protocol import (
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.kvserver import server_test_config
+from kvstore.wire.protocol import (
     FRAME,
     MAGIC,
     VERSION,
@@ -37,9 +40,6 @@ from kvstore.server.protocol import (
     encode_get_request,
     encode_keys,
 )
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ProtocolError
-from kvstore.server.protocol import (
+from kvstore.testing.conformance import make_keys
+from kvstore.wire.protocol import (
     FRAME,
     MAX_JSON_META,
     Flag,
@@ -35,7 +36,6 @@ from kvstore.server.protocol import (
     encode_reserve_reply,
     encode_u64,
 )
-from kvstore.testing.conformance import make_keys
 
 
 def test_frame_round_trip() -> None:

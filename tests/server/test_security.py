@@ -14,10 +14,11 @@ import trustme
 from kvstore.client import Client, ClientOptions
 from kvstore.config import StoreConfig
 from kvstore.errors import AccessDeniedError, ConfigError, TierError
-from kvstore.server import Server, ServerThread, auth
-from kvstore.server.protocol import Op, Status, encode_json, encode_keys
+from kvstore.server import Server, ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.wire import auth
+from kvstore.wire.protocol import Op, Status, encode_json, encode_keys
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()

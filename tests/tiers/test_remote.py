@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore import KVStore, StoreConfig
+from kvstore.client.tier import RemoteTier
 from kvstore.config import RemoteTierConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
@@ -21,7 +22,6 @@ from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.kvserver import server_test_config
 from kvstore.testing.tcpproxy import CorruptingProxy
-from kvstore.tiers.remote import RemoteTier
 
 Start = Callable[..., ServerThread]
 _names = itertools.count()

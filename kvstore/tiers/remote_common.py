@@ -1,8 +1,17 @@
-"""What the remote tiers (S3, Redis) share: counters, value encoding, verification.
+"""What the tiers outside process memory share: counters, argument checks, value encoding.
 
-A remote tier stores each block as one value in the self-describing format of
-:mod:`kvstore.codec` (header with per-layer checksums, then the payload) and
-verifies it on every read. Nothing here imports a client library.
+Public helpers for tier implementations: the S3 and Redis tiers
+(:mod:`kvstore.tiers.s3`, :mod:`kvstore.tiers.redis`), the ``remote`` tier
+(:mod:`kvstore.client.tier`) and the cluster tier (:mod:`kvstore.cluster.tier`).
+
+- :class:`Counters`, :class:`BufferPool`: thread-safe counters and reused buffers;
+- :func:`check_put_args`, :func:`check_get_args`: bad input raises before any I/O;
+- :func:`encode_value`, :func:`decode_value`, :func:`decode_span`, :func:`pack_into`:
+  a block stored as one value in the self-describing format of :mod:`kvstore.codec`
+  (header with per-layer checksums, then the payload), verified on every read;
+- :func:`key_from_hex`: a key back from the hex of an object or entry name.
+
+Nothing here imports a client library.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from kvstore.config import RemoteTierConfig, TierConfig
 from kvstore.errors import ClosedError, ConfigError, TierError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.tiers._remote import check_get_args, check_put_args
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.remote_common import check_get_args, check_put_args
 
 __all__ = ["RemoteTier"]
 
