@@ -42,13 +42,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from _common import base_parser, emit, environment, log, median, run_rounds, timed
 
 from kvstore import KVLayout, KVStore
-from kvstore.prefetch import Prefetcher
 
 TARGET = 0.87
 
@@ -126,31 +124,24 @@ class PrefetchBench:
         handle.wait()
 
     def pipelined_traced(self) -> dict[str, Any]:
-        """One pipelined rep, instrumented: per layer, load and compute start/end (ms)."""
+        """One pipelined rep, instrumented: per layer, load and compute start/end (ms).
+
+        The load side is what the prefetch itself recorded (``handle.steps``: when
+        each step's copies were queued and when the copy engine finished them).
+        """
         assert self.model is not None
-        steps: list[tuple[float, float, tuple[int, int] | None]] = []
-        original = Prefetcher._step
-
-        def step(prefetcher: Prefetcher, *args: Any, **kwargs: Any) -> bool:
-            begin = time.perf_counter()
-            try:
-                return original(prefetcher, *args, **kwargs)
-            finally:  # (handle, lease, views, blocks, layers): the layers it loaded
-                layers = args[4] if len(args) > 4 else kwargs.get("layers")
-                steps.append((begin, time.perf_counter(), layers))
-
         compute: list[tuple[float, float]] = []
-        with mock.patch.object(Prefetcher, "_step", step):
-            start = time.perf_counter()
-            handle = self.store.prefetch(self.keys, out=self.out)
-            for layer in range(self.store.layout.num_layers):
-                handle.wait_layer(layer)
-                begin = time.perf_counter()
-                self.model.layer(self.out[layer])
-                self.model.sync()
-                compute.append((begin, time.perf_counter()))
-            handle.wait()
-            total = time.perf_counter() - start
+        start = time.perf_counter()
+        handle = self.store.prefetch(self.keys, out=self.out)
+        for layer in range(self.store.layout.num_layers):
+            handle.wait_layer(layer)
+            begin = time.perf_counter()
+            self.model.layer(self.out[layer])
+            self.model.sync()
+            compute.append((begin, time.perf_counter()))
+        handle.wait()
+        total = time.perf_counter() - start
+        steps = [(s.began, s.ended, (s.first_layer, s.last_layer)) for s in handle.steps]
         return timeline(start, total, steps, compute)
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.copies import engine_for
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.layout import KVLayout
 
@@ -468,7 +469,7 @@ def _copy_bytes_into(dst: torch.Tensor, src: np.ndarray) -> None:
         np.copyto(target, src.reshape(target.shape))
         return
     host = torch.from_numpy(src if src.flags.writeable else src.copy())
-    dst.copy_(host.view(dst.dtype).view(dst.shape))
+    engine_for(dst.device).copy_all([(dst, host.view(dst.dtype).view(dst.shape))])
 
 
 def decode_block(

@@ -1,7 +1,10 @@
-"""The block manager's index: entries, per-tier levels, moves, heat and counters.
+"""The books' plain data: index entries, per-tier levels, heat, moves, the change feed.
 
-Plain data with no locking of its own: everything here is read and written
-under the block manager's lock (see :mod:`kvstore.manager`).
+Nothing here locks or does I/O: every object is read and written under the one
+lock of :class:`~kvstore.books.Books`, which is their only user. :class:`Index`
+is the one place an entry's state or tier bits change, so what follows from a
+change -- the change feed, the write-back books of memory tiers in front of a
+disk, the count of blocks only memory holds -- is kept in step in one place.
 """
 
 from __future__ import annotations
@@ -9,16 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvstore.keys import BlockKey
 from kvstore.policy import EvictionPolicy, Watermarks
-from kvstore.policy.placement import TierRules
-from kvstore.tiers.base import Tier
 
 __all__ = [
     "DELETING",
@@ -27,26 +27,37 @@ __all__ = [
     "ChangeFeed",
     "Entry",
     "HeatClock",
+    "Index",
     "Level",
-    "ManagerCounters",
     "Move",
+    "lowest_bit",
 ]
 
 WRITING, READY, DELETING = 0, 1, 2
 HEAT_CAP = 255  # small ints are shared objects in CPython: heat costs no memory per entry
 
 
+def lowest_bit(bits: int) -> int:
+    """Index of the lowest set bit of ``bits`` (the fastest tier of a mask); -1 for 0."""
+    return (bits & -bits).bit_length() - 1
+
+
 class Entry:
-    """Index entry of one key."""
+    """Index entry of one key.
 
-    __slots__ = ("dropping", "epoch", "heat", "pins", "state", "tiers")
+    ``tiers``: bit i set while tier i holds a copy. ``heat`` and ``epoch``:
+    the decayed access count (see :class:`HeatClock`). Five slots and no
+    objects of its own (the ints are shared small ones): an entry costs 72
+    bytes, which keeps the whole index within 256 bytes a block.
+    """
 
-    def __init__(self, state: int, pins: int = 0, tiers: int = 0) -> None:
+    __slots__ = ("epoch", "heat", "pins", "state", "tiers")
+
+    def __init__(self, state: int, pins: int = 0) -> None:
         self.state = state
         self.pins = pins
-        self.tiers = tiers  # bit i: tier i holds a copy
-        self.dropping = 0  # bit i: a delete from tier i is in flight (nothing may write it there)
-        self.heat = 0  # decayed access count, see HeatClock
+        self.tiers = 0
+        self.heat = 0
         self.epoch = 0
 
 
@@ -98,13 +109,12 @@ class HeatClock:
 
 @dataclass
 class Level:
-    """The manager's bookkeeping for one tier."""
+    """The books of one tier: its room, eviction order and write-back state."""
 
     index: int
-    tier: Tier
+    kind: str
     marks: Watermarks
     policy: EvictionPolicy
-    rules: TierRules
     # Copies held plus room reserved for writes in flight. A copy being evicted
     # counts until its slot is really free (so no put is granted room that a
     # medium has not freed yet); ``leaving`` says how many of them are on their
@@ -113,7 +123,7 @@ class Level:
     leaving: int = 0
     #: Write-back ahead of eviction (a memory tier in front of a local disk): past
     #: the low watermark's worth of ``dirty`` blocks, the least recently used are
-    #: copied down in the background (see :mod:`kvstore.moves`).
+    #: copied down in the background (see :mod:`kvstore.migrations`).
     writes_back_ahead: bool = False
     #: Blocks only this tier holds (no copy below), least recently used first.
     dirty: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)
@@ -126,14 +136,20 @@ class Level:
         """This tier's bit in :attr:`Entry.tiers`."""
         return 1 << self.index
 
+    @property
+    def below(self) -> int:
+        """The bits of every tier after this one."""
+        return ~((self.bit << 1) - 1)
+
 
 class ChangeFeed:
     """Keys that gained their first copy in a local tier, or lost their last one.
 
-    For a watcher outside the manager (a cluster node publishing what it holds):
-    the manager records each change under its own lock; :meth:`drain` hands over
-    the net change since the last drain (a key added and removed meanwhile is
-    neither). ``_lock`` guards ``_state`` (drains come from the watcher's thread).
+    For a watcher outside the store (a cluster node publishing what it holds):
+    :class:`Index` records each change under the books' lock; :meth:`drain`
+    hands over the net change since the last drain (a key added and removed
+    meanwhile is neither). ``_lock`` guards ``_state`` (drains come from the
+    watcher's thread).
     """
 
     def __init__(self) -> None:
@@ -161,49 +177,138 @@ class Move:
     src: torch.Tensor
 
 
-@dataclass
-class ManagerCounters:
-    """Cumulative counters."""
+class Index:
+    """Key -> :class:`Entry`, and every change of an entry's state or copies.
 
-    lookups: int = 0
-    lookup_blocks_hit: int = 0
-    lookup_blocks_missed: int = 0
-    puts: int = 0
-    blocks_stored: int = 0
-    blocks_already_present: int = 0
-    blocks_not_stored: int = 0
-    gets: int = 0
-    blocks_read: int = 0
-    blocks_missed: int = 0
-    blocks_deleted: int = 0
-    evictions: list[int] = field(default_factory=list)
-    demotions: list[int] = field(default_factory=list)
-    promotions: list[int] = field(default_factory=list)
-    write_through_copies: list[int] = field(default_factory=list)
-    writebacks: list[int] = field(default_factory=list)
-    admission_rejects: list[int] = field(default_factory=list)
-    blocks_dropped: int = 0
-    copies_lost: int = 0
-    tier_errors: int = 0
-    leases_expired: int = 0
-    layer_writes_expired: int = 0
-    bytes_written: int = 0
-    #: Bytes writers copied themselves into room reserved in a tier (``begin_put``,
-    #: layer writes, a server's shared-memory puts): not timed, so not in ``write_gbps``.
-    bytes_written_in_place: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
+    ``persistent`` and ``local``: the bits of the tiers that outlive the
+    process, and of the tiers of this machine. ``unpersisted`` counts the
+    readable blocks no persistent tier holds (what a flush must write),
+    kept up to date at each change rather than counted by a scan.
+    """
 
-    @classmethod
-    def for_tiers(cls, count: int) -> ManagerCounters:
-        """Counters with one slot per tier in the per-tier lists."""
-        counters = cls()
-        for name in ("evictions", "demotions", "promotions", "write_through_copies", "writebacks"):
-            setattr(counters, name, [0] * count)
-        counters.admission_rejects = [0] * count
-        return counters
+    def __init__(self, levels: Sequence[Level], persistent: int, local: int) -> None:
+        self.levels = list(levels)
+        self.persistent = persistent
+        self.local = local
+        self.entries: dict[BlockKey, Entry] = {}
+        #: Key -> bits of the tiers a delete of it is in flight from: nothing may write
+        #: the key there until the tier has deleted it (kept apart: it is rarely set).
+        self.dropping: dict[BlockKey, int] = {}
+        self.unpersisted = 0
+        self.changes: ChangeFeed | None = None
+        self._write_back = [lv for lv in self.levels if lv.writes_back_ahead]
 
-    def snapshot(self) -> dict[str, Any]:
-        """A plain-dict copy."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: BlockKey) -> Entry | None:
+        """The entry of ``key``, in any state."""
+        return self.entries.get(key)
+
+    def ready(self, key: BlockKey) -> Entry | None:
+        """The entry of ``key`` if it is readable."""
+        entry = self.entries.get(key)
+        return entry if entry is not None and entry.state == READY else None
+
+    def leading(self, keys: Sequence[BlockKey], mask: int = -1) -> int:
+        """Leading ``keys`` readable (with a copy in a tier of ``mask``)."""
+        n = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or entry.state != READY or not entry.tiers & mask:
+                break
+            n += 1
+        return n
+
+    def items(self) -> Iterator[tuple[BlockKey, Entry]]:
+        """Every (key, entry), in any state."""
+        return iter(self.entries.items())
+
+    def add(self, key: BlockKey, state: int, pins: int = 0) -> Entry:
+        """A new entry for ``key`` (which has none)."""
+        entry = self.entries[key] = Entry(state, pins)
+        return entry
+
+    def remove(self, key: BlockKey, entry: Entry) -> bool:
+        """Forget ``key`` if ``entry`` is still its entry; True if it was."""
+        if self.entries.get(key) is not entry:
+            return False
+        self._count(entry, -1)
+        del self.entries[key]
+        return True
+
+    def set_state(self, entry: Entry, state: int) -> None:
+        """Change ``entry``'s state."""
+        self._count(entry, -1)
+        entry.state = state
+        self._count(entry, 1)
+
+    def note_copy(self, key: BlockKey, entry: Entry, bit: int) -> None:
+        """Record a new copy of ``key`` in the tier of ``bit``."""
+        self._set_tiers(key, entry, entry.tiers | bit)
+
+    def begin_drop(self, level: Level, key: BlockKey, entry: Entry) -> bool:
+        """Take ``level``'s copy of ``key`` off the books; False if it had none.
+
+        The copy's room still counts in ``level.resident``, and nothing may
+        write ``key`` into ``level`` (:attr:`dropping`), until :meth:`end_drop`
+        -- after the tier has really deleted it -- so no put is granted room
+        the medium has not freed, and no promotion lands a copy that the
+        delete then removes.
+        """
+        if not entry.tiers & level.bit:
+            return False
+        self._set_tiers(key, entry, entry.tiers & ~level.bit)
+        self.dropping[key] = self.dropping.get(key, 0) | level.bit
+        level.policy.remove(key)
+        return True
+
+    def end_drop(self, level: Level, keys: Sequence[BlockKey]) -> None:
+        """The tier deleted these copies: give their room back."""
+        for key in keys:
+            left = self.dropping.pop(key, 0) & ~level.bit
+            if left:
+                self.dropping[key] = left
+        level.resident -= len(keys)
+
+    def _set_tiers(self, key: BlockKey, entry: Entry, tiers: int) -> None:
+        before = entry.tiers
+        if self.changes is not None:
+            was, now = before & self.local, tiers & self.local
+            if bool(was) != bool(now):
+                self.changes.record(key, bool(now))
+        self._count(entry, -1)
+        entry.tiers = tiers
+        self._count(entry, 1)
+        for level in self._write_back:
+            _track_dirty(level, key, before, tiers)
+
+    def _count(self, entry: Entry, sign: int) -> None:
+        if entry.state == READY and entry.tiers and not entry.tiers & self.persistent:
+            self.unpersisted += sign
+
+    def touch(self, key: BlockKey, entry: Entry) -> None:
+        """Tell every policy holding ``key`` that it was used (the heat is the caller's)."""
+        for level in self.levels:
+            if entry.tiers & level.bit:
+                level.policy.touch(key)
+        for level in self._write_back:  # written back least recently used first
+            if key in level.dirty:
+                level.dirty.move_to_end(key)
+
+
+def _track_dirty(level: Level, key: BlockKey, before: int, after: int) -> None:
+    """Keep ``level``'s write-back books as ``key``'s copies change from ``before``
+    to ``after`` (bitmasks)."""
+    below = level.below
+    was_dirty = bool(before & level.bit) and not before & below
+    is_dirty = bool(after & level.bit) and not after & below
+    if not after & level.bit:  # gone from this tier
+        level.dirty.pop(key, None)
+        level.written_back.discard(key)
+    elif is_dirty and not was_dirty:  # landed here alone, or lost its copy below
+        level.dirty[key] = None
+        level.written_back.discard(key)
+    elif was_dirty and not is_dirty:  # copied down from here
+        del level.dirty[key]
+        level.written_back.add(key)

@@ -7,8 +7,8 @@ would keep the block -- and its memory -- forever; peers leak pinned memory
 exactly this way. So long-lived pins are leases: they end when released, or
 when they expire, whichever comes first, and expiries are counted.
 
-Not thread-safe: the block manager calls the table under its own lock, and
-does the unpinning itself.
+Not thread-safe: :class:`~kvstore.books.Books` calls the table under its
+lock, and does the unpinning itself.
 """
 
 from __future__ import annotations
@@ -18,14 +18,11 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.index import Entry
 
-if TYPE_CHECKING:
-    from kvstore.manager import BlockManager
-
-__all__ = ["Lease", "LeaseTable", "Pin"]
+__all__ = ["Lease", "LeaseKeeper", "LeaseTable", "Pin"]
 
 
 @dataclass(eq=False)
@@ -102,6 +99,16 @@ class LeaseTable:
         return len(self._live)
 
 
+class LeaseKeeper(Protocol):
+    """What a :class:`Pin` needs of the store: renewing and releasing its lease."""
+
+    def renew(self, lease: Lease, duration: float | None = None) -> bool:
+        """Extend ``lease`` by ``duration`` seconds (the store's default if None)."""
+
+    def release(self, lease: Lease) -> None:
+        """End ``lease`` (idempotent)."""
+
+
 class Pin:
     """A lease as users hold it: ``with store.pin(keys) as pin: ...``.
 
@@ -110,8 +117,8 @@ class Pin:
     (``lease_s``; :meth:`renew` extends it).
     """
 
-    def __init__(self, manager: BlockManager, lease: Lease) -> None:
-        self._manager = manager
+    def __init__(self, keeper: LeaseKeeper, lease: Lease) -> None:
+        self._keeper = keeper
         self._lease = lease
 
     @property
@@ -126,11 +133,11 @@ class Pin:
 
     def renew(self, seconds: float | None = None) -> bool:
         """Extend the lease; False if it already ended."""
-        return self._manager.renew(self._lease, seconds)
+        return self._keeper.renew(self._lease, seconds)
 
     def release(self) -> None:
         """Unpin now (idempotent)."""
-        self._manager.release(self._lease)
+        self._keeper.release(self._lease)
 
     def __enter__(self) -> Pin:
         return self

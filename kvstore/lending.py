@@ -1,4 +1,4 @@
-"""Zero-copy access to the store's memory, for servers that move blocks themselves.
+"""Lender: zero-copy access to the store's memory, for servers that move blocks themselves.
 
 A server sends a stored block straight from the memory tier that holds it
 (``sendmsg`` of the slot's bytes, or a same-host client copying it out of
@@ -21,22 +21,24 @@ in. Two objects make that safe:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore.discovery import discover
-from kvstore.index import READY, Entry
+from kvstore.books import Books
+from kvstore.finder import Finder
+from kvstore.index import Entry
 from kvstore.keys import BlockKey
+from kvstore.layerwrites import LayerWrites
+from kvstore.layout import KVLayout
 from kvstore.leases import Lease
+from kvstore.partials import Partial
+from kvstore.reader import Reader
+from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange
+from kvstore.writer import FollowUps
 
-if TYPE_CHECKING:
-    from kvstore.manager import BlockManager
-    from kvstore.prefetch import Partial
-
-__all__ = ["Loan", "PendingPut", "lend"]
+__all__ = ["Lender", "Loan", "PendingPut"]
 
 
 class Loan:
@@ -48,14 +50,14 @@ class Loan:
 
     def __init__(
         self,
-        manager: BlockManager,
+        lender: Lender,
         keys: list[BlockKey],
         lease: Lease,
         pinned: dict[int, Entry],
         views: list[torch.Tensor | None],
     ) -> None:
-        self._m = manager
-        self.layout = manager.layout
+        self._lender = lender
+        self.layout: KVLayout = lender.layout
         self.keys = keys
         self._lease = lease
         self._pinned = pinned
@@ -80,13 +82,14 @@ class Loan:
             keys = [self.keys[i] for i in found]
             entries = [self._pinned[i] for i in found]
             targets = [outs[idxs.index(i)] for i in found]
-            for i, ok in zip(found, self._m.read(keys, entries, targets, layers), strict=True):
+            read = self._lender.reader.read(keys, entries, targets, layers)
+            for i, ok in zip(found, read, strict=True):
                 done[i] = ok
         return [done[i] for i in idxs]
 
     def renew(self) -> bool:
         """Extend the lease by the store's ``lease_s``; False if it already ended."""
-        return self._m.renew(self._lease)
+        return self._lender.books.renew(self._lease, self._lender.lease_s)
 
     @property
     def released(self) -> bool:
@@ -100,49 +103,13 @@ class Loan:
             if self._released:
                 return
             self._released = True
-        self._m.release(self._lease)
+        self._lender.books.release(self._lease)
 
     def __enter__(self) -> Loan:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def lend(m: BlockManager, keys: Sequence[BlockKey], duration: float | None = None) -> Loan:
-    """Pin every stored key of ``keys`` under one lease; views where host memory holds it."""
-    keys = list(keys)
-    discover(m, keys)  # blocks other processes wrote to shared tiers count as stored
-    pinned: dict[int, Entry] = {}
-    with m._cond:
-        m._check_open()
-        m._reap_leases()
-        for i, key in enumerate(keys):
-            entry = m._index.get(key)
-            if entry is None or entry.state != READY or i in pinned:
-                continue
-            entry.pins += 1
-            m._touch(key, entry)
-            pinned[i] = entry
-        lease = m._leases.add(list(pinned.values()), duration or m.config.lease_s)
-        m.counters.gets += 1
-        m.counters.blocks_read += len(pinned)
-        m.counters.blocks_missed += len(keys) - len(pinned)
-        views = [
-            _host_view(m, keys[i], pinned[i]) if i in pinned else None for i in range(len(keys))
-        ]
-    return Loan(m, keys, lease, pinned, views)
-
-
-def _host_view(m: BlockManager, key: BlockKey, entry: Entry) -> torch.Tensor | None:
-    """A view of ``key`` in the fastest host-memory tier holding it. Lock held."""
-    for level in m._levels:
-        device = level.tier.device
-        if entry.tiers & level.bit and device is not None and device.type == "cpu":
-            view = level.tier.view(key)
-            if view is not None:
-                return view
-    return None
 
 
 class PendingPut:
@@ -152,11 +119,16 @@ class PendingPut:
     or None when key ``i`` is already stored or being written (nothing to do).
     """
 
-    def __init__(self, manager: BlockManager, keys: Sequence[BlockKey]) -> None:
-        self._m = manager
+    def __init__(
+        self,
+        keys: Sequence[BlockKey],
+        parts: list[Partial | None],
+        finish: Callable[[list[Partial], list[bool]], int],
+    ) -> None:
         self.keys = list(keys)
-        self._parts: list[Partial | None] = manager._layer_writes.begin(self.keys)
-        self.views: list[torch.Tensor | None] = [p.view if p else None for p in self._parts]
+        self._parts = parts
+        self._finish = finish
+        self.views: list[torch.Tensor | None] = [p.view if p else None for p in parts]
         self._ended = False
         self._lock = threading.Lock()
 
@@ -175,7 +147,7 @@ class PendingPut:
             self._ended = True
         parts = [p for p in self._parts if p is not None]
         flags = [g for p, g in zip(self._parts, good, strict=True) if p is not None]
-        return self._m._layer_writes.finish(parts, flags)
+        return self._finish(parts, flags)
 
     def abort(self) -> None:
         """Give back every reserved room; nothing is stored (idempotent)."""
@@ -186,3 +158,60 @@ class PendingPut:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()  # a no-op after commit
+
+
+class Lender:
+    """Makes loans and pending puts for one store (see the module docstring)."""
+
+    def __init__(
+        self,
+        books: Books,
+        io: TierIO,
+        finder: Finder,
+        reader: Reader,
+        layer_writes: LayerWrites,
+        schedule: Callable[[FollowUps], None],
+        lease_s: float,
+    ) -> None:
+        self.books = books
+        self.io = io
+        self.finder = finder
+        self.reader = reader
+        self.layer_writes = layer_writes
+        self.schedule = schedule
+        self.lease_s = lease_s
+        self.layout = io.layout
+        self._host = [level for level in range(len(io.tiers)) if io.host_memory(level)]
+
+    def lend(self, keys: Sequence[BlockKey], duration: float | None = None) -> Loan:
+        """Pin every stored key of ``keys`` under one lease; views where host memory
+        holds it (taken with the books' lock released: the pins keep them valid)."""
+        keys = list(keys)
+        self.finder.discover(keys)  # blocks other processes wrote to shared tiers count
+        lease, pinned = self.books.lease_stored(keys, duration or self.lease_s)
+        self.books.count(gets=1, blocks_read=len(pinned), blocks_missed=len(keys) - len(pinned))
+        masks = dict(zip(pinned, self.books.tiers_of(list(pinned.values())), strict=True))
+        views = [
+            self._host_view(keys[i], masks[i]) if i in pinned else None for i in range(len(keys))
+        ]
+        return Loan(self, keys, lease, pinned, views)
+
+    def _host_view(self, key: BlockKey, tiers: int) -> torch.Tensor | None:
+        """A view of ``key`` in the fastest host-memory tier among ``tiers`` (a bitmask)."""
+        for level in self._host:
+            if tiers & (1 << level):
+                view = self.io.view(level, key)
+                if view is not None:
+                    return view
+        return None
+
+    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
+        """Reserve room for new blocks to be filled in place."""
+        parts, follow = self.layer_writes.begin(keys)
+        self.schedule(follow)
+        return PendingPut(keys, parts, self._finish)
+
+    def _finish(self, parts: list[Partial], ok: list[bool]) -> int:
+        stored, follow = self.layer_writes.finish(parts, ok)
+        self.schedule(follow)
+        return stored

@@ -1,42 +1,59 @@
-"""Asynchronous, layer-by-layer loads (prefetch) and stores (layerwise writes).
+"""Prefetch: asynchronous, layer-by-layer loads of a stored prefix.
 
-**Prefetch.** ``KVStore.prefetch(keys, out)`` pins the stored prefix of
-``keys`` under a lease and loads it into ``out`` on a background thread, a
-step of ``layers_per_step`` layers at a time for every block (``order="layer"``)
--- so an engine can run layer ``i`` while layer ``i+1`` is still arriving --
-or a block at a time (``order="block"``), so a partial prefix is usable
-early. Each block comes from its fastest verified copy, falling back to slower
-ones. On a GPU the copies run on the handle's own CUDA stream (the engine's
-stream is not blocked); without one, on the thread -- same API.
+``KVStore.prefetch(keys, out)`` pins the stored prefix of ``keys`` under a
+lease and loads it into ``out`` in the background, a step of
+``layers_per_step`` layers at a time for every block (``order="layer"``) --
+so an engine can run layer ``i`` while layer ``i+1`` is still arriving -- or
+a block at a time (``order="block"``), so a partial prefix is usable early.
 
-**Layerwise writes.** ``KVStore.put_layer(keys, layer, kv_layer)`` takes one
-layer of several blocks at a time, as prefill produces them. The first layer
-of a block reserves its room (a slot in the first memory tier, written in
-place, else a host staging buffer); the block becomes visible to ``lookup``
-only when every layer has arrived. A write abandoned half way (a request that
-was aborted) expires after ``lease_s`` and gives its room back.
+Each block comes from its fastest copy. Blocks a memory tier holds are copied
+straight from the tier's memory (a view, valid while the lease pins it) by
+the copy engine, on the ``prefetch`` lane: the loader queues each step's copies
+and the lane reports the step done when they are; with a CUDA engine (issue
+17) those copies run on a persistent stream, ordered by events. Blocks only
+slower tiers hold are read (verified, with fallback) by the
+:class:`~kvstore.reader.Reader` on the loader's thread. At most two steps are
+in flight, so a cancel takes effect after the step in flight, and the lease
+ends only once the last queued copy is done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.books import Books
 from kvstore.config import PrefetchConfig
+from kvstore.copies import CopyEngine, Event
 from kvstore.errors import BlockNotFoundError, InvalidInputError, KVStoreError
-from kvstore.index import WRITING, Entry, Move
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease
+from kvstore.reader import Reader
+from kvstore.tierio import TierIO
 
-if TYPE_CHECKING:
-    from kvstore.manager import BlockManager
+__all__ = ["PrefetchHandle", "Prefetcher", "Step"]
 
-__all__ = ["LayerWrites", "Partial", "PrefetchHandle", "Prefetcher"]
+LANE = "prefetch"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a load, as it happened: blocks ``[first_block, last_block)``,
+    layers ``[first_layer, last_layer)``, and when it began and ended
+    (``time.perf_counter()`` seconds)."""
+
+    first_block: int
+    last_block: int
+    first_layer: int
+    last_layer: int
+    began: float
+    ended: float
 
 
 class PrefetchHandle:
@@ -45,7 +62,8 @@ class PrefetchHandle:
     ``valid_blocks`` is the length of the prefix that can still be (or has
     been) loaded: it starts at the number of blocks stored when the prefetch
     began and drops if a block turns out missing or corrupt. ``blocks_ready``
-    is how many leading blocks are fully loaded now.
+    is how many leading blocks are fully loaded now. ``steps`` records each
+    finished step (for timelines).
     """
 
     def __init__(
@@ -66,31 +84,39 @@ class PrefetchHandle:
         self._done = False
         self._cancelled = False
         self._error: KVStoreError | None = None
+        self._steps: list[Step] = []
 
-    # -- progress (called by the loader) -------------------------------------
-    def _progress(self, layers_done: int, blocks_done: int, failed_at: int | None) -> None:
+    # -- progress (called by the loader and the copy lane) ----------------------------
+    def _progress(self, step: Step, failed_at: int | None, whole_blocks: bool) -> None:
         with self._cond:
             if failed_at is not None and failed_at < self._valid:
                 self._valid = failed_at
                 key = self.keys[failed_at].hex()
                 self._error = BlockNotFoundError(f"block {failed_at} ({key}) failed to load")
-            self._layers_done = max(self._layers_done, layers_done)
-            self._blocks_done = max(self._blocks_done, min(blocks_done, self._valid))
+            if whole_blocks:
+                reached = step.last_block if failed_at is None else failed_at
+                self._blocks_done = max(self._blocks_done, min(reached, self._valid))
+            else:
+                self._layers_done = max(self._layers_done, step.last_layer)
+            self._steps.append(step)
             self._cond.notify_all()
 
-    def _finish(self) -> None:
+    def _finish(self, layers_complete: bool) -> None:
         with self._cond:
+            if layers_complete:
+                self._layers_done = self.num_layers
+                self._blocks_done = max(self._blocks_done, self._valid)
             self._done = True
             self._cond.notify_all()
             self._end.notify_all()
 
+    # -- the consumer's side ---------------------------------------------------------
     @property
     def cancelled(self) -> bool:
         """True once :meth:`cancel` was called."""
         with self._cond:
             return self._cancelled
 
-    # -- the consumer's side ---------------------------------------------------
     @property
     def done(self) -> bool:
         """True when the load finished (completely, after a failure, or cancelled)."""
@@ -114,6 +140,12 @@ class PrefetchHandle:
         """Why ``valid_blocks`` is shorter than expected (a vanished or corrupt block)."""
         with self._cond:
             return self._error
+
+    @property
+    def steps(self) -> list[Step]:
+        """The steps finished so far, in the order they finished."""
+        with self._cond:
+            return list(self._steps)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Wait until ``layer`` of every valid block is in place; False on timeout.
@@ -161,305 +193,158 @@ class PrefetchHandle:
         self.wait()
 
 
-class Prefetcher:
-    """Runs prefetches for one manager on ``config.threads`` threads."""
+@dataclass
+class _Load:
+    """One prefetch in progress: its handle, lease, destination views and plan."""
 
-    def __init__(self, manager: BlockManager, config: PrefetchConfig) -> None:
-        self.m = manager
+    handle: PrefetchHandle
+    lease: Lease
+    views: list[torch.Tensor]
+    order: str
+    step: int
+    sources: list[torch.Tensor | None]  # memory views of the fastest copies, where any
+    in_flight: list[Event]
+
+
+class Prefetcher:
+    """Runs prefetches on ``config.threads`` loader threads and the copy engine's
+    ``prefetch`` lane."""
+
+    def __init__(
+        self,
+        books: Books,
+        io: TierIO,
+        reader: Reader,
+        copies: CopyEngine,
+        config: PrefetchConfig,
+        lease_s: float,
+    ) -> None:
+        self.books = books
+        self.io = io
+        self.reader = reader
+        self.copies = copies
         self.config = config
+        self.lease_s = lease_s
+        self.num_layers = io.layout.num_layers
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-prefetch")
         self._live: set[PrefetchHandle] = set()
-        self._lock = threading.Lock()  # guards _live
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # guards _live and _streams
 
     def start(
         self, keys: Sequence[BlockKey], views: list[torch.Tensor], order: str, step: int
     ) -> PrefetchHandle:
         """Pin the stored prefix of ``keys`` and load it into the block ``views``."""
-        lease = self.m.pin(keys)
-        handle = PrefetchHandle(keys, len(lease.entries), self.m.layout.num_layers, self.config)
+        lease = self.books.lease(keys, self.lease_s)
+        handle = PrefetchHandle(keys, len(lease.entries), self.num_layers, self.config)
         with self._lock:
             self._live.add(handle)
-        self._pool.submit(self._run, handle, lease, views, (order, step))
+        load = _Load(handle, lease, views, order, step, [], [])
+        self._pool.submit(self._run, load)
         return handle
 
-    def _run(
-        self,
-        handle: PrefetchHandle,
-        lease: Lease,
-        views: list[torch.Tensor],
-        plan: tuple[str, int],
-    ) -> None:
+    def _run(self, load: _Load) -> None:
         # An engine that made ``out`` under torch.inference_mode() (vLLM does) gets an
         # "inference tensor": copying into it in place is refused outside that mode, and
         # the mode is per thread. The loader runs in the mode its destination was made in.
-        inference = bool(views) and views[0].is_inference()
+        inference = bool(load.views) and load.views[0].is_inference()
+        device = load.views[0].device if load.views else torch.device("cpu")
+        complete = False
         try:
-            device = views[0].device if views else torch.device("cpu")
-            with torch.inference_mode(inference):
-                if device.type == "cuda":  # copies on a side stream: the engine's runs on
-                    with torch.cuda.stream(torch.cuda.Stream(device)):  # type: ignore[no-untyped-call]
-                        self._load(handle, lease, views, plan)
-                else:
-                    self._load(handle, lease, views, plan)
+            with torch.inference_mode(inference), self._side_stream(device):
+                complete = self._load(load)
         finally:
-            self.m.release(lease)
-            handle._finish()
+            for event in load.in_flight:  # the lease keeps the sources alive until here
+                event.wait()
+            self.books.release(load.lease)
+            load.handle._finish(complete)
             with self._lock:
-                self._live.discard(handle)
+                self._live.discard(load.handle)
 
-    def _load(
-        self,
-        handle: PrefetchHandle,
-        lease: Lease,
-        views: list[torch.Tensor],
-        plan: tuple[str, int],
-    ) -> None:
-        order, step = plan
-        layers = self.m.layout.num_layers
-        if order == "layer":
-            for first in range(0, layers, step):
-                last = min(layers, first + step)
-                if not self._step(handle, lease, views, (0, handle.valid_blocks), (first, last)):
-                    return
-            handle._progress(layers, handle.valid_blocks, None)
-        else:
-            for first in range(0, handle.valid_blocks, step):
-                span = (first, min(handle.valid_blocks, first + step))
-                if not self._step(handle, lease, views, span, None):
-                    return
+    def _side_stream(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        """Reads from slow tiers into a GPU run on a stream of their own (one per device,
+        made once), not on the engine's."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return torch.cuda.stream(stream)
 
-    def _step(
-        self,
-        handle: PrefetchHandle,
-        lease: Lease,
-        views: list[torch.Tensor],
-        blocks: tuple[int, int],
-        layers: tuple[int, int] | None,
-    ) -> bool:
-        """Load one step; False when the load must stop (cancelled or nothing left)."""
+    def _load(self, load: _Load) -> bool:
+        """Run every step; True if the load ran to its end (not cancelled)."""
+        load.sources = self._sources(load)
+        handle = load.handle
+        if load.order == "layer":
+            for first in range(0, self.num_layers, load.step):
+                last = min(self.num_layers, first + load.step)
+                if not self._step(load, (0, handle.valid_blocks), (first, last)):
+                    return False
+            return True
+        for first in range(0, handle.valid_blocks, load.step):
+            if not self._step(load, (first, min(handle.valid_blocks, first + load.step)), None):
+                return False
+        return True
+
+    def _sources(self, load: _Load) -> list[torch.Tensor | None]:
+        """For each pinned block, a view of its fastest copy where a memory tier holds it."""
+        entries = load.lease.entries
+        sources: list[torch.Tensor | None] = []
+        for key, level in zip(load.handle.keys, self.books.fastest(entries), strict=False):
+            sources.append(self.io.view(level, key) if level >= 0 else None)
+        return sources
+
+    def _step(self, load: _Load, blocks: tuple[int, int], layers: tuple[int, int] | None) -> bool:
+        """Queue one step; False when the load must stop (cancelled or nothing left)."""
+        handle = load.handle
         lo, hi = blocks[0], min(blocks[1], handle.valid_blocks)
         if handle.cancelled or lo >= hi:
             return False
-        if lease.expiry - self.m.clock() < self.m.config.lease_s / 2:  # rarely: keep it alive
-            self.m.renew(lease)
-        outs = [v if layers is None else v[layers[0] : layers[1]] for v in views[lo:hi]]
-        ok = self.m.read(handle.keys[lo:hi], lease.entries[lo:hi], outs, layers)
-        bad = next((lo + i for i, good in enumerate(ok) if not good), None)
-        if layers is None:
-            handle._progress(0, bad if bad is not None else hi, bad)
-        else:
-            handle._progress(layers[1], 0, bad)
+        if len(load.in_flight) >= 2:  # at most two steps in flight
+            load.in_flight.pop(0).wait()
+        if load.lease.expiry - self.books.clock() < self.lease_s / 2:  # rarely: keep it alive
+            self.books.renew(load.lease, self.lease_s)
+        first, last = layers if layers is not None else (0, self.num_layers)
+        began = time.perf_counter()
+        pairs, bad = self._read_slow(load, lo, hi, layers)
+        step = (lo, hi, first, last, began)
+
+        def finished(error: BaseException | None) -> None:
+            failed = lo if error is not None else bad
+            record = Step(*step, time.perf_counter())
+            handle._progress(record, failed, whole_blocks=layers is None)
+
+        load.in_flight.append(self.copies.lane(LANE).submit(pairs, on_done=finished))
         return True
 
+    def _read_slow(
+        self, load: _Load, lo: int, hi: int, layers: tuple[int, int] | None
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int | None]:
+        """This step's copies from memory tiers (for the lane), after reading the blocks
+        slower tiers hold on this thread; and the first block that failed, if any."""
+        first, last = layers if layers is not None else (0, self.num_layers)
+        pairs, slow = [], []
+        for i in range(lo, hi):
+            out = load.views[i][first:last]
+            source = load.sources[i] if i < len(load.sources) else None
+            if source is not None:
+                pairs.append((out, source[first:last]))
+            else:
+                slow.append(i)
+        bad = None
+        if slow:
+            keys = [load.handle.keys[i] for i in slow]
+            entries = [load.lease.entries[i] for i in slow]
+            outs = [load.views[i][first:last] for i in slow]
+            ok = self.reader.read(keys, entries, outs, layers)
+            bad = next((slow[n] for n, good in enumerate(ok) if not good), None)
+        return pairs, bad
+
     def close(self) -> None:
-        """Cancel live prefetches and stop the threads."""
+        """Cancel live prefetches and stop the loader threads."""
         with self._lock:
             live = list(self._live)
         for handle in live:
             handle.cancel()
         self._pool.shutdown(wait=True)
-
-
-@dataclass(eq=False)
-class Partial:
-    """A block arriving layer by layer."""
-
-    key: BlockKey
-    entry: Entry
-    view: torch.Tensor | None  # where the layers go; None while room is being made
-    reserved: bool  # view is a reserved slot of tier 0 (else host staging)
-    missing: int  # bit l: layer l not written yet
-    expiry: float
-    writers: int = 0  # copies in flight into view
-
-
-class LayerWrites:
-    """Blocks being written layer by layer. Fields are guarded by the manager's lock."""
-
-    def __init__(self, manager: BlockManager) -> None:
-        self.m = manager
-        self._partials: dict[BlockKey, Partial] = {}
-
-    def write(self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]) -> int:
-        """Write ``layer`` of each block; return how many blocks this completed."""
-        m = self.m
-        with m._cond:
-            m._check_open()
-            self._reap()
-            parts, new = self._claim(keys)
-        if new:
-            self._make_room(new)
-        with m._cond:
-            while any(p.view is None for p in parts):
-                m._cond.wait()
-            for part in parts:
-                part.writers += 1
-        try:
-            for part, src in zip(parts, self._sources(keys, parts, srcs), strict=True):
-                assert part.view is not None
-                part.view[layer].copy_(src)
-        finally:
-            with m._cond:
-                done = self._mark(parts, layer)
-        return self._complete(done)
-
-    def begin(self, keys: Sequence[BlockKey]) -> list[Partial | None]:
-        """Whole-block two-step store, step 1: room for each new key (None for keys
-        stored, being written, or listed twice). Each part has a ``view`` to fill
-        and counts as a writer until :meth:`finish`."""
-        m = self.m
-        with m._cond:
-            m._check_open()
-            self._reap()
-            _, new = self._claim(keys)
-        if new:
-            self._make_room(new)
-        with m._cond:
-            for part in new:
-                part.writers += 1
-        fresh = {p.key: p for p in new}
-        return [fresh.pop(key, None) for key in keys]
-
-    def finish(self, parts: list[Partial], ok: list[bool]) -> int:
-        """Step 2: publish the parts whose ``ok`` is true, abort the others; return
-        how many blocks were stored."""
-        m = self.m
-        with m._cond:
-            done, failed = [], []
-            for part, good in zip(parts, ok, strict=True):
-                part.writers -= 1
-                if self._partials.get(part.key) is not part:
-                    continue  # aborted meanwhile (the store is closing)
-                if good:
-                    part.missing = 0
-                    del self._partials[part.key]
-                    done.append(part)
-                else:
-                    failed.append(part)
-            self._abort(failed)
-        return self._complete(done)
-
-    @staticmethod
-    def _sources(
-        keys: Sequence[BlockKey], parts: list[Partial], srcs: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        by_key = dict(zip(keys, srcs, strict=True))
-        return [by_key[p.key] for p in parts]
-
-    def _claim(self, keys: Sequence[BlockKey]) -> tuple[list[Partial], list[Partial]]:
-        """The partial writes for ``keys`` (creating new ones). Lock held."""
-        m = self.m
-        parts, new = [], []
-        expiry = m.clock() + m.config.lease_s
-        full = (1 << m.layout.num_layers) - 1
-        for key in dict.fromkeys(keys):
-            part = self._partials.get(key)
-            entry = m._index.get(key)
-            if part is None and entry is None:
-                entry = m._index[key] = Entry(WRITING, pins=1)
-                m.heat.touch(entry)
-                part = self._partials[key] = Partial(key, entry, None, False, full, expiry)
-                new.append(part)
-            if part is not None:  # else stored already, or being written by a plain put
-                part.expiry = expiry
-                parts.append(part)
-        return parts, new
-
-    def _make_room(self, new: list[Partial]) -> None:
-        """Reserve slots in tier 0 for new blocks (host staging where it has none)."""
-        m = self.m
-        level = m._levels[0]
-        grant = 0
-        try:
-            with m._cond:
-                grant, victims = m._reserve(level, len(new))
-            if victims:
-                m._moves.evict_victims(level, victims)
-            m._wait_room(level)
-        finally:
-            self._assign_views(new, grant)
-
-    def _assign_views(self, new: list[Partial], grant: int) -> None:
-        """Hand each new block its reserved slot, or a staging buffer; wake waiters."""
-        m = self.m
-        level = m._levels[0]
-        with m._cond:
-            views = level.tier.reserve([p.key for p in new[:grant]]) if grant else []
-            for i, part in enumerate(new):
-                view = views[i] if i < len(views) else None
-                if i < grant and view is None:
-                    level.resident -= 1  # the tier could not hand out memory: give the room back
-                part.reserved = view is not None
-                part.view = view if view is not None else self._staging()
-            m._cond.notify_all()
-
-    def _staging(self) -> torch.Tensor:
-        return torch.empty(self.m.layout.block_shape, dtype=self.m.layout.dtype)
-
-    def _mark(self, parts: list[Partial], layer: int) -> list[Partial]:
-        """Record ``layer`` as written; return (and forget) completed blocks. Lock held."""
-        done = []
-        for part in parts:
-            part.writers -= 1
-            part.missing &= ~(1 << layer)
-            if not part.missing and self._partials.get(part.key) is part:
-                del self._partials[part.key]
-                done.append(part)
-        return done
-
-    def _complete(self, done: list[Partial]) -> int:
-        """Publish completed blocks: commit reserved slots, place staged ones."""
-        if not done:
-            return 0
-        m = self.m
-        level = m._levels[0]
-        moves = {id(p): Move(p.key, p.entry, p.view) for p in done if p.view is not None}
-        reserved = [moves[id(p)] for p in done if p.reserved]
-        staged = [moves[id(p)] for p in done if not p.reserved]
-        with m._cond:
-            ok = level.tier.commit([mv.key for mv in reserved]) if reserved else []
-        landed = m._commit_writes(level, reserved, ok) if reserved else set()
-        left = m._place(0, staged) if staged else []
-        failed = [mv for mv in reserved if id(mv) not in landed] + left
-        with m._cond:
-            m._unpin([p.entry for p in done])
-            m._drop_unwritten(failed)
-            m.counters.blocks_stored += len(done) - len(failed)
-            m.counters.bytes_written_in_place += len(landed) * m.layout.block_nbytes
-        return len(done) - len(failed)
-
-    def _reap(self, now: float | None = None) -> None:
-        """Abort partial writes past their expiry (nobody is copying into them). Lock held."""
-        m = self.m
-        now = m.clock() if now is None else now
-        dead = [p for p in self._partials.values() if p.expiry <= now and not p.writers]
-        self._abort(dead)
-        m.counters.layer_writes_expired += len(dead)
-
-    def _abort(self, parts: list[Partial]) -> None:
-        m = self.m
-        level = m._levels[0]
-        reserved = [p.key for p in parts if p.reserved]
-        if reserved:
-            level.tier.abort(reserved)
-            level.resident -= len(reserved)
-        for part in parts:
-            del self._partials[part.key]
-            part.entry.pins -= 1
-            if part.entry.state == WRITING and m._index.get(part.key) is part.entry:
-                del m._index[part.key]
-        m._cond.notify_all()
-
-    def abort_keys(self, keys: Sequence[BlockKey]) -> int:
-        """Abort the partial writes of ``keys`` that no copy is in flight into. Lock held."""
-        parts = [p for k in dict.fromkeys(keys) if (p := self._partials.get(k)) and not p.writers]
-        self._abort(parts)
-        return len(parts)
-
-    def abort_all(self) -> None:
-        """Abort every partial write (at close). Lock held."""
-        self._abort([p for p in self._partials.values() if not p.writers])
-
-    def pending(self) -> int:
-        """Blocks partially written. Lock held."""
-        return len(self._partials)

@@ -14,18 +14,11 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["FlushProgress", "format_bytes"]
+from kvstore.config import format_size
+
+__all__ = ["FlushProgress"]
 
 log = logging.getLogger("kvstore.close")
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as a short human figure (``1.5 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # unreachable; keeps type checkers content
 
 
 class FlushProgress:
@@ -54,7 +47,7 @@ class FlushProgress:
         self.where = where
         self.start = self.last = time.monotonic()
         if total and not self.tty:
-            log.info("close: writing %s that only memory holds to %s", format_bytes(total), where)
+            log.info("close: writing %s that only memory holds to %s", format_size(total), where)
         self._draw()
 
     def update(self, remaining: int, force: bool = False) -> None:
@@ -70,10 +63,10 @@ class FlushProgress:
         else:
             log.info(
                 "close: %s of %s written to %s, %s left (%.2f GB/s)",
-                format_bytes(self.total - self.remaining),
-                format_bytes(self.total),
+                format_size(self.total - self.remaining),
+                format_size(self.total),
                 self.where,
-                format_bytes(self.remaining),
+                format_size(self.remaining),
                 self._rate(now),
             )
 
@@ -89,7 +82,7 @@ class FlushProgress:
             return
         log.info(
             "close: wrote %s to %s in %.1f s (%.2f GB/s)",
-            format_bytes(done),
+            format_size(done),
             self.where,
             self.seconds,
             self._rate(now),
@@ -114,10 +107,10 @@ class FlushProgress:
         bar = "#" * filled + "." * (width - filled)
         now = time.monotonic()
         tail = (
-            f"done in {now - self.start:.1f} s" if final else f"{format_bytes(self.remaining)} left"
+            f"done in {now - self.start:.1f} s" if final else f"{format_size(self.remaining)} left"
         )
         line = (
-            f"\rkvstore: close: writing {format_bytes(self.total)} to {self.where} "
+            f"\rkvstore: close: writing {format_size(self.total)} to {self.where} "
             f"[{bar}] {tail}, {self._rate(now):.2f} GB/s"
         )
         self.stream.write(line + ("\n" if final else ""))

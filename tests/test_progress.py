@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvstore.progress import FlushProgress, format_bytes
+from kvstore.progress import FlushProgress
 
 GiB = 1 << 30
 
@@ -15,13 +15,6 @@ GiB = 1 << 30
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-def test_format_bytes() -> None:
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(1536) == "1.5 KiB"
-    assert format_bytes(3 * GiB) == "3.0 GiB"
-    assert format_bytes(5000 * GiB) == "5000.0 GiB"
 
 
 def test_a_terminal_gets_a_bar_redrawn_in_place() -> None:
@@ -33,8 +26,8 @@ def test_a_terminal_gets_a_bar_redrawn_in_place() -> None:
     text = out.getvalue()
     draws = text.split("\r")[1:]
     assert len(draws) == 3 and text.endswith("\n") and text.count("\n") == 1
-    assert "writing 2.0 GiB to the disk tier (/x)" in draws[0]
-    assert "2.0 GiB left" in draws[0] and "1.0 GiB left" in draws[1]
+    assert "writing 2.00 GiB to the disk tier (/x)" in draws[0]
+    assert "2.00 GiB left" in draws[0] and "1.00 GiB left" in draws[1]
     assert "[" + "#" * 15 + "." * 15 + "]" in draws[1]
     assert "done in" in draws[2]
 
@@ -48,12 +41,12 @@ def test_a_log_gets_the_bytes_left(caplog: pytest.LogCaptureFixture) -> None:
         progress.update(GiB)
         progress.end()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "close: writing 4.0 GiB that only memory holds to the disk tier (/x)"
+    assert lines[0] == "close: writing 4.00 GiB that only memory holds to the disk tier (/x)"
     assert lines[1].startswith(
-        "close: 1.0 GiB of 4.0 GiB written to the disk tier (/x), 3.0 GiB left"
+        "close: 1.00 GiB of 4.00 GiB written to the disk tier (/x), 3.00 GiB left"
     )
-    assert "3.0 GiB of 4.0 GiB written" in lines[2] and "1.0 GiB left" in lines[2]
-    assert lines[3].startswith("close: wrote 3.0 GiB to the disk tier (/x) in ")
+    assert "3.00 GiB of 4.00 GiB written" in lines[2] and "1.00 GiB left" in lines[2]
+    assert lines[3].startswith("close: wrote 3.00 GiB to the disk tier (/x) in ")
     assert out.getvalue() == ""
     assert progress.summary()["bytes"] == 4 * GiB
     assert progress.summary()["bytes_written"] == 3 * GiB

@@ -4,6 +4,8 @@
   suite every tier must pass (subclass it in a pytest module).
 - :mod:`kvstore.testing.faults` -- :class:`FaultyTier`, a wrapper that injects
   errors, misses and delays into a real tier.
+- :mod:`kvstore.testing.lockcheck` -- :class:`LockCheckedTier`, a wrapper that
+  records every tier call made while the books' lock is held (the lock rule).
 - :mod:`kvstore.testing.data` -- deterministic KV tensors for tests.
 
 Importing :mod:`kvstore.testing.conformance` needs pytest (the ``dev`` extra).

@@ -1,0 +1,478 @@
+"""The books: what is stored where, who uses it, and THE lock that guards it all.
+
+:class:`Books` owns the index (:class:`~kvstore.index.Index`), the per-tier
+levels, heat, the leases, the change feed, the counters and the one lock (a
+:class:`~kvstore.guard.Guard`) that guards every one of them, with two ledgers
+kept under that same lock: ``books.room`` (:class:`~kvstore.room.RoomBooks`:
+room, eviction and write-back in each tier) and ``books.partials``
+(:class:`~kvstore.partials.PartialBooks`: blocks being written layer by
+layer). Books is the only owner of the lock: every other piece of the data
+path calls a method here or on a ledger, which takes the lock, changes the
+books and returns.
+
+Books never calls a tier and never copies bytes: an operation pins its blocks
+here, does its I/O with the lock released (through
+:class:`~kvstore.tierio.TierIO` and the copy engine), and comes back to record
+the outcome. So tier I/O never runs under the lock (:meth:`Books.held_by_me`
+lets TierIO and the tests check it). A copy is freed only when its block has
+no pins other than the freeing operation's own (the freer waits), so a block
+being read or written is never evicted or deleted under a reader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvstore.counters import ManagerCounters
+from kvstore.guard import Guard
+from kvstore.index import DELETING, READY, WRITING, ChangeFeed, Entry, HeatClock, Index, Level
+from kvstore.keys import BlockKey
+from kvstore.leases import Lease, LeaseTable
+from kvstore.partials import PartialBooks
+from kvstore.policy.placement import Placement
+from kvstore.room import Reservation, RoomBooks, Victims, usage
+
+__all__ = ["Books", "Reservation", "Victims"]
+
+Want = Callable[[Entry], bool]
+
+
+class Books:
+    """The data path's bookkeeping under one lock (see the module docstring).
+
+    ``levels``: one :class:`~kvstore.index.Level` per tier, fastest first.
+    ``persistent`` / ``local`` / ``shared``: bitmasks of the tiers that
+    outlive the process, that are of this machine, and that other processes
+    write too.
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        masks: tuple[int, int, int],
+        placement: Placement,
+        heat: HeatClock,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.persistent, self.local, self.shared = masks
+        self.placement = placement
+        self.heat = heat
+        self.clock = clock
+        self.counters = ManagerCounters.for_tiers(len(levels))
+        self._levels = list(levels)
+        self._index = Index(self._levels, self.persistent, self.local)
+        self._leases = LeaseTable(clock)
+        self._guard = Guard()
+        #: Room, eviction and write-back in each tier (under the same lock).
+        self.room = RoomBooks(self._guard, self._index, placement, heat, self.counters, self._pins)
+        #: The blocks being written layer by layer (under the same lock).
+        self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
+
+    # -- the lock -----------------------------------------------------------------
+    def _locked(self) -> AbstractContextManager[None]:
+        return self._guard.locked()
+
+    def _wait(self, timeout: float | None = None) -> None:
+        self._guard.wait(timeout)
+
+    def held_by_me(self) -> bool:
+        """True while the calling thread holds the books' lock (tier calls must not)."""
+        return self._guard.held_by_me()
+
+    # -- state --------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once the store closed."""
+        return self._guard.closed
+
+    @property
+    def num_levels(self) -> int:
+        """How many tiers there are."""
+        return len(self._levels)
+
+    def check_open(self) -> None:
+        """Raise :class:`ClosedError` after close."""
+        self._guard.check_open()
+
+    def begin_close(self) -> bool:
+        """Mark the store closing; False if it is closed already."""
+        with self._locked():
+            self._guard.closing = True
+            return not self._guard.closed
+
+    def close(self) -> list[BlockKey]:
+        """Close: end every lease and unfinished layerwise write, wait until no block
+        is pinned. Returns the keys whose reserved room tier 0 must give back."""
+        with self._locked():
+            self._guard.closed = True
+            reserved = self.partials.abort_idle_locked()
+            for lease in self._leases.expired_all():
+                self._unpin(lease.entries)
+            while any(e.pins for _, e in self._index.items()):
+                self._wait()
+            return reserved
+
+    def watch(self) -> ChangeFeed:
+        """Start recording which keys gain or lose their copies in local tiers."""
+        with self._locked():
+            if self._index.changes is None:
+                self._index.changes = ChangeFeed()
+            return self._index.changes
+
+    # -- queries ------------------------------------------------------------------
+    def leading(self, keys: Sequence[BlockKey], local: bool = False) -> int:
+        """Leading ``keys`` readable (from a tier of this machine, with ``local``)."""
+        with self._locked():
+            self._guard.check_open()
+            return self._index.leading(keys, self.local if local else -1)
+
+    def readable(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which of ``keys`` are readable."""
+        with self._locked():
+            return [self._index.ready(k) is not None for k in keys]
+
+    def where(self, key: BlockKey) -> list[int]:
+        """Indexes of the tiers holding a copy of ``key`` (fastest first)."""
+        with self._locked():
+            entry = self._index.ready(key)
+            if entry is None:
+                return []
+            return [lv.index for lv in self._levels if entry.tiers & lv.bit]
+
+    def heat_of(self, key: BlockKey) -> int:
+        """The decayed access count of ``key`` (0 if not stored)."""
+        with self._locked():
+            entry = self._index.get(key)
+            return 0 if entry is None else self.heat.heat(entry)
+
+    def ready_count(self) -> int:
+        """Blocks readable now."""
+        with self._locked():
+            return sum(1 for _, e in self._index.items() if e.state == READY)
+
+    def stored_keys(self, local: bool = False) -> list[BlockKey]:
+        """Readable keys (with a copy in a tier of this machine, with ``local``)."""
+        mask = self.local if local else -1
+        with self._locked():
+            return [k for k, e in self._index.items() if e.state == READY and e.tiers & mask]
+
+    def unpersisted(self) -> int:
+        """Readable blocks no persistent tier holds (kept as a count, not scanned)."""
+        with self._locked():
+            return max(0, self._index.unpersisted)
+
+    def unpersisted_keys(self) -> list[BlockKey]:
+        """The readable keys no persistent tier holds."""
+        with self._locked():
+            return [
+                k
+                for k, e in self._index.items()
+                if e.state == READY and e.tiers and not e.tiers & self.persistent
+            ]
+
+    def persisted(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key has a copy in a persistent tier."""
+        with self._locked():
+            return [bool((e := self._index.get(k)) and e.tiers & self.persistent) for k in keys]
+
+    def pinned_count(self) -> int:
+        """Blocks pinned now (after ending expired leases)."""
+        with self._locked():
+            self._reap_leases()
+            return sum(1 for _, e in self._index.items() if e.pins)
+
+    # -- counters -----------------------------------------------------------------
+    def count(self, **amounts: float) -> None:
+        """Add to counters by name (``count(gets=1, blocks_read=n)``)."""
+        with self._locked():
+            self.counters.add(amounts)
+
+    def count_level(self, name: str, level: int, n: int = 1) -> None:
+        """Add ``n`` to tier ``level``'s slot of the per-tier counter ``name``."""
+        with self._locked():
+            self.counters.add_level(name, level, n)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of the counters, with the live leases."""
+        with self._locked():
+            snapshot = self.counters.snapshot()
+            snapshot["leases_live"] = len(self._leases)
+            snapshot["blocks_memory_only"] = max(0, self._index.unpersisted)
+            return snapshot
+
+    def level_usage(self) -> list[dict[str, Any]]:
+        """Per tier: blocks held, capacity and watermarks (blocks), policy, movements."""
+        with self._locked():
+            return [usage(lv, self.counters) for lv in self._levels]
+
+    # -- pins and leases ----------------------------------------------------------
+    def pin_leading(self, keys: Sequence[BlockKey], get: bool = False) -> list[Entry]:
+        """Pin (and touch) the leading readable entries of ``keys`` (``get``: count a get)."""
+        with self._locked():
+            self._guard.check_open()
+            self.counters.gets += get
+            return self._pin_leading(keys)
+
+    def _pin_leading(self, keys: Sequence[BlockKey]) -> list[Entry]:
+        entries: list[Entry] = []
+        for key in keys:
+            entry = self._index.ready(key)
+            if entry is None:
+                break
+            entry.pins += 1
+            self._touch(key, entry)
+            entries.append(entry)
+        return entries
+
+    def repin_leading(self, entries: list[Entry], keys: Sequence[BlockKey]) -> list[Entry]:
+        """Unpin ``entries`` and pin the leading readable ``keys`` again (after discovery)."""
+        with self._locked():
+            self._unpin(entries)
+            return self._pin_leading(keys)
+
+    def pin_where(self, keys: Sequence[BlockKey], want: Want) -> list[tuple[BlockKey, Entry]]:
+        """Pin the readable ``keys`` whose entry ``want`` accepts (a pure test of the
+        entry, run under the lock); skipped while closed."""
+        with self._locked():
+            if self._guard.closed:
+                return []
+            pinned = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.ready(key)
+                if entry is not None and want(entry):
+                    entry.pins += 1
+                    pinned.append((key, entry))
+            return pinned
+
+    def unpin(self, entries: Sequence[Entry]) -> None:
+        """Drop one pin of each entry."""
+        with self._locked():
+            self._unpin(entries)
+
+    def _unpin(self, entries: Sequence[Entry]) -> None:
+        for entry in entries:
+            entry.pins -= 1
+        self._guard.notify()
+
+    def lease(self, keys: Sequence[BlockKey], duration: float) -> Lease:
+        """Pin the leading readable ``keys`` under a lease of ``duration`` seconds."""
+        with self._locked():
+            self._guard.check_open()
+            self._reap_leases()
+            return self._leases.add(self._pin_leading(keys), duration)
+
+    def lease_stored(
+        self, keys: Sequence[BlockKey], duration: float
+    ) -> tuple[Lease, dict[int, Entry]]:
+        """Pin every readable key among ``keys`` under one lease; ``{position: entry}``."""
+        with self._locked():
+            self._guard.check_open()
+            self._reap_leases()
+            pinned: dict[int, Entry] = {}
+            for i, key in enumerate(keys):
+                entry = self._index.ready(key)
+                if entry is None or i in pinned:
+                    continue
+                entry.pins += 1
+                self._touch(key, entry)
+                pinned[i] = entry
+            return self._leases.add(list(pinned.values()), duration), pinned
+
+    def renew(self, lease: Lease, duration: float) -> bool:
+        """Extend a lease; False if it already ended."""
+        with self._locked():
+            return self._leases.renew(lease, duration)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease (idempotent)."""
+        with self._locked():
+            self._unpin(self._leases.release(lease))
+
+    def _reap_leases(self) -> None:
+        for lease in self._leases.expired():
+            self.counters.leases_expired += 1
+            self._unpin(lease.entries)
+
+    def _touch(self, key: BlockKey, entry: Entry) -> None:
+        self.heat.touch(entry)
+        self._index.touch(key, entry)
+
+    # -- puts and placement -------------------------------------------------------
+    def claim(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[BlockKey, Entry]], int]:
+        """Entries (being written, pinned) for the new ``keys``, and how many were stored.
+
+        Keys already stored are touched, not written again; a key being
+        written by someone else, or deleted, is left to them.
+        """
+        with self._locked():
+            self._guard.check_open()
+            self.counters.puts += 1
+            fresh, present = [], 0
+            for key in dict.fromkeys(keys):
+                entry = self._index.get(key)
+                if entry is None:
+                    entry = self._index.add(key, WRITING, pins=1)
+                    self.heat.touch(entry)
+                    fresh.append((key, entry))
+                elif entry.state == READY:
+                    present += 1
+                    self._touch(key, entry)
+            self.counters.blocks_already_present += present
+            return fresh, present
+
+    def settle(self, entries: Sequence[Entry], unwritten: Sequence[tuple[BlockKey, Entry]]) -> None:
+        """Unpin a put's new entries and forget those no tier took."""
+        with self._locked():
+            self._unpin(entries)
+            for key, entry in unwritten:
+                if entry.state == WRITING:
+                    self._index.remove(key, entry)
+
+    def _pins(self, entry: Entry | None, allowed: int = 0) -> None:
+        """End expired leases; then, with an ``entry``, wait until it has no more than
+        ``allowed`` pins (lock held, released while waiting)."""
+        self._reap_leases()
+        while entry is not None and entry.pins > allowed:
+            self._wait(0.05)  # wakes for lease expiry as well as unpins
+            self._reap_leases()
+
+    # -- deletes and lost copies --------------------------------------------------
+    def begin_delete(self, keys: Sequence[BlockKey]) -> tuple[Victims, dict[int, Victims]]:
+        """Mark readable ``keys`` deleted, wait for their readers, take every copy off
+        the books. Returns the targets and, per tier, the copies to delete."""
+        with self._locked():
+            self._guard.check_open()
+            targets: Victims = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.ready(key)
+                if entry is not None:
+                    self._index.set_state(entry, DELETING)
+                    targets.append((key, entry))
+            for _, entry in targets:
+                self._pins(entry, 0)
+            groups: dict[int, Victims] = {}
+            for key, entry in targets:
+                for lv in self._levels:
+                    if self._index.begin_drop(lv, key, entry):
+                        groups.setdefault(lv.index, []).append((key, entry))
+            return targets, groups
+
+    def end_delete(self, targets: Victims, groups: dict[int, Victims]) -> int:
+        """The tiers deleted the copies: give their room back, forget the keys."""
+        with self._locked():
+            for level, dropped in groups.items():
+                self._index.end_drop(self._levels[level], [k for k, _ in dropped])
+            for key, entry in targets:
+                self._index.remove(key, entry)
+            self.counters.blocks_deleted += len(targets)
+            self._guard.notify()
+            return len(targets)
+
+    def lose_copy(self, level: int, key: BlockKey, entry: Entry) -> bool:
+        """A tier failed to produce ``key``: forget that copy (and the block if it was
+        the last); False if the books had no such copy. The caller deletes it from
+        the tier, then calls :meth:`end_drop`."""
+        with self._locked():
+            if not self._index.begin_drop(self._levels[level], key, entry):
+                return False
+            self.counters.copies_lost += 1
+            if not entry.tiers:
+                self._index.set_state(entry, DELETING)
+                self._index.remove(key, entry)
+            return True
+
+    def end_drop(self, level: int, keys: Sequence[BlockKey]) -> None:
+        """The tier deleted these copies: give their room back."""
+        with self._locked():
+            self._index.end_drop(self._levels[level], keys)
+            self._guard.notify()
+
+    # -- reads --------------------------------------------------------------------
+    def sources(
+        self, entries: Sequence[Entry], pending: Sequence[int], tried: Sequence[int]
+    ) -> dict[int, list[int]]:
+        """Group the positions ``pending`` by the fastest tier holding the entry that
+        ``tried[i]`` (a bitmask) has not been tried in; entries with no copy left out."""
+        groups: dict[int, list[int]] = {}
+        with self._locked():
+            for i in pending:
+                untried = entries[i].tiers & ~tried[i]
+                if untried:
+                    groups.setdefault((untried & -untried).bit_length() - 1, []).append(i)
+        return groups
+
+    def tiers_of(self, entries: Sequence[Entry]) -> list[int]:
+        """The bitmask of the tiers holding each entry."""
+        with self._locked():
+            return [entry.tiers for entry in entries]
+
+    def fastest(self, entries: Sequence[Entry]) -> list[int]:
+        """The fastest tier holding each entry (-1: none)."""
+        with self._locked():
+            return [(e.tiers & -e.tiers).bit_length() - 1 for e in entries]
+
+    def promotions(
+        self, keys: Sequence[BlockKey], entries: Sequence[Entry], promotable: Callable[[int], bool]
+    ) -> list[tuple[BlockKey, int]]:
+        """``(key, target tier)`` for blocks just read that the rules copy upwards.
+
+        ``promotable(level)``: whether the manager may copy blocks of that tier up by
+        itself (not another node's).
+        """
+        jobs = []
+        with self._locked():
+            for key, entry in zip(keys, entries, strict=True):
+                if not entry.tiers or entry.state != READY:
+                    continue
+                fastest = (entry.tiers & -entry.tiers).bit_length() - 1
+                if not promotable(fastest):
+                    continue
+                copies = bin(entry.tiers & ~self.persistent).count("1")
+                target = self.placement.promotion_target(fastest, self.heat.heat(entry), copies)
+                if target is not None:
+                    jobs.append((key, target))
+        return jobs
+
+    # -- discovery ----------------------------------------------------------------
+    def adopt(self, found: Sequence[tuple[BlockKey, int]]) -> None:
+        """Record copies found in tiers (``(key, bits)``): other processes wrote them."""
+        with self._locked():
+            for key, bits in found:
+                entry = self._index.get(key)
+                if entry is None:
+                    entry = self._index.add(key, READY)
+                elif entry.state != READY:
+                    continue
+                for lv in self._levels:
+                    if bits & lv.bit and not entry.tiers & lv.bit:
+                        self._index.note_copy(key, entry, lv.bit)
+                        lv.policy.insert(key)
+                        lv.resident += 1
+
+    def entries(self, keys: Sequence[BlockKey]) -> list[Entry | None]:
+        """The entries of ``keys`` (None where absent)."""
+        with self._locked():
+            return [self._index.get(k) for k in keys]
+
+    def forget_gone(
+        self, keys: Sequence[BlockKey], entries: Sequence[Entry], verdicts: dict[int, list[bool]]
+    ) -> int | None:
+        """Forget copies the shared tiers said they no longer hold (``verdicts[level][i]``);
+        the position of the first block left with none, or None."""
+        first_gone = None
+        with self._locked():
+            for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+                for level, present in verdicts.items():
+                    lv = self._levels[level]
+                    gone = entry.tiers & lv.bit and not present[i]
+                    if gone and self._index.begin_drop(lv, key, entry):
+                        self._index.end_drop(lv, [key])  # the other process freed it
+                if not entry.tiers:
+                    first_gone = i if first_gone is None else first_gone
+                    if entry.state == READY and entry.pins == 0:
+                        self._index.remove(key, entry)
+            self._guard.notify()
+        return first_gone

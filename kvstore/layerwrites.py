@@ -1,0 +1,152 @@
+"""Layerwise writes: blocks stored one layer at a time, as prefill produces them.
+
+``KVStore.put_layer(keys, layer, kv_layer)`` takes one layer of several
+blocks at a time. The first layer of a block reserves its room -- a slot of
+the first tier, written in place, where that tier hands out its memory (a
+host or device slab), else a host staging buffer -- and the block becomes
+visible to lookups only when every layer has arrived. A write abandoned half
+way (a request that was aborted) expires after ``lease_s`` and gives its room
+back. The same machinery backs whole-block two-step stores
+(:class:`~kvstore.lending.PendingPut`): room first, filled in place by the
+caller, then committed.
+
+The partial writes themselves are kept in the books (under its lock); this
+module makes room (through the :class:`~kvstore.writer.Writer`), copies layers
+(through the copy engine) and publishes complete blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.books import Books
+from kvstore.copies import CopyEngine
+from kvstore.index import Move
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.partials import Partial, Room
+from kvstore.tierio import TierIO
+from kvstore.writer import FIRST, FollowUps, Writer
+
+__all__ = ["LayerWrites"]
+
+
+class LayerWrites:
+    """Blocks being written layer by layer or in place (see the module docstring)."""
+
+    def __init__(
+        self, books: Books, io: TierIO, writer: Writer, copies: CopyEngine, lease_s: float
+    ) -> None:
+        self.books = books
+        self.io = io
+        self.writer = writer
+        self.copies = copies
+        self.lease_s = lease_s
+        self.layout: KVLayout = io.layout
+
+    def write(
+        self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]
+    ) -> tuple[int, FollowUps]:
+        """Write ``layer`` of each block; how many blocks this completed, and the
+        background work that follows."""
+        follow = FollowUps()
+        parts = self._claim(keys, follow)
+        self.books.partials.begin_writing(parts)
+        done: list[Partial] = []
+        try:
+            by_key = dict(zip(keys, srcs, strict=True))
+            pairs = []
+            for part in parts:
+                assert part.view is not None
+                pairs.append((part.view[layer], by_key[part.key]))
+            self.copies.copy_all(pairs)
+        finally:
+            done = self.books.partials.mark(parts, layer)
+        return self._complete(done, follow), follow
+
+    def begin(self, keys: Sequence[BlockKey]) -> tuple[list[Partial | None], FollowUps]:
+        """Whole-block two-step store, step 1: room for each new key (None for keys
+        stored, being written, or listed twice). Each part has a ``view`` to fill
+        and counts as a writer until :meth:`finish`."""
+        follow = FollowUps()
+        parts = self._claim(keys, follow, only_new=True)
+        self.books.partials.begin_writing(parts)
+        fresh = {p.key: p for p in parts}
+        return [fresh.pop(key, None) for key in keys], follow
+
+    def finish(self, parts: Sequence[Partial], ok: Sequence[bool]) -> tuple[int, FollowUps]:
+        """Step 2: publish the parts whose ``ok`` is true, abort the others; how many
+        blocks were stored, and the background work that follows."""
+        good = [p for p, flag in zip(parts, ok, strict=True) if flag]
+        bad = [p for p, flag in zip(parts, ok, strict=True) if not flag]
+        self._give_back(self.books.partials.fail(bad))
+        done = self.books.partials.mark(good, None)  # parts aborted meanwhile are not done
+        follow = FollowUps()
+        return self._complete(done, follow), follow
+
+    def abort(self, keys: Sequence[BlockKey]) -> int:
+        """Give up unfinished layerwise writes of ``keys``; how many."""
+        count, reserved = self.books.partials.abort(keys)
+        self._give_back(reserved)
+        return count
+
+    def reap(self) -> None:
+        """Abort layerwise writes past their expiry, giving their room back."""
+        self.writer.reap()
+
+    def _give_back(self, reserved: list[BlockKey]) -> None:
+        """Tier 0 gives back the room reserved for ``reserved`` (aborted writes)."""
+        if reserved:
+            self.io.abort(FIRST, reserved)
+            self.books.room.give_back(FIRST, len(reserved))
+
+    def _claim(
+        self, keys: Sequence[BlockKey], follow: FollowUps, only_new: bool = False
+    ) -> list[Partial]:
+        """The partial writes of ``keys``, with room made for the new ones."""
+        parts, new, expired = self.books.partials.claim(keys, self.layout.num_layers, self.lease_s)
+        self._give_back(expired)
+        if new:
+            self._make_room(new, follow)
+        return new if only_new else parts
+
+    def _make_room(self, new: list[Partial], follow: FollowUps) -> None:
+        """Reserve slots in tier 0 for new blocks (host staging where it has none)."""
+        views: list[torch.Tensor | None] = []
+        try:
+            grant = self.writer.make_room(FIRST, len(new), follow)
+            views = self.io.reserve(FIRST, [p.key for p in new[:grant]]) if grant else []
+            unused = sum(1 for view in views if view is None)
+            if unused:  # the tier could not hand out memory: give that room back
+                self.books.room.give_back(FIRST, unused)
+        finally:
+            rooms: list[Room] = []
+            for i in range(len(new)):
+                view = views[i] if i < len(views) else None
+                rooms.append((view, True) if view is not None else (self._staging(), False))
+            self.books.partials.place(new, rooms)
+
+    def _staging(self) -> torch.Tensor:
+        return torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+
+    def _complete(self, done: list[Partial], follow: FollowUps) -> int:
+        """Publish completed blocks: commit reserved slots, place staged ones."""
+        if not done:
+            return 0
+        moves = {id(p): Move(p.key, p.entry, p.view) for p in done if p.view is not None}
+        reserved = [moves[id(p)] for p in done if p.reserved]
+        staged = [moves[id(p)] for p in done if not p.reserved]
+        landed: set[int] = set()
+        if reserved:
+            ok = self.io.commit(FIRST, [mv.key for mv in reserved])
+            landed = self.writer.publish(FIRST, reserved, ok, follow)
+        left = self.writer.place(FIRST, staged, None, follow) if staged else []
+        failed = [mv for mv in reserved if id(mv) not in landed] + left
+        self.books.settle([p.entry for p in done], [(mv.key, mv.entry) for mv in failed])
+        self.books.count(
+            blocks_stored=len(done) - len(failed),
+            bytes_written_in_place=len(landed) * self.layout.block_nbytes,
+        )
+        return len(done) - len(failed)

@@ -1,0 +1,153 @@
+"""Migrations: the moves that keep blocks in the right tiers, in the background.
+
+Bringing a tier from above its high watermark down to its low one, write-through
+copies, write-back ahead of eviction, promotion on a hit and hot-block
+replication run as jobs on the :class:`~kvstore.mover.Mover` threads, so the
+engine's put and get return without waiting for them; persist and flush copy
+what only memory holds to the first persistent tier on the caller's thread.
+
+Each job pins what it moves in the books (so nothing frees the source under
+it), copies with the lock released, and places the new copy through
+:class:`~kvstore.writer.Writer` -- the same path a put takes, with the same
+admission, room-making and demotion. Work that a job's writes leave behind
+comes back as :class:`~kvstore.writer.FollowUps` and is scheduled here: the one
+place background work is queued.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from kvstore.books import Books
+from kvstore.index import Entry
+from kvstore.keys import BlockKey
+from kvstore.mover import Mover
+from kvstore.progress import FlushProgress
+from kvstore.tierio import TierIO
+from kvstore.writer import FollowUps, Writer
+
+__all__ = ["Migrations"]
+
+
+class Migrations:
+    """Schedules and runs background moves (see the module docstring)."""
+
+    def __init__(self, books: Books, io: TierIO, writer: Writer, mover: Mover) -> None:
+        self.books = books
+        self.io = io
+        self.writer = writer
+        self.mover = mover
+        persistent = io.persistent_levels()
+        #: The first tier that outlives the process (None: none does).
+        self.persistent_target = persistent[0] if persistent else None
+        self._block_nbytes = io.layout.block_nbytes
+
+    # -- scheduling ---------------------------------------------------------------
+    def schedule(self, follow: FollowUps) -> None:
+        """Queue the background work a write left behind (each kind once per tier)."""
+        for level, most in follow.evict_down.items():
+            job = functools.partial(self._evict_down, level, most)
+            self.mover.submit(job, key=("evict", level))
+        for level in follow.write_back:
+            self.mover.submit(functools.partial(self._write_back, level), key=("back", level))
+        for keys, source, target in follow.copy_down:
+            self.mover.submit(functools.partial(self._copy_down, keys, source, target))
+
+    def promote_later(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
+        """After a read, copy blocks served from slow tiers up where the rules say so."""
+        for key, target in self.books.promotions(keys, entries, self.io.promotable):
+            self.mover.submit(functools.partial(self._copy_up, key, target), key=("up", key))
+
+    def promote_now(self, keys: Sequence[BlockKey], target: int) -> int:
+        """Copy ``keys`` into tier ``target`` on the caller's thread; how many landed."""
+        return sum(self._copy_up(key, target) for key in keys)
+
+    # -- jobs -----------------------------------------------------------------------
+    def _evict_down(self, level: int, most: int) -> None:
+        victims = self.books.room.excess_victims(level, most)
+        if victims:
+            follow = FollowUps()
+            self.writer.evict(level, victims, follow)
+            self.schedule(follow)
+
+    def _write_back(self, level: int, batch: int = 8) -> None:
+        """Copy the least recently used blocks only ``level`` holds down, ``batch`` at a
+        time, while more than its low watermark's worth is dirty (and the store is not
+        closing: the flush at close writes the rest, reporting its progress)."""
+        tried: set[BlockKey] = set()
+        while picked := self.books.room.pick_dirty(level, batch, tried):
+            done = self._copy(picked, level + 1, None)
+            self.books.count_level("writebacks", level, done)
+
+    def _copy_up(self, key: BlockKey, target: int) -> bool:
+        """Promote (or replicate) ``key`` into tier ``target`` if still worth it; True
+        if a copy landed."""
+        bit = 1 << target
+        pinned = self.books.pin_where([key], lambda entry: not entry.tiers & bit)
+        if not pinned:
+            return False
+        landed = bool(self._copy(pinned, target, target + 1))
+        if landed:
+            self.books.count_level("promotions", target)
+        return landed
+
+    def _copy_down(self, keys: list[BlockKey], source: int, target: int) -> None:
+        """Write-through: copy blocks ``source`` holds (and no tier below it does) into
+        ``target`` or below."""
+        bit, below = 1 << source, ~((1 << (source + 1)) - 1)
+        pinned = self.books.pin_where(keys, lambda e: bool(e.tiers & bit) and not e.tiers & below)
+        if pinned:
+            done = self._copy(pinned, target, None)
+            self.books.count_level("write_through_copies", target, done)
+
+    def _copy(self, pinned: list[tuple[BlockKey, Entry]], start: int, stop: int | None) -> int:
+        """Copy pinned blocks into tiers ``start..stop``, unpin them, schedule what follows."""
+        follow = FollowUps()
+        try:
+            return self.writer.copy(pinned, start, stop, follow)
+        finally:
+            self.books.unpin([entry for _, entry in pinned])
+            self.schedule(follow)
+
+    # -- persist and flush ----------------------------------------------------------
+    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Copy ``keys`` into the first persistent tier now, where only memory holds them;
+        True for each key on a persistent tier afterwards."""
+        if self.persistent_target is not None:
+            self._persist(keys, self.persistent_target)
+        return self.books.persisted(keys)
+
+    def _persist(self, keys: Sequence[BlockKey], target: int) -> int:
+        persistent = self.books.persistent
+        pinned = self.books.pin_where(keys, lambda entry: not entry.tiers & persistent)
+        return self._copy(pinned, target, None) if pinned else 0
+
+    def flush(self, batch: int = 32, progress: FlushProgress | None = None) -> int:
+        """Finish background moves, then copy every block held only in memory tiers into
+        the first persistent tier; return how many were written.
+
+        ``progress`` hears the bytes to write (counted before the background
+        moves finish: they may be writing some of them) and what is left, from
+        the books' running count (no scan of the index).
+        """
+        target = self.persistent_target
+        if target is None:
+            self.mover.drain()
+            return 0
+        nbytes = self._block_nbytes
+        if progress is not None:
+            progress.begin(self.books.unpersisted() * nbytes, self.io.describe(target))
+            while not self.mover.drain(timeout=0.25):
+                progress.update(self.books.unpersisted() * nbytes)
+        self.mover.drain()
+        todo = self.books.unpersisted_keys()
+        done = 0
+        for start in range(0, len(todo), batch):
+            done += self._persist(todo[start : start + batch], target)
+            if progress is not None:
+                progress.update(self.books.unpersisted() * nbytes)
+        if progress is not None:  # what is left now: blocks no persistent tier took
+            progress.update(self.books.unpersisted() * nbytes, force=True)
+            progress.end()
+        return done

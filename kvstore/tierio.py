@@ -1,0 +1,219 @@
+"""TierIO: every call the data path makes into a tier goes through here.
+
+One place to time and count tier I/O (bytes and seconds read and written), to
+turn a failing medium into a miss (a tier that raises reads as "not there",
+writes as "not stored", and is marked down until a call succeeds again, said
+once in the log per outage rather than once per call), and to check the rule
+that tier I/O never runs under the books' lock. The owners of the data path
+(:mod:`kvstore.finder`, :mod:`kvstore.reader`, :mod:`kvstore.writer`, ...)
+address tiers by their index, fastest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from kvstore.errors import TierError
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.tiers.base import LayerRange, Tier
+
+__all__ = ["Health", "TierIO"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Counting(Protocol):
+    """Where TierIO adds its figures (:class:`~kvstore.books.Books`)."""
+
+    def count(self, **amounts: float) -> None:
+        """Add to counters by name."""
+
+    def held_by_me(self) -> bool:
+        """True while the calling thread holds the books' lock."""
+
+
+@dataclass
+class Health:
+    """Whether a tier answers: ``down`` from a call that raised until one succeeds."""
+
+    down: bool = False
+    errors: int = 0
+    last_error: str = ""
+
+
+class TierIO:
+    """Calls into ``tiers`` (fastest first) for the data path; see the module docstring.
+
+    ``_lock`` guards the health records only.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], layout: KVLayout, books: Counting) -> None:
+        self.tiers = list(tiers)
+        self.layout = layout
+        self._books = books
+        self._health = [Health() for _ in self.tiers]
+        self._lock = threading.Lock()
+
+    # -- what the tiers are -------------------------------------------------------
+    def mask(self, test: Callable[[Tier], bool]) -> int:
+        """Bits of the tiers ``test`` accepts."""
+        return sum(1 << i for i, tier in enumerate(self.tiers) if test(tier))
+
+    def shared_levels(self) -> list[int]:
+        """Tiers other processes may add blocks to."""
+        return [i for i, tier in enumerate(self.tiers) if tier.shared]
+
+    def persistent_levels(self) -> list[int]:
+        """Tiers whose blocks outlive the process."""
+        return [i for i, tier in enumerate(self.tiers) if tier.persistent]
+
+    def promotable(self, level: int) -> bool:
+        """Whether blocks of tier ``level`` may be copied up by this store itself."""
+        return self.tiers[level].promotable
+
+    def host_memory(self, level: int) -> bool:
+        """Whether tier ``level`` keeps its blocks in this process's host memory."""
+        device = self.tiers[level].device
+        return device is not None and device.type == "cpu"
+
+    def describe(self, level: int) -> str:
+        """A tier as a person knows it: its kind, and its directory where it has one."""
+        tier = self.tiers[level]
+        path = getattr(tier, "path", None)
+        return f"the {tier.kind} tier" + (f" ({path})" if path is not None else "")
+
+    # -- the calls ----------------------------------------------------------------
+    def put(self, level: int, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> list[bool]:
+        """Store blocks in tier ``level``; False for each one not stored."""
+        start = time.perf_counter()
+        done = self._call(level, "store", len(keys), lambda t: t.put(keys, srcs))
+        if done is None:
+            return [False] * len(keys)
+        elapsed = time.perf_counter() - start
+        self._books.count(bytes_written=sum(done) * self.layout.block_nbytes, write_seconds=elapsed)
+        return done
+
+    def get(
+        self,
+        level: int,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: LayerRange = None,
+    ) -> list[bool] | None:
+        """Read from tier ``level``; None when the medium is unavailable (it raised)."""
+        start = time.perf_counter()
+        ok = self._call(level, "read", len(keys), lambda t: t.get(keys, outs, layers))
+        if ok is None:
+            return None
+        elapsed = time.perf_counter() - start
+        nbytes = self.layout.block_nbytes
+        if layers is not None:
+            nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
+        self._books.count(bytes_read=sum(ok) * nbytes, read_seconds=elapsed)
+        return ok
+
+    def delete(self, level: int, keys: Sequence[BlockKey]) -> None:
+        """Delete ``keys`` from tier ``level`` (a failure is counted and logged)."""
+        if keys:
+            self._call(level, "delete", len(keys), lambda t: t.delete(keys))
+
+    def contains(self, level: int, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which ``keys`` tier ``level`` holds (none, when it is unavailable)."""
+        found = self._call(level, "check", len(keys), lambda t: t.contains(keys))
+        return [False] * len(keys) if found is None else found
+
+    def stored_keys(self, level: int) -> list[BlockKey]:
+        """Every key tier ``level`` holds (none, when it is unavailable)."""
+        keys = self._call(level, "list", 0, lambda t: list(t.stored_keys()))
+        return [] if keys is None else keys
+
+    def view(self, level: int, key: BlockKey) -> torch.Tensor | None:
+        """Zero-copy view of a (pinned) block in a memory tier; None if not possible."""
+        return self._call(level, "view", 1, lambda t: t.view(key))
+
+    def source(self, level: int, key: BlockKey) -> torch.Tensor | None:
+        """The bytes of a (pinned) block of tier ``level``: a view where possible, else
+        read into a new host tensor; None if the tier could not produce them."""
+        view = self.view(level, key)
+        if view is not None:
+            return view
+        staging = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+        ok = self.get(level, [key], [staging])
+        return staging if ok and ok[0] else None
+
+    def reserve(self, level: int, keys: Sequence[BlockKey]) -> list[torch.Tensor | None]:
+        """Two-step store, step 1: writable views of room for ``keys`` (None where the
+        tier cannot hand out its memory)."""
+        views = self._call(level, "reserve", len(keys), lambda t: t.reserve(keys))
+        return [None] * len(keys) if views is None else views
+
+    def commit(self, level: int, keys: Sequence[BlockKey]) -> list[bool]:
+        """Two-step store, step 2: publish reserved, filled ``keys``."""
+        done = self._call(level, "commit", len(keys), lambda t: t.commit(keys))
+        return [False] * len(keys) if done is None else done
+
+    def abort(self, level: int, keys: Sequence[BlockKey]) -> None:
+        """Give back the room reserved for ``keys``."""
+        if keys:
+            self._call(level, "abort", len(keys), lambda t: t.abort(keys))
+
+    def stats(self, level: int) -> dict[str, Any]:
+        """Tier ``level``'s own figures, and whether it answers."""
+        with self._lock:
+            health = self._health[level]
+            figures: dict[str, Any] = {"available": not health.down, "io_errors": health.errors}
+        return {**figures, **(self._call(level, "stats", 0, lambda t: t.stats()) or {})}
+
+    def prepare_close(self) -> None:
+        """Tell every tier the store is closing (a failure is logged, never raised)."""
+        for level in range(len(self.tiers)):
+            self._call(level, "prepare for close", 0, lambda t: t.prepare_close())
+
+    def close(self) -> None:
+        """Close every tier (a failure is logged, never raised)."""
+        for level in range(len(self.tiers)):
+            self._call(level, "close", 0, lambda t: t.close())
+
+    def _call(self, level: int, what: str, count: int, call: Callable[[Tier], T]) -> T | None:
+        """``call(tier)``; None (counted, logged, the tier marked down) if it raised."""
+        assert not self._books.held_by_me(), "tier I/O under the books' lock"
+        tier = self.tiers[level]
+        try:
+            result = call(tier)
+        except Exception as exc:  # a failing tier is a miss, never a crash
+            self._failed(level, what, count, exc)
+            return None
+        if self._health[level].down:
+            self._recovered(level)
+        return result
+
+    def _failed(self, level: int, what: str, count: int, exc: Exception) -> None:
+        kind = self.tiers[level].kind
+        with self._lock:
+            health = self._health[level]
+            first = not health.down
+            health.down, health.errors, health.last_error = True, health.errors + 1, str(exc)
+        self._books.count(tier_errors=1)
+        if not isinstance(exc, TierError):  # a bug, not a dead medium: always say so
+            log.error("tier %s failed to %s %d blocks", kind, what, count, exc_info=exc)
+        elif first:
+            log.warning("tier %s unavailable (%s of %d blocks): %s", kind, what, count, exc)
+        else:
+            log.debug("tier %s still unavailable (%s): %s", kind, what, exc)
+
+    def _recovered(self, level: int) -> None:
+        with self._lock:
+            health = self._health[level]
+            was_down, health.down = health.down, False
+        if was_down:
+            log.warning("tier %s answers again", self.tiers[level].kind)
