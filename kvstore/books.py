@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 from kvstore.counters import ManagerCounters
@@ -72,8 +71,8 @@ class Books:
         self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
 
     # -- the lock -----------------------------------------------------------------
-    def _locked(self) -> AbstractContextManager[None]:
-        return self._guard.locked()
+    def _locked(self) -> Guard:
+        return self._guard
 
     def _wait(self, timeout: float | None = None) -> None:
         self._guard.wait(timeout)

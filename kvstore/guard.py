@@ -11,8 +11,6 @@ never runs under it (:meth:`Guard.held_by_me`). The store's lifecycle
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from kvstore.errors import ClosedError
 
@@ -35,15 +33,17 @@ class Guard:
         if self.closed:
             raise ClosedError("the store is closed")
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the lock for the ``with`` block."""
-        with self._cond:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._owner = None
+    def locked(self) -> Guard:
+        """Hold the lock for a ``with`` block: ``with guard.locked(): ...``."""
+        return self
+
+    def __enter__(self) -> None:
+        self._cond.acquire()
+        self._owner = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._cond.release()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait to be notified (lock held; released while waiting)."""

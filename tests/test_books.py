@@ -162,11 +162,15 @@ def test_memory_only_count_follows_every_change(tmp_path: Path) -> None:
 
     keys = store.hash_tokens(torch.arange(6 * layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 6))
-    assert books.unpersisted() == only_in_memory() == 6
+    store.drain()  # (the host tier writes back ahead of eviction, in the background)
+    before = only_in_memory()
+    assert books.unpersisted() == before > 0
     store.persist(keys[:2])
-    assert books.unpersisted() == only_in_memory() == 4
+    store.drain()
+    assert books.unpersisted() == only_in_memory() < before
     store.delete(keys[2:3])
     store.evict(1, tier=0)
+    store.drain()
     assert books.unpersisted() == only_in_memory()
     assert store.stats()["blocks_memory_only"] == books.unpersisted()
     store.flush()

@@ -54,12 +54,7 @@ class RemoteTier(Tier):
         config.validate("remote")
         super().__init__(config, layout)
         self.cfg = config
-        self._capacity = config.capacity // layout.block_nbytes
-        if self._capacity < 1:
-            raise ConfigError(
-                f"remote tier capacity {config.capacity} bytes is smaller than one block "
-                f"({layout.block_nbytes} bytes for this layout)"
-            )
+        self._capacity = self.blocks_in(config.capacity)
         self._client = Client(layout, ClientOptions.from_config(config))
         self._closed = False
 

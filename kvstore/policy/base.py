@@ -4,8 +4,9 @@ A policy orders the keys resident in one tier. The manager tells it what
 arrived (``insert``), what was used (``touch``) and what left (``remove``),
 and asks for ``candidates`` -- keys in the order they should go. Whether a
 candidate may actually go (it may be pinned) is the manager's business, so a
-policy stays a few lines of bookkeeping. Not thread-safe: the manager calls
-it under its own lock. The clock is injectable so tests are deterministic.
+policy stays a few lines of bookkeeping. Not thread-safe: the books
+(:mod:`kvstore.books`, :mod:`kvstore.room`) call it under their lock. The
+clock is injectable so tests are deterministic.
 """
 
 from __future__ import annotations

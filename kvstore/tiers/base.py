@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvstore.config import TierConfig
+from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 
@@ -63,6 +64,19 @@ class Tier(ABC):
         self.layout = layout
 
     # -- sizes --------------------------------------------------------------
+    def blocks_in(self, capacity: int, unit: int | None = None, what: str = "block") -> int:
+        """How many blocks of ``unit`` bytes (``layout.block_nbytes`` by default) fit in
+        ``capacity`` bytes; :class:`~kvstore.errors.ConfigError` if not even one does.
+        The one capacity check every tier makes when it opens."""
+        unit = self.layout.block_nbytes if unit is None else unit
+        blocks = capacity // unit
+        if blocks < 1:
+            raise ConfigError(
+                f"{self.kind} tier capacity {capacity} bytes is smaller than one {what} "
+                f"({unit} bytes for this layout)"
+            )
+        return blocks
+
     @property
     @abstractmethod
     def capacity_blocks(self) -> int:
@@ -112,9 +126,9 @@ class Tier(ABC):
         (e.g. layer by layer as prefill produces them); None where the tier cannot
         hand out its memory -- the default, for media that are not memory.
 
-        Reserved keys are invisible until :meth:`commit`. ``reserve``,
-        ``commit`` and ``abort`` must be cheap bookkeeping: the manager calls
-        them with its lock held.
+        Reserved keys are invisible until :meth:`commit`. Like every tier call,
+        ``reserve``, ``commit`` and ``abort`` run with the books' lock released
+        (through :class:`~kvstore.tierio.TierIO`), so they may take time.
         """
         return [None] * len(keys)
 

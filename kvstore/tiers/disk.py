@@ -152,12 +152,7 @@ class DiskTier(Tier):
 
     def _fit_capacity(self, wanted: int) -> int:
         """Blocks that fit in ``wanted`` bytes, and in the free disk space."""
-        blocks = wanted // self._file_nbytes
-        if blocks < 1:
-            raise ConfigError(
-                f"disk tier capacity {wanted} bytes is smaller than one block file "
-                f"({self._file_nbytes} bytes for this layout)"
-            )
+        blocks = self.blocks_in(wanted, self._file_nbytes, "block file")
         try:
             usage = shutil.disk_usage(self._tree.base)
         except OSError:

@@ -132,12 +132,7 @@ class RedisTier(Tier):
         config.validate("redis")
         super().__init__(config, layout)
         self.cfg = config
-        self._capacity = config.capacity // layout.block_nbytes
-        if self._capacity < 1:
-            raise ConfigError(
-                f"redis tier capacity {config.capacity} bytes is smaller than one block "
-                f"({layout.block_nbytes} bytes for this layout)"
-            )
+        self._capacity = self.blocks_in(config.capacity)
         self._prefix = f"{config.key_prefix}:{layout.fingerprint_hex}:".encode()
         self._header_nbytes = value_header_size(layout)
         self._per_pipeline = max(1, _PIPELINE_BYTES // (layout.block_nbytes + self._header_nbytes))

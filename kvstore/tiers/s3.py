@@ -130,12 +130,7 @@ class S3Tier(Tier):
         config.validate("s3")
         super().__init__(config, layout)
         self.cfg = config
-        self._capacity = config.capacity // layout.block_nbytes
-        if self._capacity < 1:
-            raise ConfigError(
-                f"s3 tier capacity {config.capacity} bytes is smaller than one block "
-                f"({layout.block_nbytes} bytes for this layout)"
-            )
+        self._capacity = self.blocks_in(config.capacity)
         self._dir = f"{config.prefix.strip('/')}/{layout.fingerprint_hex}/"
         self._header_nbytes = value_header_size(layout)
         # Above the threshold a whole block moves in part_size pieces, in parallel.

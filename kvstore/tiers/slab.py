@@ -18,7 +18,7 @@ import torch
 
 from kvstore.config import TierConfig
 from kvstore.copies import engine_for
-from kvstore.errors import CapacityError, ConfigError
+from kvstore.errors import CapacityError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.memory import SlabAllocator
@@ -55,12 +55,7 @@ class SlabTier(Tier):
         prefault: bool = False,
     ) -> None:
         super().__init__(config, layout)
-        num_slots = config.capacity // layout.block_nbytes
-        if num_slots < 1:
-            raise ConfigError(
-                f"{self.kind} tier capacity {config.capacity} bytes is smaller than one block "
-                f"({layout.block_nbytes} bytes for this layout)"
-            )
+        num_slots = self.blocks_in(config.capacity)
         self._slab = SlabAllocator(
             layout.block_nbytes, num_slots, device, pinned, shared, prefault=prefault
         )
