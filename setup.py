@@ -1,10 +1,14 @@
-"""The one build step pyproject.toml cannot declare (yet): kvstore's C extension.
+"""The one build step pyproject.toml cannot declare (yet): kvstore's C extensions.
 
-``kvstore._chain`` (csrc/chain.c) computes the chained chunk keys of
-``kvstore.keys.chain_keys`` in one C loop over xxHash's XXH3 (csrc/xxhash/, BSD
-2-Clause). It is optional: where it cannot be compiled (no C compiler, no Python
-headers) the install goes on without it and ``kvstore.keys`` uses its pure-Python
-path, which gives the same keys, slower. Everything else is in pyproject.toml.
+- ``kvstore._chain`` (csrc/chain.c) computes the chained chunk keys of
+  ``kvstore.keys.chain_keys`` in one C loop over xxHash's XXH3 (csrc/xxhash/, BSD
+  2-Clause).
+- ``kvstore._memcopy`` (csrc/memcopy.c) copies many host regions in one call with
+  the GIL released once, for the copy engine (``kvstore.copies``).
+
+Both are optional: where they cannot be compiled (no C compiler, no Python
+headers) the install goes on without them and kvstore uses its pure-Python paths,
+which give the same results, slower. Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -17,6 +21,12 @@ setup(
             depends=["csrc/xxhash/xxhash.h"],
             include_dirs=["csrc"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvstore._memcopy",
+            sources=["csrc/memcopy.c"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

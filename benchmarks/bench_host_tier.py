@@ -20,7 +20,11 @@ of ``--batch-blocks`` (default 16 and 16: one 512 MiB call).
   behaviour before the prefault existed). Two baselines: steady ``memcpy``
   (above; the target: first fill / steady memcpy == ``put_ratio``) and
   ``first_touch_memcpy``, the same copies into a freshly mapped region
-  (``mmap`` + ``MADV_HUGEPAGE``, as the slab), i.e. what page faults cost.
+  (``mmap`` + ``MADV_HUGEPAGE``, as the slab), i.e. what page faults cost;
+  and ``prefaulted_copy``, the same copies into a region mapped *and
+  prefaulted* as the slab is (``MADV_POPULATE_WRITE`` over the whole
+  capacity, then the copies): what a fresh slab's first fill can reach on
+  this machine (``put_first_fill_after_prefault_ratio_vs_prefaulted``).
   Each of these reps first pauses ``--settle-s`` (3 s) untimed, so memory the
   previous rep freed goes back to the host (free page reporting) and is cold
   again, as at a process's start.
@@ -221,6 +225,28 @@ class FirstFill:
             for i in range(self.bench.batch)
         ]
 
+    def prefaulted_copy(self) -> float:
+        """Baseline: the same copies into a region mapped and prefaulted as the slab is
+        (``capacity`` bytes, ``MADV_HUGEPAGE``, ``MADV_POPULATE_WRITE`` in 8 MiB steps),
+        timed once the prefault is done: what a fresh slab's first fill can reach."""
+        self._settle()
+        region = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            region.madvise(advice)
+        buf = torch.frombuffer(region, dtype=torch.uint8)
+        _populate(buf.data_ptr(), self.capacity)
+        step = self.bench.nbytes // self.bench.nbatches
+        dsts = [buf[i * step : (i + 1) * step] for i in range(self.bench.nbatches)]
+        try:
+            start = time.perf_counter()
+            for dst, src in zip(dsts, self.bench.kv, strict=True):
+                dst.copy_(src.view(-1).view(torch.uint8))
+            return time.perf_counter() - start
+        finally:
+            del buf, dsts
+            region.close()
+
     def first_touch(self, use_memmove: bool) -> float:
         """Baseline: copy the batches into a freshly mapped region (as the slab is mapped)."""
         self._settle()
@@ -242,6 +268,20 @@ class FirstFill:
         finally:
             del buf, dsts
             region.close()
+
+
+def _populate(address: int, nbytes: int, step: int = 8 << 20) -> None:
+    """``madvise(MADV_POPULATE_WRITE)`` over ``nbytes`` from ``address``, in steps (Linux >= 5.14;
+    elsewhere the pages are left to fault on the copy)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for offset in range(0, nbytes, step):
+        if madvise(address + offset, min(step, nbytes - offset), 23) != 0:
+            return
 
 
 def profile(fn: Callable[[], object], reps: int, top: int = 12) -> str:
@@ -322,6 +362,7 @@ def _subjects(bench: HostTierBench, fill: FirstFill, reps: int) -> dict[str, tup
         "first_fill": (fill.put(prefault=True, wait=False), 1),
         "first_fill_after_prefault": (fill.put(prefault=True, wait=True), 1),
         "first_fill_no_prefault": (fill.put(prefault=False, wait=False), 1),
+        "prefaulted_copy": (fill.prefaulted_copy, 1),
         "first_touch_copy": (lambda: fill.first_touch(use_memmove=False), 1),
         "first_touch_memmove": (lambda: fill.first_touch(use_memmove=True), 1),
     }
@@ -348,6 +389,12 @@ def _report(
         # ... and the same copies into freshly mapped memory (what faults cost).
         **{f"put_{f}_ratio_vs_first_touch": gbps[f] / first_touch for f in fills},
         **{f"put_{f}_gbps": gbps[f] for f in fills},
+        # ... and the same copies into memory mapped and prefaulted as the slab is, at
+        # once: what the medium allows a first fill on this machine.
+        "put_first_fill_after_prefault_ratio_vs_prefaulted": (
+            gbps["first_fill_after_prefault"] / gbps["prefaulted_copy"]
+        ),
+        "prefaulted_copy_gbps": gbps["prefaulted_copy"],
         "first_touch_memcpy_gbps": first_touch,
         "first_touch_copy_gbps": gbps["first_touch_copy"],
         "first_touch_memmove_gbps": gbps["first_touch_memmove"],
@@ -385,6 +432,8 @@ def _rows(
     ):
         rows.append([label, gbps[name], gbps[name] / memcpy])
     rows.append(["first-touch memcpy (baseline)", first_touch, first_touch / memcpy])
+    prefaulted = gbps["prefaulted_copy"]
+    rows.append(["copy into prefaulted fresh memory (baseline)", prefaulted, prefaulted / memcpy])
     for label, name in (
         ("torch copy_ (baseline)", "torch_copy"),
         ("ctypes.memmove (baseline)", "memmove"),

@@ -157,6 +157,13 @@ REGISTRY: tuple[Bench, ...] = (
                 "GB/s",
             ),
             _ratio(
+                "put_first_fill_after_prefault_ratio_vs_prefaulted",
+                "the same copies into fresh memory prefaulted as the slab is",
+                "",
+                "prefaulted_copy_gbps",
+                "GB/s",
+            ),
+            _ratio(
                 "put_first_fill_ratio",
                 "memcpy (fresh tier, right after open)",
                 "",

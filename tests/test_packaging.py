@@ -1,8 +1,9 @@
 """Release packaging: ``python -m build`` makes an sdist and, from it, a wheel that
 installs into a fresh virtualenv and runs ``kvstore demo`` and ``kvstore --version``.
 
-The wheel is platform-specific: it carries the compiled ``kvstore._chain`` (csrc/, built
-by setup.py), and the installed copy must hash with it (``kvstore.keys.CHAIN_IMPL``).
+The wheel is platform-specific: it carries the compiled ``kvstore._chain`` and
+``kvstore._memcopy`` (csrc/, built by setup.py), and the installed copy must hash with
+the first (``kvstore.keys.CHAIN_IMPL``).
 
 The build runs in build's isolated environment (it fetches ``setuptools>=77`` from the
 package index, as a release build would); the fresh venv gets kvstore's dependencies from
@@ -130,9 +131,10 @@ def _check_wheel(wheel: Path, version: str) -> None:
             zf.read(f"kvstore-{version}.dist-info/METADATA").decode()
         )
     assert "kvstore/py.typed" in names
-    assert "kvstore/_chain.pyi" in names
     ext = sysconfig.get_config_var("EXT_SUFFIX")
-    assert f"kvstore/_chain{ext}" in names, "the wheel lacks the compiled kvstore._chain"
+    for module in ("_chain", "_memcopy"):
+        assert f"kvstore/{module}.pyi" in names
+        assert f"kvstore/{module}{ext}" in names, f"the wheel lacks the compiled kvstore.{module}"
     licenses = ["LICENSE", "NOTICE", "csrc/xxhash/LICENSE"]
     for name in licenses:
         assert f"kvstore-{version}.dist-info/licenses/{name}" in names
@@ -151,7 +153,7 @@ def _check_sdist(sdist: Path, version: str) -> None:
     root = f"kvstore-{version}"
     for path in (
         *("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "kvstore/py.typed"),
-        *("csrc/chain.c", "csrc/xxhash/xxhash.h", "csrc/xxhash/LICENSE"),
+        *("csrc/chain.c", "csrc/memcopy.c", "csrc/xxhash/xxhash.h", "csrc/xxhash/LICENSE"),
     ):
         assert f"{root}/{path}" in members, f"sdist lacks {path}"
     assert not [m for m in members if m.endswith(".so")], "the sdist holds no compiled files"

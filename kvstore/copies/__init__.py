@@ -6,7 +6,8 @@ ordering (lanes, events) and asynchrony live here and nowhere else.
 
 - ``base.py``: the contract (:class:`CopyEngine`, :class:`Lane`, :class:`Event`).
 - ``coalescing.py``: :func:`coalesce` (runs of pairs become one strided copy) and
-  :func:`copy_pairs` (what every engine runs a batch with).
+  :func:`copy_pairs` (what every engine runs a batch with; contiguous host copies
+  left over go to C in one call, ``kvstore._memcopy``).
 - ``threads.py``: :class:`ThreadCopyEngine`, a worker thread per lane (CPU).
 - ``cuda.py`` (to come): persistent CUDA streams per device and direction,
   ``non_blocking`` copies from pinned memory, CUDA events, GPU-side waits.

@@ -11,17 +11,27 @@ once and starts one parallel loop (on a GPU: one kernel or one DMA) instead of
 copies one by one, in order (see :func:`coalesce` for the rules). Every
 engine (``threads.py`` here, ``cuda.py`` later) runs its batches through
 :func:`copy_pairs`, which also enters inference mode where a destination
-needs it.
+needs it. What is left after coalescing -- blocks of separate host tensors,
+say -- goes to C in one call (``kvstore._memcopy``, csrc/memcopy.c: the GIL
+released once for the batch, the bytes split over torch's thread count)
+wherever one ``memcpy`` per pair is provably the same as the ``copy_`` calls.
 """
 
 from __future__ import annotations
 
+import array
+import bisect
 import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+try:  # built by the install (csrc/memcopy.c); without it, a copy_ per pair
+    from kvstore import _memcopy
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _memcopy = None  # type: ignore[assignment]
 
 __all__ = ["CopyPair", "coalesce", "copy_pairs", "needs_inference_mode"]
 
@@ -133,11 +143,23 @@ def _first_steps(pairs: Sequence[CopyPair], start: int) -> tuple[int, int] | Non
         return None
     try:
         steps = (d.data_ptr() - dst.data_ptr(), s.data_ptr() - src.data_ptr())
+        # Separate allocations (blocks of their own) may lie at a constant distance: they
+        # can never merge, and finding that out at each start of a long batch would cost
+        # a scan of the rest of it every time.
+        if not (_inside(dst, d) and _inside(src, s)):
+            return None
     except RuntimeError:  # no storage (sparse, nested): nothing to merge
         return None
     rising = steps[0] > 0 and steps[1] >= 0
     falling = steps[0] < 0 and steps[1] <= 0
     return steps if rising or falling else None
+
+
+def _inside(base: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``other`` starts inside the memory of ``base``'s storage."""
+    storage = base.untyped_storage()
+    first = storage.data_ptr()
+    return first <= other.data_ptr() < first + storage.nbytes()
 
 
 def _scan(pairs: Sequence[CopyPair], start: int, steps: tuple[int, int]) -> int:
@@ -314,8 +336,62 @@ def copy_pairs(
     copies from pinned memory; no strided merges across devices).
     """
     merged = coalesce(pairs, strided=strided)
+    if _memcopy is not None and _host_memcpy_safe(merged):
+        table = array.array("Q")
+        for dst, src in merged:
+            table.extend((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+        _memcopy.copy_regions(table, torch.get_num_threads())
+        return len(merged)
     mode = torch.inference_mode() if needs_inference_mode(merged) else contextlib.nullcontext()
     with mode:
         for dst, src in merged:
             dst.copy_(src, non_blocking=non_blocking)
     return len(merged)
+
+
+def _plain_bytes(t: torch.Tensor) -> bool:
+    """A host tensor whose elements are its bytes, in order: a plain memcpy reads or
+    writes it exactly as ``copy_`` would."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _host_memcpy_safe(pairs: Sequence[CopyPair]) -> bool:
+    """True when every pair is a same-dtype, same-shape copy between contiguous host
+    tensors and no destination overlaps another pair's destination or any source:
+    then one ``memcpy`` per pair, in any order, gives what the ``copy_`` calls give.
+
+    This batch goes to C (``kvstore._memcopy``) in one call with the GIL released
+    once: a ``copy_`` per pair gives the GIL back and takes it again each time, and
+    a thread running Python beside the copies then holds it for its whole switch
+    interval (5 ms) between two of them (measured: 256 copies of 1 MiB ran at
+    0.08 GB/s beside a busy Python thread, against 3.7 in one call).
+    """
+    if len(pairs) < 2:
+        return False  # one copy: torch's copy_ releases the GIL once too
+    dsts: list[tuple[int, int]] = []
+    srcs: list[tuple[int, int]] = []
+    for dst, src in pairs:
+        if not (_plain_bytes(dst) and _plain_bytes(src)):
+            return False
+        if dst.dtype != src.dtype or dst.shape != src.shape:
+            return False
+        nbytes = dst.numel() * dst.element_size()
+        dsts.append((dst.data_ptr(), dst.data_ptr() + nbytes))
+        srcs.append((src.data_ptr(), src.data_ptr() + nbytes))
+    dsts.sort()
+    if any(a[1] > b[0] for a, b in itertools.pairwise(dsts)):
+        return False  # destinations overlap: the order of the copies would matter
+    starts = [lo for lo, _ in dsts]
+    for lo, hi in srcs:  # the destination starting last before hi may reach into [lo, hi)
+        i = bisect.bisect_left(starts, hi) - 1
+        if i >= 0 and dsts[i][1] > lo:
+            return False
+    return True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,13 +176,32 @@ ALIGNED = KVLayout(num_layers=4, num_kv_heads=4, head_dim=32, block_tokens=16)
 
 
 def cached_bytes(path: str) -> int:
-    """How many leading bytes of ``path`` the page cache holds (reads that never wait)."""
+    """How many bytes of ``path`` the page cache holds, by ``mincore`` on a mapping.
+
+    Not a ``preadv(RWF_NOWAIT)`` probe: a NOWAIT read of an uncached file still
+    starts readahead, and on a loaded machine that I/O can finish before the read
+    looks again, so the probe itself filled the cache it was measuring.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     fd = os.open(path, os.O_RDONLY)
-    buf = bytearray(os.fstat(fd).st_size)
     try:
-        return os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return 0
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        pages = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        try:
+            assert libc.mincore(addr, size, pages) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+        resident = sum(b & 1 for b in pages.raw)
+        return min(size, resident * mmap.PAGESIZE)
     finally:
         os.close(fd)
 
@@ -197,7 +219,7 @@ def block_file(tier: DiskTier, key: bytes) -> str:
     return tier._tree.block_path(key)
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv(RWF_NOWAIT)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs mincore")
 @pytest.mark.parametrize("mode", ["keep", "bypass"])
 def test_page_cache_setting(tmp_path: Path, mode: str) -> None:
     """keep: a block written (or read) stays in the page cache and reads back the same
