@@ -27,7 +27,17 @@ from typing import Any
 
 from kvstore.counters import ManagerCounters
 from kvstore.guard import Guard
-from kvstore.index import DELETING, READY, WRITING, ChangeFeed, Entry, HeatClock, Index, Level
+from kvstore.index import (
+    DELETING,
+    READY,
+    WRITING,
+    ChangeFeed,
+    Entry,
+    HeatClock,
+    Index,
+    Level,
+    Medium,
+)
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease, LeaseTable
 from kvstore.partials import PartialBooks
@@ -157,6 +167,15 @@ class Books:
         mask = self.local if local else -1
         with self._locked():
             return [k for k, e in self._index.items() if e.state == READY and e.tiers & mask]
+
+    def stored_media(self) -> list[tuple[BlockKey, Medium]]:
+        """Each readable key with a copy in a tier of this machine or a shared
+        persistent one, and its nearest :class:`Medium` (what a cluster node publishes)."""
+        with self._locked():
+            media = (
+                (k, self._index.medium(e.tiers)) for k, e in self._index.items() if e.state == READY
+            )
+            return [(k, m) for k, m in media if m != Medium.NONE]
 
     def unpersisted(self) -> int:
         """Readable blocks no persistent tier holds (kept as a count, not scanned)."""
@@ -358,6 +377,28 @@ class Books:
                     if self._index.begin_drop(lv, key, entry):
                         groups.setdefault(lv.index, []).append((key, entry))
             return targets, groups
+
+    def begin_drop_local(self, keys: Sequence[BlockKey]) -> tuple[Victims, dict[int, Victims]]:
+        """Take the copies in this machine's tiers of readable, unpinned ``keys`` off
+        the books; copies in shared remote tiers (S3) stay. Returns the keys left with
+        no copy at all (forgotten) and, per tier, the copies to delete; the caller
+        deletes them from the tiers, then calls :meth:`end_drop` for each tier."""
+        with self._locked():
+            self._guard.check_open()
+            gone: Victims = []
+            groups: dict[int, Victims] = {}
+            for key in dict.fromkeys(keys):
+                entry = self._index.ready(key)
+                if entry is None or entry.pins:  # being read: its copies stay for now
+                    continue
+                for lv in self._levels:
+                    if lv.bit & self.local and self._index.begin_drop(lv, key, entry):
+                        groups.setdefault(lv.index, []).append((key, entry))
+                if not entry.tiers:
+                    self._index.set_state(entry, DELETING)
+                    self._index.remove(key, entry)
+                    gone.append((key, entry))
+            return gone, groups
 
     def end_delete(self, targets: Victims, groups: dict[int, Victims]) -> int:
         """The tiers deleted the copies: give their room back, forget the keys."""

@@ -180,11 +180,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_text(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+def _read_text(path: str, option: str) -> str:
+    """The text of ``path`` (``-``: standard input); InvalidInputError, naming
+    ``option``, for a file that cannot be read or is not UTF-8 text."""
+    from kvstore.errors import InvalidInputError
+
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidInputError(f"{option} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{option} {path}: not UTF-8 text") from None
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
@@ -199,7 +208,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
     layout = _layout(args)
     with Router(config.cluster, layout, args.namespace) as router:
         if args.keys is not None:
-            lines = [x.strip() for x in _read_text(args.keys).split() if x.strip()]
+            lines = [x.strip() for x in _read_text(args.keys, "--keys").split() if x.strip()]
             try:
                 keys = check_keys([bytes.fromhex(x) for x in lines])
             except ValueError:
@@ -208,14 +217,23 @@ def _cmd_route(args: argparse.Namespace) -> int:
         else:
             if not args.model:
                 raise InvalidInputError("--tokens needs --model (the id the engines hash under)")
-            tokens = [int(x) for x in _read_text(args.tokens).split()]
+            try:
+                tokens = [int(x) for x in _read_text(args.tokens, "--tokens").split()]
+            except ValueError:
+                raise InvalidInputError("--tokens: expected integer token ids") from None
             ranked = router.rank_tokens(tokens, Namespace(model=args.model, layout=layout))
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in ranked], indent=2))
         return 0
-    print(f"{'node':<20} {'prefix chunks':>13} {'load':>8}  address")
+    print(
+        f"{'node':<20} {'merit':>8} {'prefix chunks':>13} {'memory':>7} {'disk':>6} "
+        f"{'s3':>6} {'load':>8}  address"
+    )
     for r in ranked:
-        print(f"{r.node_id:<20} {r.prefix_blocks:>13} {r.load:>8.1f}  {r.advertise or '-'}")
+        print(
+            f"{r.node_id:<20} {r.merit:>8.1f} {r.prefix_blocks:>13} {r.memory_blocks:>7} "
+            f"{r.disk_blocks:>6} {r.shared_blocks:>6} {r.load:>8.1f}  {r.advertise or '-'}"
+        )
     return 0
 
 

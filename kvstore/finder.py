@@ -4,7 +4,9 @@ A shared tier (a disk directory, a bucket, a Redis, a server, the cluster)
 may gain blocks the books never recorded: another engine process on the same
 node, or an earlier run. When the index lacks a key, the finder asks the
 shared tiers before calling it a miss, and records what they hold
-(:meth:`Finder.discover`); :meth:`Finder.recheck` confirms that blocks only
+(:meth:`Finder.discover`); :meth:`Finder.nearer` asks the tiers whose copies
+come and go (cluster peers) about blocks a read would otherwise take from a
+shared remote medium (S3); :meth:`Finder.recheck` confirms that blocks only
 shared tiers hold are still there; :meth:`Finder.adopt_persistent` indexes
 what persistent tiers hold when a store opens (or on a rescan).
 """
@@ -29,6 +31,11 @@ class Finder:
         self.io = io
         self._shared = io.shared_levels()
         self._own = io.mask(lambda tier: not tier.shared)
+        self._near = io.mask(lambda tier: tier.local)
+        #: Shared tiers whose copies come and go (cluster peers): asked again before a
+        #: read goes to a slower shared medium.
+        persistent = io.mask(lambda tier: tier.persistent)
+        self._peers = [lv for lv in self._shared if not persistent >> lv & 1]
 
     def lookup(self, keys: Sequence[BlockKey], recheck: bool = False) -> int:
         """Number of leading ``keys`` that are stored and readable.
@@ -82,6 +89,31 @@ class Finder:
             if run < len(chunk):
                 break
         return adopted
+
+    def nearer(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> int:
+        """Ask the peer tiers about pinned blocks that only a shared remote medium
+        (S3) holds as far as the books know, and record the copies they have.
+
+        A block found in S3 before its owner had published it would otherwise be
+        read from S3 for good: never fetched from the peer, never counted hot,
+        never replicated. Peers answer from memory (the cluster's index copy), so
+        this costs no round trip. Returns how many blocks gained a copy.
+        """
+        if not self._peers or not keys:
+            return 0
+        masks = self.books.tiers_of(entries)
+        peer_bits = sum(1 << lv for lv in self._peers)
+        probe = [i for i, bits in enumerate(masks) if bits and not bits & (self._near | peer_bits)]
+        if not probe:
+            return 0
+        found = [0] * len(probe)
+        for level in self._peers:
+            held = self.io.contains(level, [keys[i] for i in probe])
+            for j, present in enumerate(held):
+                found[j] |= (1 << level) if present else 0
+        adopted = [(keys[i], bits) for i, bits in zip(probe, found, strict=True) if bits]
+        self.books.adopt(adopted)
+        return len(adopted)
 
     def recheck(self, keys: Sequence[BlockKey], batch: int = 16) -> int:
         """Of the leading indexed ``keys``, how many shared tiers still hold; forget the rest.

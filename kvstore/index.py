@@ -9,6 +9,7 @@ disk, the count of blocks only memory holds -- is kept in step in one place.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,7 @@ __all__ = [
     "HeatClock",
     "Index",
     "Level",
+    "Medium",
     "Move",
     "lowest_bit",
 ]
@@ -142,30 +144,48 @@ class Level:
         return ~((self.bit << 1) - 1)
 
 
+class Medium(enum.IntEnum):
+    """Where the nearest copy of a block is, as a cluster publishes it (best last).
+
+    ``MEMORY``: a memory tier of this machine (host DRAM, GPU); ``DISK``: a
+    persistent tier of this machine; ``SHARED``: only a persistent tier of
+    another machine that every node reads (S3, Redis, a server); ``NONE``: no
+    copy at all.
+    """
+
+    NONE = 0
+    SHARED = 1
+    DISK = 2
+    MEMORY = 3
+
+
 class ChangeFeed:
-    """Keys that gained their first copy in a local tier, or lost their last one.
+    """Keys whose nearest copy changed :class:`Medium` (gained their first copy in a
+    tier of this machine, moved between memory and disk, or lost them).
 
     For a watcher outside the store (a cluster node publishing what it holds):
     :class:`Index` records each change under the books' lock; :meth:`drain`
-    hands over the net change since the last drain (a key added and removed
-    meanwhile is neither). ``_lock`` guards ``_state`` (drains come from the
-    watcher's thread).
+    hands over the net change since the last drain, ``(medium before, medium
+    now)`` per key (a key added and removed meanwhile has equal ends). ``_lock``
+    guards ``_state`` (drains come from the watcher's thread).
     """
 
     def __init__(self) -> None:
-        self._state: dict[BlockKey, bool] = {}
+        self._state: dict[BlockKey, tuple[Medium, Medium]] = {}
         self._lock = threading.Lock()
 
-    def record(self, key: BlockKey, held: bool) -> None:
-        """``key`` is now held locally (True) or not (False)."""
+    def record(self, key: BlockKey, before: Medium, now: Medium) -> None:
+        """``key``'s nearest copy went from ``before`` to ``now``."""
         with self._lock:
-            self._state[key] = held
+            first = self._state.get(key)
+            self._state[key] = (before if first is None else first[0], now)
 
-    def drain(self) -> tuple[list[BlockKey], list[BlockKey]]:
-        """Keys added and keys removed since the last drain."""
+    def drain(self) -> dict[BlockKey, tuple[Medium, Medium]]:
+        """``(medium before, medium now)`` of each key that changed since the last drain
+        (keys that came back to where they were are left out)."""
         with self._lock:
             state, self._state = self._state, {}
-        return [k for k, held in state.items() if held], [k for k, h in state.items() if not h]
+        return {k: v for k, v in state.items() if v[0] != v[1]}
 
 
 @dataclass
@@ -190,6 +210,12 @@ class Index:
         self.levels = list(levels)
         self.persistent = persistent
         self.local = local
+        #: Tier masks of each :class:`Medium` (nearest first), for the change feed.
+        self.media = (
+            (local & ~persistent, Medium.MEMORY),
+            (local & persistent, Medium.DISK),
+            (persistent & ~local, Medium.SHARED),
+        )
         self.entries: dict[BlockKey, Entry] = {}
         #: Key -> bits of the tiers a delete of it is in flight from: nothing may write
         #: the key there until the tier has deleted it (kept apart: it is rarely set).
@@ -274,14 +300,18 @@ class Index:
     def _set_tiers(self, key: BlockKey, entry: Entry, tiers: int) -> None:
         before = entry.tiers
         if self.changes is not None:
-            was, now = before & self.local, tiers & self.local
-            if bool(was) != bool(now):
-                self.changes.record(key, bool(now))
+            was, now = self.medium(before), self.medium(tiers)
+            if was != now:
+                self.changes.record(key, was, now)
         self._count(entry, -1)
         entry.tiers = tiers
         self._count(entry, 1)
         for level in self._write_back:
             _track_dirty(level, key, before, tiers)
+
+    def medium(self, tiers: int) -> Medium:
+        """The nearest :class:`Medium` among the tiers of ``tiers``."""
+        return next((m for mask, m in self.media if tiers & mask), Medium.NONE)
 
     def _count(self, entry: Entry, sign: int) -> None:
         if entry.state == READY and entry.tiers and not entry.tiers & self.persistent:

@@ -46,7 +46,7 @@ from kvstore.copies import engine_for
 from kvstore.counters import ManagerCounters
 from kvstore.errors import BlockNotFoundError
 from kvstore.finder import Finder
-from kvstore.index import ChangeFeed, HeatClock, Level
+from kvstore.index import ChangeFeed, HeatClock, Level, Medium
 from kvstore.keys import BlockKey
 from kvstore.layerwrites import LayerWrites
 from kvstore.layout import KVLayout
@@ -181,6 +181,11 @@ class BlockManager:
         in a tier of this machine (memory, local disk)."""
         return self.books.stored_keys(local)
 
+    def stored_media(self) -> list[tuple[BlockKey, Medium]]:
+        """Each key held in this machine's tiers or a shared remote one, with the
+        :class:`~kvstore.index.Medium` of its nearest copy (what a cluster node publishes)."""
+        return self.books.stored_media()
+
     def rescan(self) -> None:
         """Index what persistent tiers hold now (blocks other processes wrote since)."""
         self.finder.adopt_persistent()
@@ -234,6 +239,16 @@ class BlockManager:
         for level, dropped in groups.items():
             self.io.delete(level, [key for key, _ in dropped])
         return self.books.end_delete(targets, groups)
+
+    def drop_local(self, keys: Sequence[BlockKey]) -> int:
+        """Delete the copies of ``keys`` in this machine's tiers (memory, local disk),
+        keeping those in shared remote tiers such as S3: a cluster replica giving up
+        its place. Blocks being read are skipped. Returns how many copies went."""
+        _, groups = self.books.begin_drop_local(keys)
+        for level, dropped in groups.items():
+            self.io.delete(level, [key for key, _ in dropped])
+            self.books.end_drop(level, [key for key, _ in dropped])
+        return sum(len(dropped) for dropped in groups.values())
 
     def evict(self, tier_index: int, n: int) -> list[BlockKey]:
         """Evict exactly ``n`` unpinned blocks from tier ``tier_index``, or none.

@@ -42,6 +42,7 @@ class Reader:
         self.books = books
         self.io = io
         self.finder = finder
+        self._shared = io.mask(lambda tier: tier.shared)
 
     def load(
         self,
@@ -81,7 +82,9 @@ class Reader:
         outs: Sequence[torch.Tensor],
         layers: LayerRange,
     ) -> list[bool]:
-        """Read each *pinned* entry from its fastest copy, falling back to slower ones."""
+        """Read each *pinned* entry from its fastest copy, falling back to slower ones
+        (a peer that now holds a block known only in S3 is asked first: Finder.nearer)."""
+        self.finder.nearer(keys, entries)
         done = [False] * len(entries)
         tried = [0] * len(entries)
         pending = list(range(len(entries)))
@@ -103,7 +106,14 @@ class Reader:
 
     def lose_copy(self, level: int, key: BlockKey, entry: Entry) -> None:
         """A tier failed to produce ``key``: forget that copy (the block, if it was the
-        last), delete it from the tier, give its room back."""
+        last), delete it from the tier, give its room back.
+
+        A shared tier's copy is only forgotten, never deleted from here: other
+        processes and nodes read it too, and a read that failed there (a request
+        that gave up, bytes damaged on the way) says nothing certain about the
+        object. Such a tier deletes what it knows to be bad itself.
+        """
         if self.books.lose_copy(level, key, entry):
-            self.io.delete(level, [key])
+            if not self._shared >> level & 1:
+                self.io.delete(level, [key])
             self.books.end_drop(level, [key])

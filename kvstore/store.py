@@ -372,4 +372,4 @@ def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
             f"cluster: needs a missing dependency ({exc.name}); install it with: "
             "pip install 'kvstore[redis]'"
         ) from exc
-    return ClusterTier(layout, config.cluster, config.cluster.namespace)
+    return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvstore import KVStore
 from kvstore.config import DeviceTierConfig, HostTierConfig
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError
+from kvstore.index import Medium
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.manager import BlockManager
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
+from kvstore.testing.servers import RedisServer
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier
@@ -326,3 +331,59 @@ def test_closed_manager_raises(layout: KVLayout) -> None:
     manager.close()
     with pytest.raises(ClosedError):
         manager.lookup(make_keys(1))
+
+
+def test_the_change_feed_and_drop_local_keep_the_shared_copy(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """What a cluster node publishes: the medium of each block's nearest copy as it
+    changes; and a replica's cool-down (``drop_local``) removes only this machine's
+    copies, never the one in a shared remote tier (here Redis; S3 in a cluster)."""
+    layout = small_layout()
+    tiers = [
+        {"kind": "host", "capacity": "1MiB", "write_policy": "write_through"},
+        {
+            "kind": "disk",
+            "path": str(tmp_path),
+            "capacity": "4MiB",
+            "write_policy": "write_through",
+        },
+        {"kind": "redis", "url": redis_server.url, "key_prefix": f"feed-{os.getpid()}"},
+    ]
+    with KVStore(layout, {"tiers": tiers}) as store:
+        feed = store.manager.watch()
+        keys = store.hash_tokens(torch.arange(3 * layout.block_tokens), "feed")
+        data = random_blocks(layout, 3)
+        assert store.put(keys, data) == 3
+        store.flush()
+        assert feed.drain() == dict.fromkeys(keys, (Medium.NONE, Medium.MEMORY))
+        assert store.manager.drop_local(keys[:2]) == 4  # host and disk copies of two
+        assert store.manager.where(keys[0]) == [2]
+        assert feed.drain() == dict.fromkeys(keys[:2], (Medium.MEMORY, Medium.SHARED))
+        store.delete(keys[:1])
+        assert feed.drain() == {keys[0]: (Medium.SHARED, Medium.NONE)}
+        assert sorted(store.manager.stored_media()) == sorted(
+            [(keys[1], Medium.SHARED), (keys[2], Medium.MEMORY)]
+        )
+        step = layout.block_tokens
+        assert torch.equal(store.get(keys[1:2]), data[:, :, step : 2 * step])  # from Redis
+
+
+def test_a_failed_read_forgets_a_shared_copy_without_deleting_it(layout: KVLayout) -> None:
+    """Other processes read a shared tier too: one read that failed there (a request
+    that gave up, bytes damaged on the way) must not delete the object for everyone."""
+    keys, blocks = make_keys(2), chunks(layout, 2)
+    top, shared = FaultyTier(device(layout, 4)), FaultyTier(host(layout, 4))
+    top.persistent = shared.shared = shared.persistent = True  # both indexed at open
+    for tier in (top, shared):
+        tier.inner.put(keys, blocks)
+    manager = BlockManager(layout, [top, shared])
+    top.get_miss = shared.get_miss = 1.0
+    outs = [torch.zeros(layout.block_shape, dtype=layout.dtype) for _ in keys]
+    assert manager.get(keys, outs, prefix=True) == 0
+    assert manager.counters.copies_lost == 4
+    assert shared.inner.contains(keys) == [True, True]  # forgotten here, still there
+    assert top.inner.contains(keys) == [False, False]  # this process's own: deleted
+    shared.get_miss = 0.0
+    assert manager.lookup(keys) == 2  # found again in the shared tier
+    manager.close()

@@ -30,6 +30,9 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
     errors: list[str] = []
     reads = [0]
     deadline = time.monotonic() + 4.0
+    # Runs 4 s, and on past it (up to 60 s) until 200 blocks were read and checked: a
+    # loaded machine (the rest of the suite beside it) gets as far as an idle one.
+    hard_stop = time.monotonic() + 60.0
 
     def check(lo: int, n: int, out: torch.Tensor) -> None:
         if not torch.equal(out[:, :, : n * step], kv[:, :, lo * step : (lo + n) * step]):
@@ -38,7 +41,9 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < deadline and not errors:
+        while not errors and (now := time.monotonic()) < hard_stop:
+            if now >= deadline and reads[0] > 200:
+                break
             lo = rng.randrange(universe - 4)
             n = rng.randint(1, 4)
             span = slice(lo * step, (lo + n) * step)

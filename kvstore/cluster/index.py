@@ -2,20 +2,29 @@
 
 Keys (``P`` is the cluster ``name``; ``ns`` a namespace, ``fp`` a layout fingerprint)::
 
-    P:node:<id>              HASH  {advertise, load, blocks}    PEXPIRE lease
-    P:nodes                  ZSET  node id -> last heartbeat (for enumeration)
-    P:<ns>:<fp>:held:<id>    SET   raw 16-byte keys node <id> holds   PEXPIRE lease
-    P:<ns>:<fp>:heat         ZSET  key -> fetches by other nodes (halved periodically)
+    P:node:<id>              HASH    {advertise, load, blocks}           PEXPIRE lease
+    P:nodes                  ZSET    node id -> last heartbeat (for enumeration)
+    P:<ns>:<fp>:held:<id>    HASH    raw 16-byte key -> medium ("m" memory, "d" disk)
+                                                                         PEXPIRE lease
+    P:<ns>:<fp>:shared       SET     keys some node found in shared storage (S3)
+    P:<ns>:<fp>:changes      STREAM  every change of the two above, in order (trimmed)
+    P:<ns>:<fp>:heat         ZSET    key -> fetches by other nodes (halved periodically)
 
 A node refreshes its hash and its sets every heartbeat; when it dies they
 expire ``lease`` seconds later (Redis's own clock: node clocks may differ), so
-its entries vanish within a few heartbeats with nobody cleaning up. Lookups ask
-every live node's set with one ``SMISMEMBER`` each, pipelined: the cost grows
-with the nodes, not with the blocks stored (a set lookup is O(1) per key).
+its entries vanish within a few heartbeats with nobody cleaning up.
+
+Every write to a ``held`` hash or the ``shared`` set is also appended to the
+``changes`` stream in the same pipeline (:meth:`ClusterIndex.publish`), so a
+reader keeps a copy of the whole index in memory by reading the stream
+(:class:`~kvstore.cluster.view.IndexView`) and looks keys up without a round
+trip. Redis stays the durable source: a reader that fell behind (the stream
+was trimmed past it) or saw Redis restart loads a :meth:`ClusterIndex.snapshot`.
 
 The index is a hint, never the data: a fetch verifies every block, and a node
 that turns out not to hold a block it was listed with is removed from that
-entry (:meth:`ClusterIndex.forget`).
+entry (:meth:`ClusterIndex.forget`). The ``shared`` set is a routing hint
+too: it is never used to delete anything.
 
 Every method raises :class:`~kvstore.errors.TierError` when Redis is
 unreachable; callers degrade to their own tiers.
@@ -26,8 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -38,14 +47,22 @@ from redis.retry import Retry
 
 from kvstore.config import ClusterConfig
 from kvstore.errors import TierError
+from kvstore.index import Medium
 from kvstore.keys import BlockKey
 
-__all__ = ["ClusterIndex", "NodeInfo"]
+__all__ = ["Change", "ClusterIndex", "NodeInfo", "Snapshot", "decode_change"]
 
 log = logging.getLogger(__name__)
 
-_BATCH = 1000  # keys per SADD / SREM / SMISMEMBER command
+_BATCH = 1000  # keys per HSET / HDEL / SADD / SREM / HMGET command, and per stream entry
 _TIMEOUT = 2.0
+#: Stream entries kept (about; ``MAXLEN ~``): a reader further behind reloads a snapshot.
+STREAM_ENTRIES = 100_000
+#: A key's byte in a stream entry: the node's medium in the low two bits (0: the node
+#: dropped it), and whether the key entered or left the ``shared`` set.
+_SHARED_ADD, _SHARED_DEL = 4, 8
+_HELD_CODE = {Medium.MEMORY: b"m", Medium.DISK: b"d"}
+_CODE_MEDIUM = {b"m": Medium.MEMORY, b"d": Medium.DISK}
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,40 @@ class NodeInfo:
     advertise: str | None
     load: float = 0.0
     blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Change:
+    """One stream entry: node ``node`` now holds ``keys[i]`` in ``media[i]`` (NONE:
+    not any more); ``shared[i]`` +1 / -1 where the key entered / left the shared set.
+    ``reset``: the node's entries were replaced (everything before is void)."""
+
+    node: str
+    keys: list[BlockKey]
+    media: list[Medium]
+    shared: list[int]
+    reset: bool = False
+
+
+@dataclass
+class Snapshot:
+    """The index of one store as Redis holds it: ``held[node][key] = medium``,
+    the shared set, and the stream position it is consistent with."""
+
+    position: str
+    held: dict[str, dict[BlockKey, Medium]] = field(default_factory=dict)
+    shared: set[BlockKey] = field(default_factory=set)
+
+
+def decode_change(fields: Mapping[bytes, bytes]) -> Change:
+    """A :class:`Change` from a stream entry's fields (as :meth:`ClusterIndex.publish`
+    wrote them)."""
+    blob, codes = fields.get(b"k", b""), fields.get(b"c", b"")
+    keys = [BlockKey(blob[i : i + 16]) for i in range(0, len(blob), 16)]
+    media = [Medium(c & 3) for c in codes]
+    shared = [1 if c & _SHARED_ADD else -1 if c & _SHARED_DEL else 0 for c in codes]
+    node = fields.get(b"n", b"").decode()
+    return Change(node, keys, media, shared, reset=fields.get(b"r") == b"1")
 
 
 class ClusterIndex:
@@ -79,6 +130,13 @@ class ClusterIndex:
 
     def _heat_key(self, namespace: str, fp: str) -> str:
         return f"{self._prefix}:{namespace}:{fp}:heat"
+
+    def _shared_key(self, namespace: str, fp: str) -> str:
+        return f"{self._prefix}:{namespace}:{fp}:shared"
+
+    def stream_key(self, namespace: str, fp: str) -> str:
+        """The name of a store's change stream (readers follow it)."""
+        return f"{self._prefix}:{namespace}:{fp}:changes"
 
     @property
     def _nodes_key(self) -> str:
@@ -129,23 +187,99 @@ class ClusterIndex:
             ]
         )
 
-    def add(self, namespace: str, fp: str, node: str, keys: Sequence[BlockKey]) -> None:
-        """Record that ``node`` holds ``keys`` (and refresh its lease)."""
-        held = self._held_key(namespace, fp, node)
-        commands: list[tuple[Any, ...]] = [("SADD", held, *chunk) for chunk in _chunks(keys)]
-        self._pipeline([*commands, ("PEXPIRE", held, self._lease_ms)])
+    def publish(
+        self,
+        namespace: str,
+        fp: str,
+        node: str,
+        changes: Mapping[BlockKey, tuple[Medium, Medium]],
+    ) -> None:
+        """Record that the nearest copy of each key on ``node`` went from one
+        :class:`~kvstore.index.Medium` to another (the node's change feed), in the
+        node's hash, the shared set and the change stream, in one pipeline."""
+        items = list(changes.items())
+        commands: list[tuple[Any, ...]] = []
+        for start in range(0, len(items), _BATCH):
+            commands += self._publish_chunk(namespace, fp, node, items[start : start + _BATCH])
+        commands.append(("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms))
+        self._pipeline(commands)
+
+    def _publish_chunk(
+        self,
+        namespace: str,
+        fp: str,
+        node: str,
+        items: Sequence[tuple[BlockKey, tuple[Medium, Medium]]],
+    ) -> list[tuple[Any, ...]]:
+        held, shared = self._held_key(namespace, fp, node), self._shared_key(namespace, fp)
+        sets: list[bytes] = []
+        dels, adds, gone = [], [], []
+        codes = bytearray()
+        for key, (before, now) in items:
+            code = int(now) if now in _HELD_CODE else 0
+            if now in _HELD_CODE:
+                sets += [key, _HELD_CODE[now]]
+            elif before in _HELD_CODE:
+                dels.append(key)
+            if now == Medium.SHARED and before != Medium.SHARED:
+                adds.append(key)
+                code |= _SHARED_ADD
+            elif now == Medium.NONE and before == Medium.SHARED:
+                gone.append(key)  # the block itself is gone (deleted), not just moved
+                code |= _SHARED_DEL
+            codes.append(code)
+        commands: list[tuple[Any, ...]] = []
+        for command, name, args in (
+            ("HSET", held, sets),
+            ("HDEL", held, dels),
+            ("SADD", shared, adds),
+            ("SREM", shared, gone),
+        ):
+            if args:
+                commands.append((command, name, *args))
+        keys = b"".join(key for key, _ in items)
+        commands.append(self._xadd(namespace, fp, {"n": node, "k": keys, "c": bytes(codes)}))
+        return commands
+
+    def _xadd(self, namespace: str, fp: str, fields: Mapping[str, Any]) -> tuple[Any, ...]:
+        stream = self.stream_key(namespace, fp)
+        flat = [x for kv in fields.items() for x in kv]
+        return ("XADD", stream, "MAXLEN", "~", STREAM_ENTRIES, "*", *flat)
+
+    def add(
+        self,
+        namespace: str,
+        fp: str,
+        node: str,
+        keys: Sequence[BlockKey],
+        medium: Medium = Medium.MEMORY,
+    ) -> None:
+        """Record that ``node`` holds ``keys`` in ``medium`` (and refresh its lease)."""
+        self.publish(namespace, fp, node, {k: (Medium.NONE, medium) for k in keys})
 
     def remove(self, namespace: str, fp: str, node: str, keys: Sequence[BlockKey]) -> None:
-        """Record that ``node`` no longer holds ``keys``."""
-        held = self._held_key(namespace, fp, node)
-        self._pipeline([("SREM", held, *chunk) for chunk in _chunks(keys)])
+        """Record that ``node`` no longer holds ``keys`` (the shared set is left alone)."""
+        self.publish(namespace, fp, node, {k: (Medium.MEMORY, Medium.NONE) for k in keys})
 
-    def replace(self, namespace: str, fp: str, node: str, keys: Sequence[BlockKey]) -> None:
-        """``node`` holds exactly ``keys`` (re-registering after Redis came back)."""
-        held = self._held_key(namespace, fp, node)
-        commands: list[tuple[Any, ...]] = [("DEL", held)]
-        commands += [("SADD", held, *chunk) for chunk in _chunks(keys)]
-        self._pipeline([*commands, ("PEXPIRE", held, self._lease_ms)])
+    def replace(
+        self,
+        namespace: str,
+        fp: str,
+        node: str,
+        keys: Sequence[BlockKey] | Sequence[tuple[BlockKey, Medium]],
+    ) -> None:
+        """``node`` holds exactly ``keys`` (each a key, held in memory, or a ``(key,
+        medium)`` pair): written again after Redis came back or lost the node's hash."""
+        media = [k if isinstance(k, tuple) else (k, Medium.MEMORY) for k in keys]
+        commands: list[tuple[Any, ...]] = [
+            ("DEL", self._held_key(namespace, fp, node)),
+            self._xadd(namespace, fp, {"n": node, "r": "1"}),
+        ]
+        changes = [(BlockKey(k), (Medium.NONE, m)) for k, m in media]
+        for start in range(0, len(changes), _BATCH):
+            commands += self._publish_chunk(namespace, fp, node, changes[start : start + _BATCH])
+        commands.append(("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms))
+        self._pipeline(commands)
 
     def refresh(self, namespace: str, fp: str, node: str) -> bool:
         """Extend the lease of ``node``'s entries; False if Redis has none of them (it
@@ -157,9 +291,12 @@ class ClusterIndex:
 
     def leave(self, node: str, stores: Sequence[tuple[str, str]]) -> None:
         """``node`` is leaving: its entries go now rather than at the end of the lease."""
-        commands: list[tuple[Any, ...]] = [
-            ("DEL", self._held_key(ns, fp, node)) for ns, fp in stores
-        ]
+        commands: list[tuple[Any, ...]] = []
+        for ns, fp in stores:
+            commands += [
+                ("DEL", self._held_key(ns, fp, node)),
+                self._xadd(ns, fp, {"n": node, "r": "1"}),
+            ]
         self._pipeline([*commands, ("DEL", self._node_key(node)), ("ZREM", self._nodes_key, node)])
 
     # -- everyone's entries -----------------------------------------------------------
@@ -188,12 +325,14 @@ class ClusterIndex:
     def locate(
         self, namespace: str, fp: str, keys: Sequence[BlockKey], nodes: Sequence[str]
     ) -> dict[str, list[bool]]:
-        """For each of ``nodes``: which of ``keys`` it holds (one SMISMEMBER per node)."""
+        """For each of ``nodes``: which of ``keys`` it holds, asked of Redis (one
+        ``HMGET`` per node, pipelined; readers that look up often keep an
+        :class:`~kvstore.cluster.view.IndexView` instead)."""
         if not keys or not nodes:
             return {n: [False] * len(keys) for n in nodes}
         chunks = list(_chunks(keys))
         commands = [
-            ("SMISMEMBER", self._held_key(namespace, fp, node), *chunk)
+            ("HMGET", self._held_key(namespace, fp, node), *chunk)
             for node in nodes
             for chunk in chunks
         ]
@@ -202,9 +341,58 @@ class ClusterIndex:
         for node in nodes:
             flags: list[bool] = []
             for _ in chunks:
-                flags += [bool(x) for x in next(replies)]
+                flags += [x is not None for x in next(replies)]
             found[node] = flags
         return found
+
+    # -- readers of the whole index ---------------------------------------------------
+    def snapshot(self, namespace: str, fp: str, nodes: Sequence[str]) -> Snapshot:
+        """What Redis holds for one store now, and the stream position to follow from
+        (taken first: a change made while the snapshot is read is then read twice,
+        which applying changes in order makes harmless)."""
+        (last,) = self._pipeline(
+            [("XREVRANGE", self.stream_key(namespace, fp), "+", "-", "COUNT", 1)]
+        )
+        snap = Snapshot(_entry_id(last[0][0]) if last else "0-0")
+        replies = self._pipeline(
+            [("HGETALL", self._held_key(namespace, fp, n)) for n in nodes]
+            + [("SMEMBERS", self._shared_key(namespace, fp))]
+        )
+        for node, held in zip(nodes, replies, strict=False):
+            snap.held[node] = {
+                BlockKey(bytes(k)): _CODE_MEDIUM.get(bytes(v), Medium.MEMORY)
+                for k, v in _mapping(held).items()
+            }
+        snap.shared = {BlockKey(bytes(k)) for k in replies[-1]}
+        return snap
+
+    def read_changes(
+        self, namespace: str, fp: str, after: str, block_ms: int, count: int = 256
+    ) -> list[tuple[str, Change]]:
+        """Stream entries after position ``after``, waiting up to ``block_ms`` for the
+        first; ``(position, change)`` each."""
+        assert block_ms < _TIMEOUT * 1000, "a blocking read must end before the socket timeout"
+        stream = self.stream_key(namespace, fp)
+        try:
+            reply = self._connection().xread({stream: after}, count=count, block=block_ms)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TierError(f"cluster index (Redis) unavailable: {exc}") from None
+        out: list[tuple[str, Change]] = []
+        for _, entries in _stream_rows(reply):
+            for entry_id, fields in entries:
+                out.append((_entry_id(entry_id), decode_change(_mapping(fields))))
+        return out
+
+    def stream_start(self, namespace: str, fp: str) -> str | None:
+        """The position of the oldest entry the stream keeps (``"0-0"``: it is empty),
+        or None when there is no stream (Redis restarted empty)."""
+        stream = self.stream_key(namespace, fp)
+        exists, first = self._pipeline(
+            [("EXISTS", stream), ("XRANGE", stream, "-", "+", "COUNT", 1)]
+        )
+        if not exists:
+            return None
+        return _entry_id(first[0][0]) if first else "0-0"
 
     def forget(self, namespace: str, fp: str, node: str, keys: Sequence[BlockKey]) -> None:
         """``node`` was listed with ``keys`` but does not hold them: repair the hint."""
@@ -294,3 +482,24 @@ def _pairs(rows: Any) -> Iterator[tuple[bytes, float]]:
         return
     for i in range(0, len(rows) - 1, 2):
         yield rows[i], float(rows[i + 1])
+
+
+def _entry_id(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _mapping(raw: Any) -> dict[bytes, bytes]:
+    """A hash reply as a dict, whether redis-py parsed it (dict) or not (flat list)."""
+    if isinstance(raw, dict):
+        return raw
+    items = list(raw or [])
+    return dict(zip(items[0::2], items[1::2], strict=True))
+
+
+def _stream_rows(reply: Any) -> list[tuple[Any, list[tuple[Any, Any]]]]:
+    """``XREAD``'s reply as ``[(stream, [(id, fields), ...])]`` (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [(name, list(rows)) for name, rows in reply.items()]
+    return [(row[0], list(row[1])) for row in reply]

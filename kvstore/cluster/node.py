@@ -3,16 +3,21 @@
 One thread, once per ``heartbeat_s``:
 
 1. **Heartbeat**: the node's address and load, under a lease.
-2. **Registration**: for each store the server hosts, the keys that gained or lost
-   their last copy in the node's own tiers since the last beat (the manager's
-   change feed) are added to or removed from the node's set in Redis, whose lease
-   is extended. Right after start -- and after Redis was unreachable -- the whole
-   set is written again: entries lost while Redis was down come back by themselves.
+2. **Registration**: for each store the server hosts, the keys whose nearest copy
+   changed medium since the last beat (the manager's change feed: gained a copy in
+   the node's memory or disk, moved between them, lost them, reached S3) are
+   published to the node's hash in Redis, the shared set and the change stream,
+   and the lease is extended. Right after start -- and after Redis was unreachable
+   -- the whole hash is written again: entries lost while Redis was down come back
+   by themselves.
 3. **Replication**: keys this node fetched from peers that turned hot cluster-wide
    (see :class:`~kvstore.cluster.tier.ClusterTier`) are copied into its fastest
    tier while fewer than ``replicas`` live nodes hold them; a copy made that way
-   is deleted again once its heat fell below half the threshold and another node
-   still holds the block. Heat is halved every ``heat_half_life_s`` cluster-wide.
+   leaves the node's own tiers again once its heat fell below half the threshold
+   and another node still holds the block. Only the node's own copies go: the
+   block's copy in the shared S3 tier stays (it goes only on an explicit
+   ``delete``), so a replica cooling down -- or heat reset by a Redis restart --
+   never loses data. Heat is halved every ``heat_half_life_s`` cluster-wide.
 
 Redis being down never stops the node: its own tiers serve on, and it catches up
 when Redis is back. ``stop(leave=True)`` removes its entries at once (a SIGTERM'd
@@ -30,13 +35,15 @@ from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.cluster.tier import ClusterTier
 from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError, TierError
-from kvstore.index import ChangeFeed
+from kvstore.index import ChangeFeed, Medium
 from kvstore.keys import BlockKey
 from kvstore.store import KVStore
 
 __all__ = ["ClusterNode"]
 
 log = logging.getLogger(__name__)
+
+_HELD = (Medium.MEMORY, Medium.DISK)  # media a node's own hash lists
 
 
 @dataclass
@@ -116,20 +123,21 @@ class ClusterNode:
             t.full_sync = True  # Redis lost the set (restarted empty between two beats)
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
-            keys = t.store.manager.stored_keys(local=True)
-            self.index.replace(t.namespace, t.fp, node, keys)
-            t.full_sync, t.registered = False, len(keys)
+            media = t.store.manager.stored_media()
+            self.index.replace(t.namespace, t.fp, node, media)
+            t.full_sync = False
+            t.registered = sum(1 for _, m in media if m in _HELD)
             return
-        added, removed = t.feed.drain()
+        changes = t.feed.drain()
+        if not changes:
+            return
         try:
-            if added:
-                self.index.add(t.namespace, t.fp, node, added)
-            if removed:
-                self.index.remove(t.namespace, t.fp, node, removed)
+            self.index.publish(t.namespace, t.fp, node, changes)
         except TierError:
             t.full_sync = True  # the drained changes are lost: write everything next time
             raise
-        t.registered = max(0, t.registered + len(added) - len(removed))
+        delta = sum((now in _HELD) - (before in _HELD) for before, now in changes.values())
+        t.registered = max(0, t.registered + delta)
 
     def _redis_down(self, tracked: list[_Tracked], exc: TierError) -> None:
         for t in tracked:
@@ -177,7 +185,7 @@ class ClusterNode:
             return
         elsewhere = [k for k, h in zip(cold, tier.holders(cold, fresh=True), strict=True) if h]
         if elsewhere:
-            t.store.delete(elsewhere)
+            t.store.manager.drop_local(elsewhere)  # never store.delete: S3's copy stays
         t.replicas.difference_update(cold)
 
     def replicas(self, namespace: str) -> set[BlockKey]:

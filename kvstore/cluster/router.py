@@ -1,42 +1,61 @@
-"""Cache-aware routing: send a prompt to the node that already holds its prefix.
+"""Cache-aware routing: send a prompt to the node that can load its prefix fastest.
 
 >>> router = Router(store_config.cluster, layout)
->>> ranked = router.rank(keys)          # or router.rank_tokens(token_ids, namespace)
->>> ranked[0].node_id, ranked[0].prefix_blocks
+>>> ranked = router.rank(keys)          # or router.rank_tokens(token_ids, "my-model")
+>>> ranked[0].node_id, ranked[0].merit, ranked[0].prefix_blocks
 
-Nodes are ranked by the number of leading chunks of the prompt they hold (the
-prefill they would skip), then by the load each reported in its last heartbeat,
-then by id. ``load_weight`` trades the two: a node's score is its prefix minus
-``load_weight`` times its load (requests per second), so a busy node holding a
-long prefix can lose to an idle one holding a slightly shorter one (0, the
-default: the longest prefix always wins, load breaks ties). One ``SMISMEMBER``
-per live node, pipelined: a 128K-token prompt (512 chunks) on a handful of
-nodes is one Redis round trip; the list of live nodes is read once a heartbeat.
+Each node's **figure of merit** for a prompt counts the leading chunks it
+could load without recomputing them, each weighted by where the node would
+load it from: its own memory (host DRAM or GPU, ``route_memory_weight``,
+default 1.0), its own disk (``route_disk_weight``, 0.6) or the shared S3 tier
+that every node reads (``route_shared_weight``, 0.3). The prefix ends at the
+first chunk that neither the node nor S3 holds. So a node holding a prefix in
+memory ranks above one holding it on disk, which ranks above a node that
+would read it from S3, which ranks above a node that must recompute it.
+``load_weight`` trades merit for load: a node's score is its merit minus
+``load_weight`` times the load (requests per second) of its last heartbeat
+(0, the default: load only breaks ties).
+
+Lookups read this process's copy of the shared index
+(:class:`~kvstore.cluster.view.IndexView`): no Redis round trip per prompt.
 """
 
 from __future__ import annotations
 
-import time
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.cluster.index import ClusterIndex, NodeInfo
+from kvstore.cluster.view import IndexView
 from kvstore.config import ClusterConfig
+from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
 
 __all__ = ["NodeRank", "Router"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NodeRank:
-    """One node's standing for a prompt."""
+    """One node's standing for a prompt.
+
+    ``prefix_blocks``: leading chunks the node holds itself (memory or disk);
+    ``memory_blocks`` / ``disk_blocks`` / ``shared_blocks``: the chunks of the
+    prefix it can load (its own and, past them, S3's) by where it would load
+    them from; ``merit``: their weighted sum (the module docstring).
+    """
 
     node_id: str
     advertise: str | None
     prefix_blocks: int
     load: float
+    memory_blocks: int = 0
+    disk_blocks: int = 0
+    shared_blocks: int = 0
+    merit: float = 0.0
 
 
 class Router:
@@ -56,33 +75,60 @@ class Router:
         self.index = index if index is not None else ClusterIndex(cluster)
         self.load_weight = load_weight
         self._owns_index = index is None
-        self._nodes: dict[str, NodeInfo] = {}
-        self._nodes_at = -1e9
+        self._view: IndexView | None = None
 
-    def _live(self) -> dict[str, NodeInfo]:
-        now = time.monotonic()
-        if now - self._nodes_at >= self.cluster.heartbeat_s:
-            self._nodes, self._nodes_at = self.index.live_nodes(), now
-        return self._nodes
+    def view(self) -> IndexView:
+        """The in-memory copy of the index this router reads (loaded on first use;
+        TierError if Redis cannot be reached then)."""
+        if self._view is None:
+            view = IndexView(self.index, self.namespace, self.layout.fingerprint_hex)
+            view.start()
+            self._view = view
+        return self._view
 
     def rank(self, keys: Sequence[BlockKey]) -> list[NodeRank]:
         """Every live node, best first (see the module docstring)."""
-        keys = check_keys(keys)
-        nodes = self._live()
-        fp = self.layout.fingerprint_hex
-        found = self.index.locate(self.namespace, fp, keys, list(nodes))
+        view = self.view()
+        nodes, live = view.live()
+        bits = _checked_bits(view, keys)
+        counts = _prefix_counts(bits, live, len(keys))
         ranks = [
-            NodeRank(name, info.advertise, _leading(found[name]), info.load)
-            for name, info in nodes.items()
+            self._standing(info, counts.get(slot, _Counts(len(keys))))
+            for slot, info in nodes.items()
         ]
         weight = self.load_weight
-        return sorted(
-            ranks, key=lambda r: (-(r.prefix_blocks - weight * r.load), r.load, r.node_id)
+        return sorted(ranks, key=lambda r: (-(r.merit - weight * r.load), r.load, r.node_id))
+
+    def _standing(self, info: NodeInfo, counts: _Counts) -> NodeRank:
+        c = self.cluster
+        shared = counts.prefix - counts.memory - counts.disk
+        merit = (
+            c.route_memory_weight * counts.memory
+            + c.route_disk_weight * counts.disk
+            + c.route_shared_weight * shared
+        )
+        return NodeRank(
+            info.node_id,
+            info.advertise,
+            counts.own,
+            info.load,
+            counts.memory,
+            counts.disk,
+            shared,
+            round(merit, 6),
         )
 
-    def rank_tokens(self, token_ids: Any, namespace: Namespace) -> list[NodeRank]:
+    def rank_tokens(self, token_ids: Any, namespace: Namespace | str) -> list[NodeRank]:
         """:meth:`rank` for a prompt's tokens, hashed as the engines hash them in
-        ``namespace`` (a trailing partial chunk has no key)."""
+        ``namespace`` (a :class:`~kvstore.keys.Namespace`, or a model name as
+        ``KVStore.namespace`` takes it); a trailing partial chunk has no key."""
+        if isinstance(namespace, str):
+            namespace = Namespace(model=namespace, layout=self.layout)
+        elif not isinstance(namespace, Namespace):
+            raise InvalidInputError(
+                "namespace must be a model id string or a Namespace, "
+                f"got {type(namespace).__name__}"
+            )
         namespace.check_layout(self.layout)
         step = self.layout.block_tokens
         full = None
@@ -96,7 +142,10 @@ class Router:
         return ranked[0] if ranked else None
 
     def close(self) -> None:
-        """Drop the Redis connections (idempotent)."""
+        """Stop following the index and drop the Redis connections (idempotent)."""
+        if self._view is not None:
+            self._view.close()
+            self._view = None
         if self._owns_index:
             self.index.close()
 
@@ -107,5 +156,79 @@ class Router:
         self.close()
 
 
-def _leading(flags: list[bool]) -> int:
-    return next((i for i, held in enumerate(flags) if not held), len(flags))
+@dataclass
+class _Counts:
+    """One node's prefix: its length (own and S3 chunks), and the node's own chunks."""
+
+    prefix: int
+    own: int = 0
+    own_run: bool = True
+    memory: int = 0
+    disk: int = 0
+
+
+def _prefix_counts(bits: list[int], live: int, n: int) -> dict[int, _Counts]:
+    """Per live slot, the :class:`_Counts` of the prompt whose keys have ``bits``.
+
+    One pass over runs of keys with the same holders (a prompt's chunks come in a
+    few long runs: held by the same nodes, in the same media), with a mask of the
+    nodes whose prefix is still running; only the holders of each run are visited,
+    so the cost grows with the runs and the copies, not with the keys or the nodes.
+    """
+    counts: dict[int, _Counts] = {}
+    running = live
+    start = 0
+    for b, group in itertools.groupby(bits):
+        run = len(list(group))
+        held = b & running
+        if not b & 1:  # not in S3: nodes that lack it stop here
+            for slot in _slots(running & ~held):
+                counts.setdefault(slot, _Counts(n)).prefix = start
+            running = held
+            if not running:
+                break
+        for slot in _slots(held):
+            c = counts.setdefault(slot, _Counts(n))
+            if b & (2 << (2 * slot)):
+                c.memory += run
+            else:
+                c.disk += run
+            if c.own_run:
+                c.own += run
+        for slot in _slots(running & ~held):  # in S3 only: their own run ends
+            counts.setdefault(slot, _Counts(n)).own_run = False
+        start += run
+    return counts
+
+
+def _checked_bits(view: IndexView, keys: Sequence[BlockKey]) -> list[int]:
+    """``view.bits(keys)``, with the keys validated (InvalidInputError otherwise).
+
+    A key the index holds is a valid key (only valid keys are ever stored), so
+    only the keys not found are checked: a lookup of a long cached prefix costs
+    a dict probe per key and no per-key validation in Python.
+    """
+    if not isinstance(keys, (list, tuple)):
+        keys = check_keys(keys)
+    try:
+        bits = view.bits(keys)
+    except TypeError:  # unhashable: a bytearray (made bytes here) or no key at all
+        keys = check_keys(keys)
+        bits = view.bits(keys)
+    missing = bits.count(0)
+    if missing:
+        first = bits.index(0)
+        if missing == len(bits) - first:  # the usual shape: a held prefix, a missing tail
+            check_keys(keys[first:], f"keys[{first}:]")
+        else:
+            check_keys(list(itertools.compress(keys, map(operator.not_, bits))), "keys not held")
+    return bits
+
+
+def _slots(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() // 2)
+        mask ^= low
+    return out

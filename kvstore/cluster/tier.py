@@ -1,14 +1,18 @@
 """The other nodes of a cluster as a store's last tier.
 
-``contains`` asks the shared index which live peers hold the keys; ``get``
-fetches each block from the least-loaded peer that holds it, through that
-peer's kvstore-server (shared memory when the peer runs on this host, layer
+``contains`` asks this process's copy of the shared index
+(:class:`~kvstore.cluster.view.IndexView`, no network round trip) which live
+peers hold the keys; ``get`` fetches each block from the peer that holds it
+nearest (memory before disk), least loaded first, through that peer's
+kvstore-server (shared memory when the peer runs on this host, layer
 ranges when the consumer asks for layers), and falls back to the next holder
 when one fails or answers too slowly (``peer_timeout_s``). Every block is
 verified on arrival by the client; a peer that turns out not to hold a block
 it was listed with is removed from the index (the hint is repaired). Fetches
 count towards the block's cluster-wide heat; keys that get hot are offered to
-the node's replicator (:attr:`ClusterTier.hot`).
+the node's replicator (:attr:`ClusterTier.hot`). A peer that cannot be reached
+(down, or refusing this node's token) is logged once until it answers again,
+and counted (``peer_errors``, ``peer_auth_failures``, ``unreachable_peers``).
 
 The tier never stores or deletes anything on a peer: ``put`` stores nothing
 (the store keeps new blocks in its own tiers, and in S3), ``delete`` only
@@ -22,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster.index import ClusterIndex, NodeInfo
+from kvstore.cluster.view import IndexView
 from kvstore.config import ClusterConfig
 from kvstore.config.tiers import ClusterTierConfig
 from kvstore.errors import AccessDeniedError, TierError
@@ -42,7 +46,6 @@ __all__ = ["ClusterTier"]
 
 log = logging.getLogger(__name__)
 
-_WHERE_ENTRIES = 65536  # recent index answers kept (expired ones are dropped past this)
 _COUNTERS = (
     "lookups",
     "fetched",
@@ -50,6 +53,7 @@ _COUNTERS = (
     "fetch_failures",
     "stale_hints",
     "peer_errors",
+    "peer_auth_failures",
     "hot",
 )
 
@@ -78,11 +82,9 @@ class ClusterTier(Tier):
         self._fp = layout.fingerprint_hex
         self._secret = cluster.secret()
         self._peers: dict[str, Client] = {}
-        self._nodes: dict[str, NodeInfo] = {}
-        self._nodes_at = -1e9
-        # key -> (expiry, holders): recent answers of the index (see holders()).
-        self._where: dict[BlockKey, tuple[float, list[NodeInfo]]] = {}
-        self._lock = threading.Lock()  # guards _peers, _nodes, _nodes_at, _where and hot
+        self._view: IndexView | None = None
+        self._failing: set[str] = set()  # peers that failed since they last answered
+        self._lock = threading.Lock()  # guards _peers, _view, _failing and hot
         self._counters = Counters(_COUNTERS)
         #: Keys fetched that are hot cluster-wide (drained by the node's replicator).
         self.hot: set[BlockKey] = set()
@@ -93,18 +95,24 @@ class ClusterTier(Tier):
         return self.config.capacity // self.layout.block_nbytes
 
     # -- peers --------------------------------------------------------------------
+    def index_view(self) -> IndexView:
+        """This process's copy of the store's shared index (loaded on first use).
+        Raises :class:`TierError` if Redis cannot be reached for the first load."""
+        with self._lock:
+            view = self._view
+            if view is None:
+                view = self._view = IndexView(self.index, self.namespace, self._fp)
+                starting = True
+            else:
+                starting = False
+        if starting:
+            view.start()
+        return view
+
     def peers(self) -> dict[str, NodeInfo]:
-        """Live nodes other than this one that serve blocks (refreshed once a heartbeat)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._nodes_at < self.cluster.heartbeat_s:
-                return dict(self._nodes)
-        live = self.index.live_nodes()
+        """Live nodes other than this one that serve blocks."""
         me = self.cluster.node
-        nodes = {n: info for n, info in live.items() if n != me and info.advertise}
-        with self._lock:
-            self._nodes, self._nodes_at = nodes, now
-        return dict(nodes)
+        return {n: i for n, i in self.index_view().nodes().items() if n != me and i.advertise}
 
     def _client(self, info: NodeInfo) -> Client:
         assert info.advertise is not None
@@ -125,39 +133,33 @@ class ClusterTier(Tier):
             return client
 
     def holders(self, keys: Sequence[BlockKey], fresh: bool = False) -> list[list[NodeInfo]]:
-        """For each key, the live peers listed as holding it, least loaded first.
-
-        Answers found in the last ``heartbeat_s`` are reused (a layer-by-layer load
-        asks for the same blocks once per layer); ``fresh`` asks Redis regardless.
-        """
-        now = time.monotonic()
-        with self._lock:
-            known = (
-                {} if fresh else {k: v for k in keys if (v := self._where.get(k)) and v[0] > now}
+        """For each key, the live peers listed as holding it: those holding it in
+        memory first, then on disk, each least loaded first. ``fresh`` asks Redis
+        rather than the in-memory copy (the replicator's decisions)."""
+        me = self.cluster.node
+        if fresh:
+            nodes = self.index.live_nodes()
+            peers = sorted(
+                (i for n, i in nodes.items() if n != me and i.advertise),
+                key=lambda n: (n.load, n.node_id),
             )
-        missing = [k for k in dict.fromkeys(keys) if k not in known]
-        if missing:
-            nodes = self.peers()
-            found = self.index.locate(self.namespace, self._fp, missing, list(nodes))
-            ranked = sorted(nodes.values(), key=lambda n: (n.load, n.node_id))
-            expiry = now + self.cluster.heartbeat_s
-            for i, key in enumerate(missing):
-                known[key] = (expiry, [n for n in ranked if found[n.node_id][i]])
-            with self._lock:
-                if len(self._where) > _WHERE_ENTRIES:
-                    self._where = {k: v for k, v in self._where.items() if v[0] > now}
-                self._where.update((k, known[k]) for k in missing)
-        return [known[k][1] for k in keys]
-
-    def _forget_where(self, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._where.pop(key, None)
+            found = self.index.locate(self.namespace, self._fp, keys, [n.node_id for n in peers])
+            return [[n for n in peers if found[n.node_id][i]] for i in range(len(keys))]
+        out = []
+        for holdings in self.index_view().holders(keys):
+            usable = [h for h in holdings if h.node.node_id != me and h.node.advertise]
+            usable.sort(key=lambda h: (-h.medium, h.node.load, h.node.node_id))
+            out.append([h.node for h in usable])
+        return out
 
     # -- the primitives -------------------------------------------------------------
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         self._counters.add("lookups")
-        return [bool(h) for h in self.holders(keys)]
+        view = self.index_view()
+        nodes, _ = view.live()
+        me = self.cluster.node
+        peers = sum(1 << (2 * slot) for slot, i in nodes.items() if i.node_id != me and i.advertise)
+        return [bool(b & peers) for b in view.bits(keys)]
 
     def get(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor], layers: LayerRange = None
@@ -213,19 +215,46 @@ class ClusterTier(Tier):
         try:
             got = self._client(node).get(keys, outs, layers)
         except (TierError, AccessDeniedError) as exc:  # down, slow, or refusing: next holder
-            self._forget_where(keys)
-            self._counters.add("peer_errors")
-            log.warning("cluster: peer %s (%s) failed: %s", node.node_id, node.advertise, exc)
+            self._peer_failed(node, exc)
             return
+        self._peer_answered(node)
         stale = [k for k, ok in zip(keys, got, strict=True) if not ok]
         for i, ok in zip(idxs, got, strict=True):
             done[i] = ok
         if stale:
-            self._forget_where(stale)
             self._counters.add("stale_hints", len(stale))
             # A hint left stale (Redis away) costs one more failed fetch, nothing more.
             with contextlib.suppress(TierError):
                 self.index.forget(self.namespace, self._fp, node.node_id, stale)
+
+    def _peer_failed(self, node: NodeInfo, exc: Exception) -> None:
+        """Count a failure; say so in the log once until the peer answers again."""
+        denied = isinstance(exc, AccessDeniedError)
+        self._counters.add("peer_auth_failures" if denied else "peer_errors")
+        with self._lock:
+            first = node.node_id not in self._failing
+            self._failing.add(node.node_id)
+        if first:
+            why = (
+                "refused this node's token (give every node the same server token, or "
+                "cluster.token)"
+                if denied
+                else "cannot be reached"
+            )
+            log.warning(
+                "cluster: peer %s (%s) %s: %s; its blocks come from other holders or S3",
+                node.node_id,
+                node.advertise,
+                why,
+                exc,
+            )
+
+    def _peer_answered(self, node: NodeInfo) -> None:
+        with self._lock:
+            if node.node_id not in self._failing:
+                return
+            self._failing.discard(node.node_id)
+        log.info("cluster: peer %s (%s) answers again", node.node_id, node.advertise)
 
     def _note_heat(self, keys: list[BlockKey]) -> None:
         if not keys:
@@ -257,8 +286,16 @@ class ClusterTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            peers = sorted(self._nodes)
-        return {**self._counters.snapshot(), "node": self.cluster.node, "peers": peers}
+            view, failing = self._view, sorted(self._failing)
+        peers = sorted(n for n in view.nodes() if n != self.cluster.node) if view else []
+        index = {"index_synced": view.synced, "index_reloads": view.reloads} if view else {}
+        return {
+            **self._counters.snapshot(),
+            "node": self.cluster.node,
+            "peers": peers,
+            "unreachable_peers": failing,
+            **index,
+        }
 
     def close(self) -> None:
         with self._lock:
@@ -266,7 +303,10 @@ class ClusterTier(Tier):
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
+            view, self._view = self._view, None
         for client in peers:
             client.close()
+        if view is not None:
+            view.close()
         if self._owns_index:
             self.index.close()

@@ -219,7 +219,19 @@ class StoreConfig:
         self.prefetch.validate("prefetch")
         self.server.validate("server")
         self.cluster.validate("cluster")
+
         _check_positive(self, "config", "lease_s", "mover_threads")
+
+    def peer_cluster(self) -> ClusterConfig:
+        """The cluster section as a node uses it to reach its peers: without a token of
+        its own, the server's (``server.token`` / ``token_file``: the same on every
+        node, so the one setting serves clients and peers alike)."""
+        cluster = self.cluster
+        if cluster.token is not None or cluster.token_file is not None:
+            return cluster
+        return dataclasses.replace(
+            cluster, token=self.server.token, token_file=self.server.token_file
+        )
 
     # -- sources ----------------------------------------------------------
     @classmethod

@@ -76,7 +76,13 @@ class ClusterConfig:
     ``namespace``: the namespace this node uses on its peers' servers.
 
     ``token`` / ``token_file``: the token of the peers' servers (the same on
-    every node), inline or in a file (its first line).
+    every node), inline or in a file (its first line). Unset: the server's own
+    ``server.token`` / ``server.token_file``, so one token setting serves both.
+
+    ``route_memory_weight`` / ``route_disk_weight`` / ``route_shared_weight``:
+    what a chunk of a prompt's prefix is worth to the router when a node would
+    load it from its own memory, its own disk, or the shared S3 tier (see
+    :mod:`kvstore.cluster.router`).
     """
 
     redis_url: str | None = opt(None, parse_optional_str)
@@ -93,6 +99,9 @@ class ClusterConfig:
     namespace: str = opt("default", parse_str)
     token: str | None = opt(None, parse_optional_str)
     token_file: str | None = opt(None, parse_optional_str)
+    route_memory_weight: float = opt(1.0, parse_float)
+    route_disk_weight: float = opt(0.6, parse_float)
+    route_shared_weight: float = opt(0.3, parse_float)
 
     @property
     def enabled(self) -> bool:
@@ -122,6 +131,9 @@ class ClusterConfig:
         check_namespace(self.namespace, f"{path}.namespace")
         if self.token is not None and self.token_file is not None:
             raise ConfigError(f"{path}.token_file: give token or token_file, not both")
+        weights = (self.route_memory_weight, self.route_disk_weight, self.route_shared_weight)
+        if not all(w >= 0 for w in weights):
+            raise ConfigError(f"{path}.route_*_weight: weights must be >= 0")
         check_positive(
             self,
             path,

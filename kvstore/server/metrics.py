@@ -129,6 +129,22 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                 if isinstance(tier.get(key), (int, float)):
                     tier_samples.append((labels + f',what="{key}"', float(tier[key])))
     _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples)
+    _cluster_metrics(lines, stores)
+
+
+def _cluster_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
+    """A cluster tier's failures to reach its peers (down, or refusing the token)."""
+    errors, unreachable = [], []
+    for stats in stores:
+        labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
+        for tier in stats.get("tiers", []):
+            if tier.get("kind") != "cluster":
+                continue
+            for key, what in (("peer_errors", "unreachable"), ("peer_auth_failures", "auth")):
+                errors.append((labels + f',what="{what}"', float(tier.get(key, 0))))
+            unreachable.append((labels, float(len(tier.get("unreachable_peers", [])))))
+    _metric(lines, "kvstore_cluster_peer_errors_total", "counter", errors)
+    _metric(lines, "kvstore_cluster_unreachable_peers", "gauge", unreachable)
 
 
 class MetricsEndpoint:

@@ -2,21 +2,24 @@
 
 :class:`FaultProxy` listens on 127.0.0.1 and forwards every request to a real
 upstream server (moto's S3, say), except that it can answer the next N
-requests with an error status (``fail_next``) or stall them past any client
-read timeout and then drop the connection (``stall_next``). The faults are
-real HTTP behaviour on a real socket, so the client's own timeout and retry
-machinery runs exactly as it would against a sick server.
+requests with an error status (``fail_next``), stall them past any client
+read timeout and then drop the connection (``stall_next``), or flip bytes in
+the bodies of the next N object GETs it relays (``corrupt_next``). The faults
+are real HTTP behaviour on a real socket, so the client's own timeout, retry
+and verification machinery runs exactly as it would against a sick server.
 """
 
 from __future__ import annotations
 
 import http.client
 import socket
+import sys
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["FaultProxy"]
+__all__ = ["FaultProxy", "flip_bytes"]
 
 HOST = "127.0.0.1"
 _HOP_BY_HOP = frozenset(
@@ -37,6 +40,29 @@ _ERROR_XML = (
     "<Error><Code>{code}</Code><Message>injected by FaultProxy</Message>"
     "<RequestId>kvstore-fault</RequestId></Error>"
 )
+
+
+def _is_object(path: str) -> bool:
+    """Whether a path-style request names an object (``/bucket/key``), not a bucket
+    (a listing's XML is not a block: damaging it tests nothing about verification)."""
+    return "/" in path.split("?", 1)[0].strip("/")
+
+
+def _request_kind(method: str, path: str) -> str:
+    """``method``, or ``DELETE`` for S3's batch delete (a POST to ``?delete``)."""
+    query = path.partition("?")[2]
+    if method == "POST" and "delete" in (q.partition("=")[0] for q in query.split("&")):
+        return "DELETE"
+    return method
+
+
+def flip_bytes(data: bytes, stride: int = 4096) -> bytes:
+    """``data`` with one byte in every ``stride`` (the last one first) XORed with 0x5A:
+    the body keeps its length, so only a checksum can tell."""
+    damaged = bytearray(data)
+    for i in range(len(damaged) - 1, -1, -stride):
+        damaged[i] ^= 0x5A
+    return bytes(damaged)
 
 
 class _Server(ThreadingHTTPServer):
@@ -60,6 +86,13 @@ class _Server(ThreadingHTTPServer):
         with self.live_lock:
             self.live.discard(request)
         super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (a killed process, a timeout) is normal here; anything
+        else is reported as the standard library would."""
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
     def cut_connections(self) -> None:
         """Shut every client connection, so keep-alive handler threads end."""
@@ -90,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _relay(self) -> None:
         proxy = self.server.proxy
         body = self._read_body()
-        fault = proxy._next_fault()
+        fault = proxy._next_fault(_request_kind(self.command, self.path))
         try:
             if fault is None:
                 self._forward(body)
@@ -132,6 +165,8 @@ class _Handler(BaseHTTPRequestHandler):
             length = resp.getheader("Content-Length") if self.command == "HEAD" else None
             self.send_header("Content-Length", length or str(len(data)))
             self.end_headers()
+            if self.command == "GET" and 200 <= resp.status < 300 and _is_object(self.path):
+                data = proxy._maybe_corrupt(data)
             if self.command != "HEAD":
                 self.wfile.write(data)
         finally:
@@ -154,7 +189,12 @@ class FaultProxy:
     ``fail_next(n, status, code)``: the next ``n`` requests get ``status``
     with an S3-style error body. ``stall_next(n, seconds)``: the next ``n``
     requests get no answer for ``seconds`` and then a closed connection.
-    ``requests`` and ``faults`` count what the proxy saw and injected.
+    ``corrupt_next(n)``: the next ``n`` successful object GETs are relayed with
+    bytes flipped in their bodies (same status, headers and length).
+    ``requests`` and ``faults`` count what the proxy saw and injected
+    (``corrupted``: the bodies it damaged, also counted in ``faults``; ``by_kind``:
+    requests by method, S3's batch delete counted as ``DELETE``). ``n = 0`` ends a
+    mode.
     """
 
     def __init__(self, upstream_port: int, upstream_host: str = HOST, port: int = 0) -> None:
@@ -167,6 +207,9 @@ class FaultProxy:
         self._fail: tuple[int, str] = (503, "SlowDown")
         self._stall_left = 0
         self._stall_s = 0.0
+        self._corrupt_left = 0
+        self.corrupted = 0
+        self.by_kind: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._server: _Server | None = None
@@ -193,9 +236,27 @@ class FaultProxy:
         with self._lock:
             self._stall_left, self._stall_s = n, seconds
 
-    def _next_fault(self) -> tuple[str, float, str] | tuple[str, int, str] | None:
+    def corrupt_next(self, n: int) -> None:
+        """Flip bytes in the bodies of the next ``n`` successful object GETs."""
+        with self._lock:
+            self._corrupt_left = n
+
+    def _maybe_corrupt(self, data: bytes) -> bytes:
+        """``data`` damaged if a ``corrupt_next`` budget is left (and spend one)."""
+        if not data:
+            return data
+        with self._lock:
+            if self._corrupt_left <= 0:
+                return data
+            self._corrupt_left -= 1
+            self.corrupted += 1
+            self.faults += 1
+        return flip_bytes(data)
+
+    def _next_fault(self, kind: str) -> tuple[str, float, str] | tuple[str, int, str] | None:
         with self._lock:
             self.requests += 1
+            self.by_kind[kind] += 1
             if self._stall_left > 0:
                 self._stall_left -= 1
                 self.faults += 1

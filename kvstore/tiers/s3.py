@@ -11,11 +11,12 @@ rank), so two stores share an object only when they share the KV.
 
 Each object is an encoded block (:mod:`kvstore.codec`): header with per-layer
 checksums, then the payload. Every get verifies what it returns; a corrupt or
-foreign object is a miss, counted, and deleted. ``get(..., layers=(a, b))``
-reads the header (a ranged GET of ``header_size(num_layers)`` bytes, cached
-per key with its ETag) and then only the payload bytes of those layers (a
-second ranged GET with ``If-Match`` on that ETag, so a rewritten object can
-never pair a stale header with new bytes).
+foreign object is a miss, counted, and deleted once a second read shows that the
+stored bytes are bad (bytes damaged on the way delete nothing: the bucket is shared).
+``get(..., layers=(a, b))`` reads the header (a ranged GET of
+``header_size(num_layers)`` bytes, cached per key with its ETag) and then only
+the payload bytes of those layers (a second ranged GET with ``If-Match`` on that
+ETag, so a rewritten object can never pair a stale header with new bytes).
 
 Concurrency: every request runs on one bounded thread pool whose size is the
 botocore connection pool's (``concurrency``), so a batch moves that many
@@ -35,9 +36,11 @@ come from the boto3 chain and appear in no log line and no error message.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import botocore.exceptions
@@ -95,6 +98,9 @@ _COUNTERS = (
     "deadline_exceeded",
     "retries_exhausted",
     "corrupt",
+    "corrupt_deleted",
+    "corrupt_kept",
+    "damaged_in_transit",
     "misses",
     "blocks_put",
     "blocks_got",
@@ -112,6 +118,24 @@ _HEADER_CACHE_ENTRIES = 4096
 _IDLE_BUFFER_BYTES = 128 * 1024**2
 _READ_CHUNK = 1024**2
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one get's bytes go: the tensor, the layers asked for, the deadline."""
+
+    out: torch.Tensor
+    layers: LayerRange
+    deadline_at: float
+
+
+def etag_matches(body: bytes, etag: str) -> bool:
+    """Whether ``etag`` is the MD5 of ``body`` (true of single-part uploads only: a
+    multipart ETag, ``<md5>-<parts>``, vouches for nothing here)."""
+    tag = etag.strip('"')
+    if not tag or "-" in tag:
+        return False
+    return hashlib.md5(body, usedforsecurity=False).hexdigest() == tag
 
 
 class S3Tier(Tier):
@@ -281,12 +305,12 @@ class S3Tier(Tier):
             else:
                 self._get_whole(key, out, deadline_at)
         except (CorruptBlockError, LayoutMismatchError) as exc:
-            self._corrupt(key, exc)
-            return False
+            return self._corrupt(key, exc, Target(out, layers, deadline_at))
         except Exception as exc:
             if has_code(exc, CORRUPT_CODES, 416):
-                self._corrupt(key, CorruptBlockError(f"object is shorter than a header: {exc}"))
-            elif has_code(exc, MISSING_CODES, 404):
+                why = CorruptBlockError(f"object is shorter than a header: {exc}")
+                return self._corrupt(key, why, Target(out, layers, deadline_at))
+            if has_code(exc, MISSING_CODES, 404):
                 self._headers.drop(key)
                 self._counters.add("misses")
             else:
@@ -502,11 +526,46 @@ class S3Tier(Tier):
         self._healthy = False
         log.log(level, "s3 tier: %s of %s failed: %s", op, self.object_name(key), exc)
 
-    def _corrupt(self, key: BlockKey, exc: Exception) -> None:
-        """A bad object is a miss; delete it so it is not read again."""
+    def _corrupt(self, key: BlockKey, exc: Exception, target: Target) -> bool:
+        """A block that failed verification: read the whole object once more.
+
+        The bucket is shared and the bytes may have been damaged on the way: an
+        object is deleted only when S3 vouches that the bytes read are the bytes
+        it stores (a single-part object's ETag is their MD5) and they are bad.
+        A re-read that verifies is a hit; anything else is a miss that keeps the
+        object (a later put of the key replaces it).
+        """
         self._counters.add("corrupt")
         self._headers.drop(key)
-        log.warning("s3 tier: %s is corrupt (%s); deleting it", self.object_name(key), exc)
+        name = self.object_name(key)
+        try:
+            body, etag = self._s3.call(lambda: self._whole(name), target.deadline_at)
+            decode_value(body, self.layout, key, target.out, target.layers)
+        except (CorruptBlockError, LayoutMismatchError) as again:
+            if etag_matches(body, etag):
+                self._counters.add("corrupt_deleted")
+                log.warning("s3 tier: %s is corrupt (%s); deleting it", name, again)
+                self._delete_corrupt(key)
+            else:
+                self._counters.add("corrupt_kept")
+                log.warning("s3 tier: %s read back damaged (%s); not deleting it", name, exc)
+            return False
+        except Exception as err:
+            self._counters.add("corrupt_kept")
+            log.warning("s3 tier: %s failed verification (%s), re-read failed: %s", name, exc, err)
+            return False
+        self._counters.add("damaged_in_transit")
+        self._counters.add("blocks_got")
+        return True
+
+    def _whole(self, name: str) -> tuple[bytes, str]:
+        """The whole object ``name`` and its ETag (one GET)."""
+        resp = self._s3.client.get_object(Bucket=self.cfg.bucket, Key=name)
+        body = resp["Body"].read()
+        self._counters.add("bytes_in", len(body))
+        return body, str(resp.get("ETag", ""))
+
+    def _delete_corrupt(self, key: BlockKey) -> None:
         try:
             self._delete_chunk([key], time.monotonic() + self.cfg.deadline)
         except Exception as err:

@@ -10,143 +10,18 @@ register their blocks again.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from cluster_nodes import HEARTBEAT, LAYOUT, Nodes, blocks, eventually, read
 
 from kvstore import KVStore
-from kvstore.client import Client, ClientOptions
-from kvstore.cluster import ClusterIndex, Router
-from kvstore.config import ClusterConfig
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
-
-LAYOUT = small_layout(head_dim=32)
-HEARTBEAT = 0.3
-_names = itertools.count()
-
-
-class Nodes:
-    """Node processes a, b, c sharing one Redis and one bucket."""
-
-    def __init__(self, root: Path, redis_url: str, clustered: bool, s3: S3Server) -> None:
-        self.cluster = ClusterConfig(
-            redis_url=redis_url,
-            redis_cluster=clustered,
-            name=f"c{next(_names)}-{os.getpid()}",
-            heartbeat_s=HEARTBEAT,
-            lease_heartbeats=3,
-            replicas=2,
-            hot_threshold=3,
-            heat_half_life_s=1.0,
-            peer_timeout_s=1.0,
-        )
-        self.s3 = s3
-        self.procs: dict[str, KVStoreServerProcess] = {}
-        env = {**DUMMY_AWS_ENV, "AWS_EC2_METADATA_DISABLED": "true"}
-        for name in "abc":
-            self.procs[name] = KVStoreServerProcess(self._config(root, name), root / name, env)
-
-    def s3_tier(self, prefix: str) -> dict[str, Any]:
-        return {
-            "kind": "s3",
-            "bucket": self.s3.bucket,
-            "prefix": prefix,
-            "endpoint_url": self.s3.url,
-            "region": "us-east-1",
-            "connect_timeout": 1.0,
-            "read_timeout": 2.0,
-            "deadline": 5.0,
-        }
-
-    def on_s3(self, keys: list[bytes]) -> bool:
-        """Whether every key reached the bucket (the servers put their namespace's
-        objects under ``<prefix>/ns-default``)."""
-        config = {"tiers": [self.s3_tier(f"{self.cluster.name}/ns-default")]}
-        with KVStore(LAYOUT, config) as probe:
-            return probe.exists(keys) == [True] * len(keys)
-
-    def _config(self, root: Path, name: str) -> dict[str, Any]:
-        cluster = {**self.cluster.to_dict(), "node_id": name}
-        tiers = [
-            {"kind": "host", "capacity": "8MiB", "write_policy": "write_through"},
-            {
-                "kind": "disk",
-                "path": str(root / name / "disk"),
-                "capacity": "64MiB",
-                "write_policy": "write_through",
-            },
-            self.s3_tier(self.cluster.name),
-        ]
-        return {"tiers": tiers, "cluster": cluster}
-
-    def start(self) -> Nodes:
-        for proc in self.procs.values():
-            proc.start()
-        return self
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.pid is not None:
-                os.kill(proc.pid, signal.SIGCONT)
-            proc.stop()
-
-    def client(self, name: str) -> Client:
-        return Client(LAYOUT, ClientOptions(self.procs[name].address, shared_memory=False))
-
-    def router(self) -> Router:
-        return Router(self.cluster, LAYOUT)
-
-    def holders(self, keys: list[bytes]) -> dict[str, list[bool]]:
-        index = ClusterIndex(self.cluster)
-        try:
-            return index.locate("default", LAYOUT.fingerprint_hex, keys, ["a", "b", "c"])
-        finally:
-            index.close()
-
-
-def blocks(n: int, seed: int) -> list[torch.Tensor]:
-    kv = random_blocks(LAYOUT, n, seed)
-    step = LAYOUT.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
-
-
-def read(client: Client, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
-    outs = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in keys]
-    return client.get(keys, outs), outs
-
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
-@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
-def nodes(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    redis_server: RedisServer,
-    redis_cluster: RedisCluster,
-    s3_server: S3Server,
-) -> Iterator[Nodes]:
-    clustered = request.param == "redis-cluster"
-    url = redis_cluster.url if clustered else redis_server.url
-    group = Nodes(tmp_path_factory.mktemp("nodes"), url, clustered, s3_server).start()
-    yield group
-    group.stop()
+from kvstore.testing.servers import RedisServer
 
 
 def test_a_block_stored_on_a_is_fetched_byte_exact_through_b(nodes: Nodes) -> None:
@@ -202,7 +77,7 @@ def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes) -> None:
         assert router.best(make_keys(3, salt=99)) is not None  # nobody holds it: any node
 
 
-def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes) -> None:
+def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes, aws_env: None) -> None:
     keys, data = make_keys(1, salt=3), blocks(1, seed=3)
     with nodes.client("a") as a, nodes.client("b") as b, nodes.client("c") as c:
         assert all(a.put(keys, data))
@@ -220,17 +95,9 @@ def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes) -> Non
         )
         ok, outs = read(b, keys)
         assert ok == [True] and torch.equal(outs[0], data[0])
-
-
-@pytest.fixture
-def own_nodes(tmp_path: Path, s3_server: S3Server) -> Iterator[tuple[Nodes, RedisServer]]:
-    """Nodes with a Redis of their own, for tests that kill things."""
-    with RedisServer() as redis:
-        group = Nodes(tmp_path, redis.url, False, s3_server).start()
-        try:
-            yield group, redis
-        finally:
-            group.stop()
+        # b gave up only its own copy: the block's copy in the shared bucket is still
+        # there (it once went with it, and a node that lost its copy lost the block).
+        assert nodes.on_s3(keys)
 
 
 def test_node_killed_mid_run_b_serves_from_s3_and_its_entries_expire(

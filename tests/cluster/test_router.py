@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+
+import pytest
 
 from kvstore.cluster import ClusterIndex, NodeInfo, Router
 from kvstore.config import ClusterConfig
+from kvstore.errors import InvalidInputError
+from kvstore.index import Medium
 from kvstore.keys import Namespace, chain_keys, tokens_to_bytes
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout
@@ -16,7 +21,7 @@ _names = itertools.count()
 
 
 def cluster(redis_server: RedisServer) -> tuple[ClusterConfig, ClusterIndex]:
-    config = ClusterConfig(redis_url=redis_server.url, name=f"r{next(_names)}", heartbeat_s=0.01)
+    config = ClusterConfig(redis_url=redis_server.url, name=f"r{next(_names)}", heartbeat_s=2.0)
     return config, ClusterIndex(config)
 
 
@@ -51,4 +56,47 @@ def test_rank_tokens_hashes_as_the_engines_do(redis_server: RedisServer) -> None
     index.add("default", LAYOUT.fingerprint_hex, "a", keys[:4])
     with Router(config, LAYOUT) as router:
         assert router.rank_tokens(tokens, namespace)[0].prefix_blocks == 4
+    index.close()
+
+
+def test_rank_tokens_takes_a_model_name_as_every_other_api_does(
+    redis_server: RedisServer,
+) -> None:
+    config, index = cluster(redis_server)
+    tokens = list(range(4 * LAYOUT.block_tokens))
+    keys = chain_keys(tokens_to_bytes(tokens), 8, Namespace(model="my-model", layout=LAYOUT).seed)
+    index.heartbeat(NodeInfo("a", "127.0.0.1:1"))
+    index.add("default", LAYOUT.fingerprint_hex, "a", keys[:3])
+    with Router(config, LAYOUT) as router:
+        assert router.rank_tokens(tokens, "my-model")[0].prefix_blocks == 3
+        with pytest.raises(InvalidInputError, match="namespace"):
+            router.rank_tokens(tokens, 7)  # type: ignore[arg-type]
+    index.close()
+
+
+def test_memory_ranks_above_disk_above_s3_above_nothing(redis_server: RedisServer) -> None:
+    """Same prefix everywhere, held where it loads at different speeds: the node holding
+    it in memory first, on disk second, then nodes that would read it from S3."""
+    config, index = cluster(redis_server)
+    keys = make_keys(8)
+    fp = LAYOUT.fingerprint_hex
+    for node in ("disk", "memory", "none", "half"):
+        index.heartbeat(NodeInfo(node, f"127.0.0.1:{len(node)}"))
+    index.add("default", fp, "disk", keys, Medium.DISK)
+    index.add("default", fp, "memory", keys, Medium.MEMORY)
+    index.add("default", fp, "half", keys[:4], Medium.MEMORY)
+    index.publish("default", fp, "gone", {k: (Medium.DISK, Medium.SHARED) for k in keys[:6]})
+    with Router(config, LAYOUT) as router:
+        ranked = router.rank(keys)
+        assert [r.node_id for r in ranked] == ["memory", "disk", "half", "none"]
+        by = {r.node_id: r for r in ranked}
+        assert (by["memory"].memory_blocks, by["memory"].merit) == (8, 8.0)
+        assert (by["disk"].disk_blocks, by["disk"].merit) == (8, pytest.approx(8 * 0.6))
+        # half: 4 chunks of its own, then 2 more from S3; none: 6 from S3.
+        assert (by["half"].prefix_blocks, by["half"].shared_blocks) == (4, 2)
+        assert by["half"].merit == pytest.approx(4 + 2 * 0.3)
+        assert (by["none"].prefix_blocks, by["none"].shared_blocks) == (0, 6)
+    weights = dataclasses.replace(config, route_disk_weight=0.1, route_shared_weight=0.05)
+    with Router(weights, LAYOUT) as router:  # weights in config: disk now worth little
+        assert [r.node_id for r in router.rank(keys)][:2] == ["memory", "half"]
     index.close()
