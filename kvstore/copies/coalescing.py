@@ -171,7 +171,8 @@ def _scan(pairs: Sequence[CopyPair], start: int, steps: tuple[int, int]) -> int:
     conj = ddtype.is_complex or sdtype.is_complex
     (dptr, sptr), (dstep, sstep), plain = (dst.data_ptr(), src.data_ptr()), steps, torch.Tensor
     count = 1
-    try:  # the cheapest and likeliest to differ first
+    # A tensor without strides (sparse, nested) raises RuntimeError: it ends the run.
+    with contextlib.suppress(RuntimeError):  # the cheapest and likeliest to differ first
         for d, s in itertools.islice(pairs, start + 1, None):
             dptr, sptr = dptr + dstep, sptr + sstep
             if type(d) is not plain or type(s) is not plain:
@@ -187,8 +188,6 @@ def _scan(pairs: Sequence[CopyPair], start: int, steps: tuple[int, int]) -> int:
             if d.is_neg() or s.is_neg() or (conj and (d.is_conj() or s.is_conj())):
                 break
             count += 1
-    except RuntimeError:  # a tensor without strides (sparse, nested) ends the run
-        pass
     return count
 
 
