@@ -280,9 +280,12 @@ def check_keys(keys: Any, what: str = "keys") -> list[BlockKey]:
     """Validate a sequence of keys; return it as a list of 16-byte bytes."""
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Iterable):
         raise InvalidInputError(f"{what} must be a sequence of 16-byte keys")
-    if isinstance(keys, (list, tuple)) and set(map(type, keys)) <= {bytes}:
-        if set(map(len, keys)) <= {KEY_BYTES}:  # the usual case, checked in C: no loop
-            return list(keys)
+    if (  # the usual case, checked in C: no Python loop
+        isinstance(keys, (list, tuple))
+        and set(map(type, keys)) <= {bytes}
+        and set(map(len, keys)) <= {KEY_BYTES}
+    ):
+        return list(keys)
     out: list[BlockKey] = []
     for i, key in enumerate(keys):
         if type(key) is not bytes:
