@@ -432,7 +432,24 @@ def final_check(cluster: SoakCluster, ledger: Ledger, tally: Tally) -> Outcome:
         )
     for key in lost:
         tally.sample("lost", bytes(key).hex())
+        _trace_lost(cluster, key, tally)
     return Outcome(reached=len(reached), deleted=len(gone), lost=len(lost))
+
+
+def _trace_lost(cluster: SoakCluster, key: BlockKey, tally: Tally) -> None:
+    """What each node's log said about a lost block (the next one to chase it starts
+    from there): the last lines naming its key, and the node's S3 tier counters."""
+    name = bytes(key).hex()
+    for node, proc in cluster.procs.items():
+        lines = [ln for ln in proc.log_tail(1 << 22).splitlines() if name in ln]
+        tally.sample("lost_trace", f"{node}: {len(lines)} log lines; last: {lines[-3:]}"[:1000])
+        try:
+            stores = cluster.client(node).server_stats()["stores"]
+        except KVStoreError as exc:
+            tally.sample("lost_trace", f"{node}: no stats ({exc})"[:300])
+            continue
+        s3 = [t for st in stores for t in st.get("tiers", []) if t.get("kind") == "s3"]
+        tally.sample("lost_trace", f"{node}: s3 tier {s3}"[:1000])
 
 
 def unreadable(cluster: SoakCluster, keys: list[BlockKey], tally: Tally) -> list[BlockKey]:
