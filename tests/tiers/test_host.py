@@ -47,6 +47,7 @@ def test_pinned_by_default_with_cuda() -> None:
     tier = HostTier(HostTierConfig(capacity=4 * layout.block_nbytes), layout)
     assert tier.pinned
     assert tier._slab.buffer is not None and tier._slab.buffer.is_pinned()
+    assert tier.stats()["prefault"] == "committed"  # pinned pages exist once allocated
     block = torch.randn(layout.block_shape, device="cuda").to(layout.dtype)
     key = b"g" * 16
     assert tier.put([key], [block]) == [True]
@@ -87,8 +88,10 @@ def test_delete_during_read_defers_the_slot_free() -> None:
 
 
 def test_prefault_is_on_by_default_and_reported_in_stats() -> None:
+    """Pageable memory (the default without CUDA; pinned memory, the default with it, is
+    committed when allocated and reports ``committed``)."""
     layout = small_layout()
-    tier = HostTier(HostTierConfig(capacity=8 * layout.block_nbytes), layout)
+    tier = HostTier(HostTierConfig(capacity=8 * layout.block_nbytes, pinned=False), layout)
     assert tier.wait_prefault(30)
     stats = tier.stats()
     assert stats["prefault"] == "done" and stats["prefault_done"] is True
@@ -105,22 +108,30 @@ def test_prefault_false_commits_pages_lazily() -> None:
 
 
 def test_closing_a_store_while_its_host_tier_prefaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store closes at once: the prefault thread stops after the step in flight."""
+    """The store closes at once: the prefault thread stops after the step in flight.
+
+    The prefault's steps wait for a gate that opens only once close() has begun, so the
+    tier is still prefaulting when the test looks, however fast the machine."""
+    import threading
     import time
 
     from kvstore import KVStore, memory
 
-    def slow(address: int, length: int, advice: int) -> int:
-        time.sleep(0.01)
+    gate = threading.Event()
+
+    def held(address: int, length: int, advice: int) -> int:
+        gate.wait(10)
         return 0
 
     monkeypatch.setattr(memory, "PREFAULT_CHUNK", 64 * 1024)
-    monkeypatch.setattr(memory, "_madvise", slow)
+    monkeypatch.setattr(memory, "_madvise", held)
     layout = small_layout()
-    store = KVStore(layout, {"tiers": [{"kind": "host", "capacity": 64 * layout.block_nbytes}]})
+    host = {"kind": "host", "capacity": 64 * layout.block_nbytes, "pinned": False}
+    store = KVStore(layout, {"tiers": [host]})
     tier = store.stats()["tiers"][0]
     assert tier["prefault"] == "running" and not tier["prefault_done"]
     start = time.monotonic()
+    threading.Timer(0.1, gate.set).start()  # the step in flight ends while close() waits
     store.close()
     assert time.monotonic() - start < 0.5
     assert store.manager.tiers[0].stats()["prefault"] == "stopped"
