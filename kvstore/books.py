@@ -125,11 +125,18 @@ class Books:
             return reserved
 
     def watch(self) -> ChangeFeed:
-        """Start recording which keys gain or lose their copies in local tiers."""
+        """A new feed recording which keys gain or lose their copies in local tiers
+        (each watcher drains its own; :meth:`unwatch` stops one)."""
+        feed = ChangeFeed()
         with self._locked():
-            if self._index.changes is None:
-                self._index.changes = ChangeFeed()
-            return self._index.changes
+            self._index.changes.append(feed)
+        return feed
+
+    def unwatch(self, feed: ChangeFeed) -> None:
+        """Stop recording into ``feed`` (no-op if it is not recording)."""
+        with self._locked():
+            if feed in self._index.changes:
+                self._index.changes.remove(feed)
 
     # -- queries ------------------------------------------------------------------
     def leading(self, keys: Sequence[BlockKey], local: bool = False) -> int:

@@ -221,7 +221,8 @@ class Index:
         #: the key there until the tier has deleted it (kept apart: it is rarely set).
         self.dropping: dict[BlockKey, int] = {}
         self.unpersisted = 0
-        self.changes: ChangeFeed | None = None
+        #: one feed per watcher (a cluster node, an event publisher): each drains its own
+        self.changes: list[ChangeFeed] = []
         self._write_back = [lv for lv in self.levels if lv.writes_back_ahead]
 
     def __len__(self) -> int:
@@ -299,10 +300,11 @@ class Index:
 
     def _set_tiers(self, key: BlockKey, entry: Entry, tiers: int) -> None:
         before = entry.tiers
-        if self.changes is not None:
+        if self.changes:
             was, now = self.medium(before), self.medium(tiers)
             if was != now:
-                self.changes.record(key, was, now)
+                for feed in self.changes:
+                    feed.record(key, was, now)
         self._count(entry, -1)
         entry.tiers = tiers
         self._count(entry, 1)

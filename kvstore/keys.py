@@ -57,6 +57,7 @@ __all__ = [
     "KEY_BYTES",
     "BlockKey",
     "Namespace",
+    "ChunkTokens",
     "check_keys",
     "chain_keys",
     "engine_keys",
@@ -298,6 +299,48 @@ def check_keys(keys: Any, what: str = "keys") -> list[BlockKey]:
             raise InvalidInputError(f"{what}[{i}] has {len(key)} bytes, keys have {KEY_BYTES}")
         out.append(BlockKey(key))
     return out
+
+
+@dataclass(frozen=True)
+class ChunkTokens:
+    """Which tokens a run of chunks holds, for KV events (routers index token ids).
+
+    ``keys``: the chunks, in prompt order; ``tokens``: the little-endian int32
+    bytes of exactly ``len(keys) * block_tokens`` tokens; ``parent``: the key of
+    the chunk before ``keys[0]`` (None: ``keys[0]`` is a prompt's first chunk).
+    Build it with :meth:`of`, which checks all three.
+    """
+
+    keys: tuple[BlockKey, ...]
+    tokens: bytes
+    parent: BlockKey | None
+    block_tokens: int
+
+    @classmethod
+    def of(
+        cls, keys: Sequence[BlockKey], token_ids: Any, parent: Any, block_tokens: int
+    ) -> ChunkTokens:
+        """Checked: ``token_ids`` (list, array or tensor) must cover exactly the chunks of
+        ``keys``; ``parent`` must be a key or None. Raises :class:`InvalidInputError`."""
+        checked = tuple(check_keys(keys))
+        data = bytes(tokens_to_bytes(token_ids))
+        want = len(checked) * block_tokens
+        if len(data) != 4 * want:
+            raise InvalidInputError(
+                f"tokens: {len(checked)} chunks of {block_tokens} tokens need {want} token "
+                f"ids, got {len(data) // 4}"
+            )
+        up = None if parent is None else check_keys([parent], "parent")[0]
+        return cls(checked, data, up, block_tokens)
+
+    def chunk(self, i: int) -> list[int]:
+        """The token ids of chunk ``i``."""
+        step = 4 * self.block_tokens
+        return [int(t) for t in np.frombuffer(self.tokens[i * step : (i + 1) * step], dtype="<i4")]
+
+    def parent_of(self, i: int) -> BlockKey | None:
+        """The key of the chunk before chunk ``i``."""
+        return self.parent if i == 0 else self.keys[i - 1]
 
 
 def format_key(key: bytes) -> str:

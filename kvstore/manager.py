@@ -47,7 +47,7 @@ from kvstore.counters import ManagerCounters
 from kvstore.errors import BlockNotFoundError
 from kvstore.finder import Finder
 from kvstore.index import ChangeFeed, HeatClock, Level, Medium
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layerwrites import LayerWrites
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease
@@ -196,8 +196,19 @@ class BlockManager:
         return self.books.pinned_count()
 
     def watch(self) -> ChangeFeed:
-        """Start recording which keys gain or lose their copies in local tiers."""
+        """A new feed recording which keys gain or lose their copies in local tiers;
+        every call returns its own (several watchers each drain theirs)."""
         return self.books.watch()
+
+    def unwatch(self, feed: ChangeFeed) -> None:
+        """Stop recording into ``feed``."""
+        self.books.unwatch(feed)
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """Tell every tier which tokens the chunks ``tokens.keys`` hold (a server behind a
+        remote tier publishes them in its KV events); a tier that fails is counted."""
+        for level in range(len(self.io.tiers)):
+            self.io.note_tokens(level, tokens)
 
     # -- whole blocks -----------------------------------------------------------------
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:

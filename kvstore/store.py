@@ -17,13 +17,21 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
-from kvstore.keys import BlockKey, Namespace, chain_keys, check_keys, engine_keys, tokens_to_bytes
+from kvstore.keys import (
+    BlockKey,
+    ChunkTokens,
+    Namespace,
+    chain_keys,
+    check_keys,
+    engine_keys,
+    tokens_to_bytes,
+)
 from kvstore.layout import KVLayout
 from kvstore.leases import Pin
 from kvstore.lending import Loan, PendingPut
@@ -31,6 +39,10 @@ from kvstore.manager import BlockManager
 from kvstore.prefetch import PrefetchHandle
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvstore.events.owner import StoreEventsOwner
+    from kvstore.events.publisher import EventPublisher
 
 __all__ = ["KVStore"]
 
@@ -48,6 +60,8 @@ class KVStore:
             first, used instead of building the config's tiers (custom media,
             fault injection). The store closes them on :meth:`close`.
         clock: seconds, for leases and heat decay (replays and tests inject one).
+        events: a KV-event publisher to share (a server's, for all its stores);
+            None: the store opens its own when the config's ``events`` says so.
 
     Thread-safe: any number of threads may call any method at once.
     """
@@ -59,6 +73,7 @@ class KVStore:
         *,
         tiers: Sequence[Tier] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        events: EventPublisher | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -80,6 +95,13 @@ class KVStore:
                 tier.close()
             raise
         self._namespaces: dict[str, Namespace] = {}
+        self._events: StoreEventsOwner | None = None
+        if self.config.events.enabled or events is not None:
+            try:
+                self._events = _open_events(self._manager, self.config, events)
+            except BaseException:
+                self._manager.close()
+                raise
 
     # -- keys ---------------------------------------------------------------
     def namespace(self, model: str, **extra: Any) -> Namespace:
@@ -150,16 +172,50 @@ class KVStore:
         server, the cluster) about leading keys the index lacks."""
         return self._manager.exists(check_keys(keys))
 
-    def put(self, keys: Sequence[BlockKey], kv: torch.Tensor) -> int:
+    def put(
+        self,
+        keys: Sequence[BlockKey],
+        kv: torch.Tensor,
+        *,
+        tokens: Any = None,
+        parent: BlockKey | None = None,
+    ) -> int:
         """Store the KV of ``len(keys)`` chunks; ``kv`` has ``layout.tensor_shape(len(keys))``.
 
         Returns how many of ``keys`` are stored afterwards (keys already
         stored count, and are not rewritten). Fewer means the tiers had no
         room that could be freed (every block pinned).
+
+        ``tokens`` (optional): the token ids of exactly these chunks, and
+        ``parent`` the key of the chunk before ``keys[0]`` (None: the prompt's
+        first chunk), so that KV events (docs/events.md) carry them: routers
+        such as Dynamo's and llm-d's index prompts by their tokens. For the
+        suffix after a hit of ``n`` chunks: ``put(keys[n:], kv, tokens=
+        token_ids[n * bt : len(keys) * bt], parent=keys[n - 1] if n else None)``.
         """
         checked = check_keys(keys)
         self.layout.check_tensor(kv, len(checked))
+        if tokens is not None:
+            self.note_tokens(ChunkTokens.of(checked, tokens, parent, self.layout.block_tokens))
+        elif parent is not None:
+            raise InvalidInputError("parent: given without tokens")
         return self._manager.put(checked, self._chunks(kv, len(checked)))
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """Record which tokens the chunks ``tokens.keys`` hold, for KV events: this
+        store's own publisher (``events:`` in the config) and a kvstore-server behind
+        a remote tier both carry them. Call before the chunks are put (``put(...,
+        tokens=...)`` does); build ``tokens`` with :meth:`ChunkTokens.of`."""
+        if not isinstance(tokens, ChunkTokens):
+            raise InvalidInputError(f"tokens must be ChunkTokens, got {type(tokens).__name__}")
+        if tokens.block_tokens != self.layout.block_tokens:
+            raise InvalidInputError(
+                f"tokens: chunks of {tokens.block_tokens} tokens; this layout's have "
+                f"{self.layout.block_tokens}"
+            )
+        if self._events is not None:
+            self._events.note(tokens)
+        self._manager.note_tokens(tokens)
 
     def get(self, keys: Sequence[BlockKey], out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of ``keys`` as one tensor of ``layout.tensor_shape(len(keys))``.
@@ -262,7 +318,10 @@ class KVStore:
     def clear(self) -> int:
         """Delete every block of this layout from every tier (including blocks other
         processes stored in shared ones); return how many were deleted."""
-        return self._manager.delete(self.stored_keys(rescan=True))
+        deleted = self._manager.delete(self.stored_keys(rescan=True))
+        if self._events is not None:
+            self._events.cleared()
+        return deleted
 
     def pin(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Pin:
         """Pin the stored prefix of ``keys`` against eviction and deletion.
@@ -327,6 +386,7 @@ class KVStore:
             "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
             **counters,
             "tiers": tiers,
+            **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 
     def flush(self) -> int:
@@ -341,7 +401,12 @@ class KVStore:
 
         Idempotent.
         """
-        self._manager.close()
+        events, self._events = self._events, None
+        try:
+            if events is not None:
+                events.close()
+        finally:
+            self._manager.close()
 
     @property
     def closed(self) -> bool:
@@ -360,6 +425,15 @@ class KVStore:
         kinds = ",".join(t.kind for t in self._manager.tiers)
         layout = self.layout.fingerprint_hex
         return f"<KVStore tiers={kinds} blocks={len(self._manager)} layout={layout}>"
+
+
+def _open_events(
+    manager: BlockManager, config: StoreConfig, publisher: EventPublisher | None
+) -> StoreEventsOwner:
+    """The store's KV events (imported only when used: they need pyzmq and msgspec)."""
+    from kvstore.events.owner import StoreEventsOwner
+
+    return StoreEventsOwner(manager, config.events, publisher)
 
 
 def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:

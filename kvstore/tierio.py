@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from kvstore.errors import TierError
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import LayerRange, Tier
 
@@ -126,6 +126,10 @@ class TierIO:
         """Delete ``keys`` from tier ``level`` (a failure is counted and logged)."""
         if keys:
             self._call(level, "delete", len(keys), lambda t: t.delete(keys))
+
+    def note_tokens(self, level: int, tokens: ChunkTokens) -> None:
+        """Tell tier ``level`` which tokens some chunks hold (a failure is counted)."""
+        self._call(level, "note tokens", len(tokens.keys), lambda t: t.note_tokens(tokens))
 
     def contains(self, level: int, keys: Sequence[BlockKey]) -> list[bool]:
         """Which ``keys`` tier ``level`` holds (none, when it is unavailable)."""

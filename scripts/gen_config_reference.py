@@ -489,10 +489,18 @@ def documented_classes(secs: list[Section]) -> set[type[Any]]:
 def config_dataclasses() -> dict[str, type[Any]]:
     """Every dataclass defined in the kvstore.config package, by name."""
     import kvstore.config.cluster
+    import kvstore.config.events
     import kvstore.config.tiers
 
     found: dict[str, type[Any]] = {}
-    for module in (config_pkg, kvstore.config.tiers, server_mod, kvstore.config.cluster):
+    modules = (
+        config_pkg,
+        kvstore.config.tiers,
+        server_mod,
+        kvstore.config.cluster,
+        kvstore.config.events,
+    )
+    for module in modules:
         for obj in vars(module).values():
             if (
                 isinstance(obj, type)
@@ -515,7 +523,7 @@ HEADER = f"""\
 Every key kvstore reads, generated from the frozen dataclasses in `kvstore/config/`
 (`StoreConfig` and the classes it holds). For a guided tour see
 [configuration.md](configuration.md); for the server's and the cluster's keys in context,
-[server.md](server.md) and [cluster.md](cluster.md).
+[server.md](server.md) and [cluster.md](cluster.md); for KV events, [events.md](events.md).
 
 **Where a config comes from.** `KVStore(layout, config)` takes a `StoreConfig`, a dict or a
 YAML path; with none, the file named by `KVSTORE_CONFIG`, else the embedded default (a 4 GiB

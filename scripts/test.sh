@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup-vllm.sh
+bash scripts/setup-dynamo.sh
 bash scripts/install-servers.sh
 bin="${KVSTORE_VENV:-.venv}/bin"
 echo "== ruff" >&2

@@ -41,11 +41,12 @@ from kvstore.errors import (
     AccessDeniedError,
     ClosedError,
     CorruptBlockError,
+    InvalidInputError,
     LayoutMismatchError,
     ProtocolError,
     TierError,
 )
-from kvstore.keys import BlockKey, check_keys
+from kvstore.keys import BlockKey, ChunkTokens, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_call
 from kvstore.wire import shm
@@ -62,6 +63,7 @@ from kvstore.wire.protocol import (
     encode_count,
     encode_get_request,
     encode_keys,
+    encode_tokens,
     encode_u64,
 )
 
@@ -393,6 +395,26 @@ class Client:
                 break
         return total
 
+    def note_tokens(self, tokens: ChunkTokens) -> int:
+        """Tell the server which tokens the chunks ``tokens.keys`` hold (its KV events
+        carry them); how many chunks it recorded."""
+        if tokens.block_tokens != self.layout.block_tokens:
+            raise InvalidInputError(
+                f"tokens of {tokens.block_tokens}-token chunks; this layout's chunks have "
+                f"{self.layout.block_tokens}"
+            )
+        step = 4 * tokens.block_tokens
+        total = 0
+        for idx in self._batches(len(tokens.keys), None, by_bytes=False):
+            part = ChunkTokens(
+                tuple(tokens.keys[i] for i in idx),
+                tokens.tokens[idx[0] * step : (idx[-1] + 1) * step],
+                tokens.parent_of(idx[0]),
+                tokens.block_tokens,
+            )
+            total += decode_count(self._run(functools.partial(_note_tokens, tokens=part)))
+        return total
+
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys``; how many were stored."""
         return sum(decode_count(m) for _, m in self._key_calls(Op.DELETE, check_keys(keys)))
@@ -510,6 +532,12 @@ def _slot(
     """The block (or layers) at ``offset`` in shared memory, as a tensor of ``shape``."""
     size = layout.block_nbytes if nbytes is None else nbytes
     return mapping.slot(offset, size).view(layout.dtype).view(*shape)
+
+
+def _note_tokens(conn: Connection, tokens: ChunkTokens) -> bytes:
+    rid = conn.send_head(Op.TOKENS, encode_tokens(tokens), len(tokens.tokens))
+    conn.send_parts([tokens.tokens])
+    return conn.reply(rid, Op.TOKENS)[1]
 
 
 def _call_meta(conn: Connection, op: Op, keys: list[BlockKey]) -> bytes:

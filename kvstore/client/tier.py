@@ -30,7 +30,7 @@ from kvstore.client._common import ClientOptions
 from kvstore.client.sync import Client
 from kvstore.config import RemoteTierConfig, TierConfig
 from kvstore.errors import ClosedError, ConfigError, TierError
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.remote_common import check_get_args, check_put_args
@@ -86,6 +86,11 @@ class RemoteTier(Tier):
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         self._check_open()
         return self._client.exists(keys)
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """The server's KV events carry these chunks' tokens."""
+        self._check_open()
+        self._client.note_tokens(tokens)
 
     def stored_keys(self) -> Iterator[BlockKey]:
         self._check_open()

@@ -51,6 +51,7 @@ from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
+from kvstore.config.events import EventsConfig
 from kvstore.config.server import ServerConfig, TokenConfig
 from kvstore.config.tiers import (
     DeviceTierConfig,
@@ -72,6 +73,7 @@ __all__ = [
     "ClusterConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
+    "EventsConfig",
     "HostTierConfig",
     "PrefetchConfig",
     "ReplicationConfig",
@@ -179,6 +181,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "prefetch": PrefetchConfig,
     "server": ServerConfig,
     "cluster": ClusterConfig,
+    "events": EventsConfig,
 }
 _SCALARS: dict[str, Parser] = {"lease_s": parse_float, "mover_threads": parse_int}
 
@@ -202,6 +205,8 @@ class StoreConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    #: KV events in vLLM's format for routers (Dynamo, llm-d); off by default.
+    events: EventsConfig = field(default_factory=EventsConfig)
     #: Seconds a lease pins blocks (prefetches, layerwise writes) unless renewed or released.
     lease_s: float = 30.0
     #: Threads moving blocks between tiers in the background.
@@ -219,6 +224,7 @@ class StoreConfig:
         self.prefetch.validate("prefetch")
         self.server.validate("server")
         self.cluster.validate("cluster")
+        self.events.validate("events")
 
         _check_positive(self, "config", "lease_s", "mover_threads")
 
@@ -312,6 +318,7 @@ class StoreConfig:
             "prefetch": dataclasses.asdict(self.prefetch),
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
+            "events": self.events.to_dict(),
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }

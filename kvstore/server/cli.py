@@ -66,6 +66,11 @@ def _describe(config: Any, addresses: dict[str, str]) -> str:
         lines.append(f"  listening on unix:{addresses['unix']}")
     if "metrics" in addresses:
         lines.append(f"  metrics on http://{addresses['metrics']}/metrics (/healthz)")
+    if "events" in addresses:
+        replay = addresses.get("events_replay")
+        lines.append(
+            f"  KV events on {addresses['events']}" + (f" (replay {replay})" if replay else "")
+        )
     tiers = ", ".join(
         f"{t.kind} {format_size(t.capacity)}" + (f" at {t.path}" if hasattr(t, "path") else "")
         for t in config.tiers

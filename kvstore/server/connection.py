@@ -82,7 +82,7 @@ _ERRORS: tuple[tuple[type[Exception], Status], ...] = (
     (CapacityError, Status.BUSY),
     (ClosedError, Status.SHUTTING_DOWN),
 )
-_PAYLOAD_OPS = (Op.PUT, Op.COMMIT)
+_PAYLOAD_OPS = (Op.PUT, Op.COMMIT, Op.TOKENS)
 #: Every op of the protocol (IntEnum members hash as their values: ``5 in _KNOWN_OPS``).
 _KNOWN_OPS = frozenset(Op)
 
@@ -294,6 +294,8 @@ class Connection:
             await handlers.put(self, frame, meta)
         elif op == Op.COMMIT:
             await handlers.commit(self, frame, meta)
+        elif op == Op.TOKENS:
+            await handlers.note_tokens(self, frame, meta)
         elif op == Op.RELEASE:
             await handlers.release(self, frame, meta)
         else:

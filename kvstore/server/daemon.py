@@ -28,7 +28,7 @@ import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
@@ -39,6 +39,9 @@ from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
 from kvstore.wire.auth import Authenticator
+
+if TYPE_CHECKING:
+    from kvstore.events.publisher import EventPublisher
 
 __all__ = ["Server", "ServerThread"]
 
@@ -53,6 +56,15 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _publisher(config: StoreConfig) -> EventPublisher | None:
+    """The server's KV-event publisher, when ``events.enabled`` (needs kvstore[events])."""
+    if not config.events.enabled:
+        return None
+    from kvstore.events.publisher import EventPublisher
+
+    return EventPublisher(config.events)
+
+
 class Server:
     """One kvstore-server (see the module docstring). Start it with :meth:`start`."""
 
@@ -63,7 +75,9 @@ class Server:
         self.metrics = ServerMetrics()
         self._executor = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-server")
         self._copier = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-copy")
-        self.registry = StoreRegistry(config, on_open=self._on_open)
+        #: KV events of every hosted store, through one socket (None: ``events`` is off).
+        self.events = _publisher(config)
+        self.registry = StoreRegistry(config, on_open=self._on_open, events=self.events)
         #: This server's membership in a cluster (None: standalone), from ``start()``.
         self.cluster: Any = None
         self._load = _RequestRate(self.metrics)
@@ -75,7 +89,8 @@ class Server:
         self._serving: set[asyncio.Task[None]] = set()
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._stopped: asyncio.Event | None = None
-        #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``.
+        #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``,
+        #: ``events`` / ``events_replay`` (ZMQ endpoints of its KV events).
         self.addresses: dict[str, str] = {}
 
     @property
@@ -99,6 +114,11 @@ class Server:
             staging=StagingPool(_STAGING_IDLE),
         )
         try:
+            if self.events is not None:  # bound before any store opens: subscribers connect
+                self.events.start()
+                self.addresses["events"] = self.events.bound_endpoint or ""
+                if self.events.bound_replay_endpoint:
+                    self.addresses["events_replay"] = self.events.bound_replay_endpoint
             if cfg.listen:
                 await self._listen_tcp(cfg.listen)
             if cfg.unix_socket:
@@ -281,6 +301,8 @@ class Server:
         if self.cluster is not None:  # leave first: peers stop asking for our blocks
             await loop.run_in_executor(self._executor, self.cluster.stop)
         await loop.run_in_executor(self._executor, self.registry.close)
+        if self.events is not None:
+            await loop.run_in_executor(self._executor, self.events.close)
         self._executor.shutdown(wait=True)
         self._copier.shutdown(wait=True)
         if "unix" in self.addresses:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import CorruptBlockError, LayoutMismatchError, ProtocolError
+from kvstore.keys import ChunkTokens
 from kvstore.lending import Loan, PendingPut
 from kvstore.server.channel import Buffer
 from kvstore.server.session import Refused, Reservation, Session
@@ -47,6 +48,7 @@ from kvstore.wire.protocol import (
     decode_count,
     decode_get_request,
     decode_keys,
+    decode_tokens,
     decode_u64,
     encode_count,
     encode_get_reply,
@@ -57,7 +59,7 @@ from kvstore.wire.protocol import (
 if TYPE_CHECKING:
     from kvstore.tiers.slab import SharedSegment
 
-__all__ = ["CONCURRENT", "commit", "expire_reservations", "put", "release"]
+__all__ = ["CONCURRENT", "commit", "note_tokens", "expire_reservations", "put", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +386,31 @@ async def delete(conn: Session, frame: Frame, meta: bytes) -> None:
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
     await conn.reply(frame, encode_count(await conn.run(store.delete, keys)))
+
+
+async def note_tokens(conn: Session, frame: Frame, meta: bytes) -> None:
+    """Which tokens some chunks hold (for this server's KV events): checked, then
+    recorded by the namespace's store; a malformed request changes nothing."""
+    store = conn.store.store
+    try:
+        block_tokens, parent, keys = decode_tokens(meta, conn.ctx.server.max_batch_blocks)
+        if block_tokens != conn.store.layout.block_tokens:
+            raise ProtocolError(
+                f"TOKENS of {block_tokens}-token chunks; this store's chunks have "
+                f"{conn.store.layout.block_tokens}"
+            )
+        if frame.payload_len != 4 * block_tokens * len(keys):
+            raise ProtocolError(
+                f"TOKENS of {len(keys)} chunks needs {4 * block_tokens * len(keys)} token "
+                f"bytes, got {frame.payload_len}"
+            )
+    except ProtocolError:
+        await conn.chan.discard(frame.payload_len, conn.deadline(frame.payload_len))
+        raise
+    data = await conn.chan.recv(frame.payload_len, conn.deadline(frame.payload_len))
+    tokens = ChunkTokens(tuple(keys), data, parent, block_tokens)
+    await conn.run(store.note_tokens, tokens)
+    await conn.reply(frame, encode_count(len(keys)))
 
 
 async def list_keys(conn: Session, frame: Frame, meta: bytes) -> None:

@@ -21,7 +21,7 @@ import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
 from kvstore.config.tiers import (
@@ -36,6 +36,9 @@ from kvstore.layout import KVLayout
 from kvstore.store import KVStore
 from kvstore.tiers.slab import SharedSegment, SlabTier
 from kvstore.wire.blocks import HeaderCache
+
+if TYPE_CHECKING:
+    from kvstore.events.publisher import EventPublisher
 
 __all__ = ["HostedStore", "StoreRegistry", "namespaced_config"]
 
@@ -86,17 +89,34 @@ def namespaced_config(config: StoreConfig, namespace: str, shared_memory: bool) 
         shared_done = shared_done or share
         tiers.append(_namespaced_tier(tier, namespace, share))
     cluster = dataclasses.replace(config.cluster, namespace=namespace)
-    return dataclasses.replace(config, tiers=tuple(tiers), cluster=cluster)
+    events = config.events
+    if events.token_journal is not None:
+        events = dataclasses.replace(events, token_journal=f"{events.token_journal}.{namespace}")
+    return dataclasses.replace(config, tiers=tuple(tiers), cluster=cluster, events=events)
+
+
+def _with_journal(config: StoreConfig, layout: KVLayout) -> StoreConfig:
+    """Each hosted store keeps its own token journal (``<journal>.<namespace>.<layout>``)."""
+    events = config.events
+    if events.token_journal is None:
+        return config
+    journal = f"{events.token_journal}.{layout.fingerprint_hex[:16]}"
+    return dataclasses.replace(config, events=dataclasses.replace(events, token_journal=journal))
 
 
 class StoreRegistry:
     """Opens, finds and closes the hosted stores (at most ``max_stores``)."""
 
     def __init__(
-        self, config: StoreConfig, on_open: Callable[[HostedStore], None] | None = None
+        self,
+        config: StoreConfig,
+        on_open: Callable[[HostedStore], None] | None = None,
+        events: EventPublisher | None = None,
     ) -> None:
         self.config = config
         self._on_open = on_open
+        #: The server's KV-event publisher, shared by every store it hosts (None: off).
+        self._events = events
         self._stores: dict[tuple[str, bytes], HostedStore] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -122,7 +142,8 @@ class StoreRegistry:
                     f"namespace {namespace!r} with layout {layout.fingerprint_hex} is one too many"
                 )
             share = self.config.server.shared_memory
-            store = KVStore(layout, namespaced_config(self.config, namespace, share))
+            config = _with_journal(namespaced_config(self.config, namespace, share), layout)
+            store = KVStore(layout, config, events=self._events)
             first = store.manager.tiers[0]
             segment = first.segment if isinstance(first, SlabTier) else None
             ident = secrets.token_hex(16) if segment is not None else ""

@@ -27,7 +27,7 @@ import torch
 
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 
 __all__ = ["LayerRange", "Tier"]
@@ -138,6 +138,11 @@ class Tier(ABC):
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         """Give back the room reserved for ``keys`` (nothing to do by default)."""
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """Which tokens the chunks ``tokens.keys`` hold, told before they are put, for
+        the KV events of whatever stands behind the tier (a kvstore-server publishes
+        them). Nothing to do by default: the tier stores bytes, not tokens."""
 
     def stats(self) -> dict[str, Any]:
         """Tier-specific counters (I/O errors, bytes on disk, ...)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ProtocolError
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey, ChunkTokens
 
 __all__ = [
     "FRAME",
@@ -47,6 +47,7 @@ __all__ = [
     "SlotStatus",
     "Status",
     "decode_count",
+    "decode_tokens",
     "decode_get_reply",
     "decode_get_request",
     "decode_json",
@@ -56,6 +57,7 @@ __all__ = [
     "decode_commit_request",
     "decode_u64",
     "encode_count",
+    "encode_tokens",
     "encode_get_reply",
     "encode_get_request",
     "encode_json",
@@ -96,6 +98,7 @@ class Op(enum.IntEnum):
     LOOKUP = 49  # keys -> u32 leading keys stored
     DELETE = 50  # keys -> u32 deleted
     LIST = 51  # u32 limit -> payload: keys
+    TOKENS = 52  # u32 block_tokens, parent flag + key, keys; payload: int32 tokens -> u32
 
 
 class Flag(enum.IntFlag):
@@ -221,6 +224,31 @@ def decode_count(meta: bytes | memoryview) -> int:
     if len(meta) != _COUNT.size:
         raise ProtocolError(f"expected a 4-byte count, got {len(meta)} bytes")
     return int(_COUNT.unpack(meta)[0])
+
+
+def encode_tokens(tokens: ChunkTokens) -> bytes:
+    """TOKENS's meta: ``u32 block_tokens``, a parent byte (1: a 16-byte parent key
+    follows), then :func:`encode_keys`. The tokens travel as the payload."""
+    parent = b"\x00" if tokens.parent is None else b"\x01" + tokens.parent
+    return _COUNT.pack(tokens.block_tokens) + parent + encode_keys(tokens.keys)
+
+
+def decode_tokens(
+    meta: bytes | memoryview, max_keys: int
+) -> tuple[int, BlockKey | None, list[BlockKey]]:
+    """``(block_tokens, parent, keys)`` of a TOKENS meta."""
+    view = memoryview(meta)
+    if len(view) < _COUNT.size + 1 or view[_COUNT.size] not in (0, 1):
+        raise ProtocolError("TOKENS meta truncated or with a bad parent flag")
+    (block_tokens,) = _COUNT.unpack_from(view)
+    at = _COUNT.size + 1
+    parent = None
+    if view[_COUNT.size] == 1:
+        if len(view) < at + KEY_BYTES:
+            raise ProtocolError("TOKENS meta truncated in its parent key")
+        parent = BlockKey(bytes(view[at : at + KEY_BYTES]))
+        at += KEY_BYTES
+    return block_tokens, parent, decode_keys(view, at, max_keys)
 
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
