@@ -36,8 +36,9 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 meta="$site/vllm-$vllm_version+cpu.dist-info"
 mkdir -p "$meta"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > "$meta/METADATA"
-# kvstore itself, editable, and the test runner; torch stays pinned.
-"${pip[@]}" install -e . "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
+# kvstore itself, editable, with its S3 tier (boto3: the offloading tier's tests and
+# benchmark use it), and the test runner; torch stays pinned.
+"${pip[@]}" install -e ".[s3]" "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
   "pytest-asyncio>=0.23" >&2
 # SGLang's full install wants CUDA wheels (torch 2.14.1, flashinfer cu13, cuda-python, ...)
 # that cannot run here. Its wheel alone, plus the two modules its storage layer imports that
