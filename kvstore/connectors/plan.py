@@ -78,6 +78,10 @@ class TransferSpec:
     on. ``whole``: a load done at once before the request computes, reported
     per request (the engine's asynchronous-load protocol) rather than layer by
     layer with per-block errors.
+
+    ``token_ids`` (saves, when the store has a kvstore-server behind it): the
+    token ids of the spec's chunks, and ``parents[rank]`` the key of the chunk
+    before them, so the server's KV events carry the tokens.
     """
 
     req_id: str
@@ -88,6 +92,8 @@ class TransferSpec:
     block_ids: GroupBlocks
     block_offset: int = 0
     whole: bool = False
+    token_ids: list[int] | None = None
+    parents: dict[int, BlockKey | None] | None = None
 
     def blocks_of(self, start: int, end: int, block_size: int, group: int = 0) -> list[int]:
         """Engine block ids of ``group`` holding any of tokens ``[start, end)``."""

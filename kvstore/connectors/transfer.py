@@ -50,7 +50,7 @@ from kvstore.connectors.paged import PagedKV
 from kvstore.connectors.plan import TransferSpec
 from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
 from kvstore.errors import ConfigError
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.prefetch import PrefetchHandle
 from kvstore.store import KVStore
 
@@ -350,8 +350,29 @@ class TransferWorker:
                 g: torch.cat([self._slots(spec, *spans[todo.index(i)], g) for i in whole])
                 for g in groups
             }
+            self._note_tokens(spec, keys, whole)
             out.append(_Save([keys[i] for i in whole], slots))
         return out
+
+    def _note_tokens(self, spec: TransferSpec, keys: list[BlockKey], whole: list[int]) -> None:
+        """Tell the store (a kvstore-server behind it publishes KV events) the tokens of
+        the chunks about to be saved, in runs of consecutive chunks."""
+        if spec.token_ids is None or spec.parents is None:
+            return
+        c = self.layout.block_tokens
+        runs: list[list[int]] = []
+        for i in whole:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            parent = keys[run[0] - 1] if run[0] else spec.parents.get(self.rank)
+            tokens = spec.token_ids[run[0] * c : (run[-1] + 1) * c]
+            try:
+                self.store.note_tokens(ChunkTokens.of([keys[i] for i in run], tokens, parent, c))
+            except Exception:  # events are best effort: never an engine error
+                log.exception("kvstore: noting the tokens of request %s failed", spec.req_id)
 
     def _gather(self, layer: int, save: _Save) -> torch.Tensor:
         assert self.paged is not None

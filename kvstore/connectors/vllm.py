@@ -33,6 +33,11 @@ done whole by the workers before the request computes, and reported per request
 model with layers whose state kvstore does not store (Mamba) is served no
 prefix at all, as the start-up log says.
 
+KV events: with ``events: {enabled: true}`` in the store config, the scheduler
+reports the chunks kvstore holds for this engine through ``take_events()``, and
+vLLM's own publisher (``--kv-events-config``) carries them beside its GPU blocks
+(:mod:`kvstore.connectors.vllm_events`; docs/events.md).
+
 Failures never fail a request: a block that is missing or fails verification
 when a worker reads it is reported through ``get_block_ids_with_load_errors``
 and vLLM recomputes it (the connector switches vLLM's
@@ -43,6 +48,7 @@ and vLLM recomputes it (the connector switches vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,12 +63,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.paged import PagedKV, PageMap
 from kvstore.connectors.plan import Planner, Scheduled, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.transfer import LayerGroups, TransferWorker
+from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
 from kvstore.errors import ConfigError
+from kvstore.index import Medium
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
 from kvstore.store import KVStore
 
@@ -154,6 +163,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters = Counters("scheduler" if is_scheduler else "worker")
         self._lookup_store: KVStore | None = None
         self._worker: TransferWorker | None = None
+        self._events: ConnectorEvents | None = None
+        self._prompts: dict[str, Any] = {}  # request -> prompt token ids, for events
+        # A kvstore-server (or cluster) behind the store: saves carry their tokens to it.
+        self._ship_tokens = False
         if is_scheduler:
             self._init_scheduler(transfer_config)
         else:
@@ -224,7 +237,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Every block kvstore fails to deliver can be recomputed: make vLLM do that
             # rather than fail the request (its default). Read right after we return.
             transfer_config.kv_load_failure_policy = "recompute"
-        shared = shared_tiers_config(self.settings.resolved_store_config())
+        config = self.settings.resolved_store_config()
+        self._ship_tokens = config.cluster.enabled or any(t.kind == "remote" for t in config.tiers)
+        shared = shared_tiers_config(config)
         if shared is None:
             log.warning(
                 "kvstore: the store config has no shared tier (disk, s3, redis); the "
@@ -232,15 +247,64 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._lookup_store = KVStore(self.layout, shared)
+            if config.events.enabled:
+                self._init_events(config.events, shared)
         self._planner = Planner(
             self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup
         )
+
+    def _init_events(self, events: EventsConfig, shared: StoreConfig) -> None:
+        """Report the chunks kvstore holds in vLLM's KV events, in the engine's blocks;
+        after a restart, again every chunk the journal knows and the store still holds."""
+        assert self._lookup_store is not None
+        first = shared.tiers[0].kind
+        medium = Medium.DISK if first == "disk" else Medium.SHARED
+        events = dataclasses.replace(events, block_size=self.geometry.block_size)
+        self._events = ConnectorEvents(self.chunk_tokens, events, medium)
+        announced = self._events.restore(self._lookup_store.exists)
+        log.info("kvstore: KV events on (%s); %d chunks announced again", medium.name, announced)
 
     def _lookup(self, keys: dict[int, list[BlockKey]]) -> int:
         if self._lookup_store is None:
             return 0
         # Workers evict from the shared tiers this scheduler only reads: confirm.
-        return min(self._lookup_store.lookup(ks, recheck=True) for ks in keys.values())
+        found = min(self._lookup_store.lookup(ks, recheck=True) for ks in keys.values())
+        if self._events is not None and keys:
+            self._events.gone(keys[min(keys)][found:])
+        return found
+
+    def _announce(self, req_id: str, chunks: int) -> None:
+        """The store holds the first ``chunks`` chunks of request ``req_id``'s prompt."""
+        state = self._planner.requests.get(req_id)
+        prompt = self._prompts.get(req_id)
+        if self._events is None or state is None or prompt is None or not state.keys:
+            return
+        keys = state.keys[min(state.keys)][:chunks]
+        self._events.held(keys, prompt[: len(keys) * self.chunk_tokens])
+
+    def _attach_tokens(self, save: Any) -> None:
+        """A kvstore-server behind the store publishes events: ship the chunks' tokens."""
+        prompt = self._prompts.get(save.req_id)
+        state = self._planner.requests.get(save.req_id)
+        if prompt is None or state is None:
+            return
+        n = len(next(iter(save.keys.values())))
+        c, first = self.chunk_tokens, save.first_chunk
+        save.token_ids = list(prompt[first * c : (first + n) * c])
+        save.parents = {r: ks[first - 1] if first else None for r, ks in state.keys.items()}
+
+    def take_events(self) -> list[Any]:
+        """KV events of the chunks kvstore stored or lost since the last call, as vLLM's
+        ``BlockStored`` / ``BlockRemoved`` (its publisher sends them with its own)."""
+        if self._events is None:
+            return []
+        from vllm.distributed import kv_events
+
+        out = []
+        for event in self._events.take():
+            cls = getattr(kv_events, type(event).__name__)
+            out.append(cls(**{f: getattr(event, f) for f in event.__struct_fields__}))
+        return out
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -267,6 +331,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("kvstore: lookup failed for request %s", request.request_id)
             self.counters.add("lookup_errors")
             return 0, False
+        if self._events is not None:
+            self._prompts[request.request_id] = tokens
+            self._announce(
+                request.request_id, self._planner.requests[request.request_id].hit_chunks
+            )
         if not self._loads:
             return 0, False
         if matched:
@@ -299,6 +368,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self._planner.step(_scheduled(scheduler_output))
         if not self._saves or not self.geometry.serves:
             plan.saves = []
+        for save in plan.saves:  # saved by the workers within this step
+            self._announce(save.req_id, save.first_chunk + len(next(iter(save.keys.values()))))
+            if self._ship_tokens:
+                self._attach_tokens(save)
         if plan:
             self.counters.add("planned_loads", len(plan.loads))
             self.counters.add("planned_saves", len(plan.saves))
@@ -310,6 +383,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Forget the request; saves are synchronous, so its blocks can be freed now."""
         self._planner.finished(request.request_id)
+        self._prompts.pop(request.request_id, None)
         return False, None
 
     def request_finished_all_groups(
@@ -321,7 +395,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:
         rank, stage = _parallel_ranks()
-        store = KVStore(self.layout, self.settings.resolved_store_config())
+        # The scheduler reports the engine's KV events; a worker's store publishes none.
+        config = self.settings.resolved_store_config()
+        store = KVStore(self.layout, dataclasses.replace(config, events=EventsConfig()))
         # MLA: every rank holds the same latent; the keys have no rank and rank 0 saves.
         self._worker = TransferWorker(
             store,
@@ -442,6 +518,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._lookup_store is not None:
             self._lookup_store.close()
+        if self._events is not None:
+            self._events.close()
         self.counters.write(self.settings.stats_dir)
 
 

@@ -20,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -78,14 +78,24 @@ def kv_transfer_config(store: Path, stats_dir: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def vllm_server(model: Path, store: Path, stats_dir: Path, log: Path) -> Iterator[Server]:
-    """Start ``vllm serve`` on a free port, wait for /health; always stop it on exit."""
+def vllm_server(
+    model: Path,
+    store: Path,
+    stats_dir: Path,
+    log: Path,
+    *,
+    flags: Sequence[str] = (),
+    transfer: dict[str, Any] | None = None,
+) -> Iterator[Server]:
+    """Start ``vllm serve`` on a free port, wait for /health; always stop it on exit.
+    ``flags``: more command-line flags; ``transfer``: another ``--kv-transfer-config``."""
     port = free_port()
     cmd = [*vllm_command(), "serve", str(model), "--served-model-name", SERVED_NAME]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
     cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
     cmd += ["--enable-prompt-tokens-details", "--shutdown-timeout", "30"]
-    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(store, stats_dir))]
+    transfer = kv_transfer_config(store, stats_dir) if transfer is None else transfer
+    cmd += ["--kv-transfer-config", json.dumps(transfer), *flags]
     with open(log, "w") as f:
         proc = subprocess.Popen(
             cmd,

@@ -7,6 +7,9 @@ test_vllm_kernels.py (run inside .venv-vllm).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -455,6 +458,50 @@ def test_saves_skip_chunks_already_stored(tmp_path: Path, mode: str) -> None:
     counts = worker.counters.snapshot()
     assert counts["save_chunks_stored"] == 4 and counts["save_chunks_present"] == 2
     worker.close()
+
+
+def test_saves_tell_a_kvstore_server_their_tokens_for_its_events(mode: str) -> None:
+    """With a kvstore-server behind the store, the scheduler ships each save's token ids
+    (``TransferSpec.token_ids``): the server's KV events then carry them."""
+    zmq = pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from kvstore.events.format import BlockStored, decode_batch
+    from kvstore.server import ServerThread
+    from kvstore.testing.kvserver import server_test_config
+
+    work = tempfile.mkdtemp(prefix="kvs-tok-", dir="/tmp")
+    data = server_test_config(work)
+    data["events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "block_size": N}
+    tokens = list(range(1000, 1064))
+    keys, engine, blocks = prompt_keys(tokens), Engine(), list(range(8))
+    engine.compute(blocks, 64, seed=3)
+    ctx = zmq.Context()
+    try:
+        with ServerThread(StoreConfig.from_dict(data, environ={})) as server:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(server.server.addresses["events"])
+            time.sleep(0.3)  # the subscription reaches the server
+            remote = {"kind": "remote", "address": server.address}
+            store = KVStore(WLAYOUT, {"tiers": [remote]})
+            settings = ConnectorSettings(transfer=mode)  # type: ignore[arg-type]
+            worker = TransferWorker(store, rank=0, block_size=N, settings=settings)
+            worker.register(engine.paged)
+            first, second = spec(keys, 0, 0, 32, blocks), spec(keys, 2, 32, 64, blocks)
+            first.token_ids, first.parents = tokens[:32], {0: None}
+            second.token_ids, second.parents = tokens[32:], {0: keys[1]}
+            step(worker, saves=[first])
+            step(worker, saves=[second])
+            got: list[int] = []
+            while len(got) < len(tokens) and sub.poll(10_000):
+                batch = decode_batch(sub.recv_multipart()[2])
+                got += [t for e in batch.events if isinstance(e, BlockStored) for t in e.token_ids]
+            worker.close()
+            sub.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(work, ignore_errors=True)
+    assert got == tokens
 
 
 def test_failed_load_reports_blocks_and_drops_the_steps_saves(tmp_path: Path, mode: str) -> None:
