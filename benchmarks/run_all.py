@@ -252,6 +252,51 @@ REGISTRY: tuple[Bench, ...] = (
         timeout_s=900,
     ),
     Bench(
+        "events",
+        "bench_events.py",
+        (
+            _ratio(
+                "put_ratio_events_on_vs_off",
+                "the same puts, events off",
+                ">= 0.95",
+                "put_gib_s_events_off",
+                "GiB/s",
+            ),
+            Figure("events_per_s", "", "", "events/s"),
+            Figure("bytes_per_event", "", "", "B"),
+        ),
+    ),
+    Bench(
+        "vllm_tier",
+        "bench_vllm_tier.py",
+        (
+            _ratio(
+                "store_ratio_vs_vllm_fs",
+                "vLLM's fs secondary tier, store",
+                ">= 1",
+                "vllm_fs_store_gbps",
+                "GB/s",
+            ),
+            _ratio(
+                "load_ratio_vs_vllm_fs",
+                "vLLM's fs secondary tier, cold load",
+                ">= 1",
+                "vllm_fs_load_gbps",
+                "GB/s",
+            ),
+            _ratio(
+                "lookup_ratio_vs_vllm_fs",
+                "vLLM's fs secondary tier, lookups",
+                ">= 1",
+                "vllm_fs_lookups_per_s",
+                "/s",
+            ),
+            Figure("kvstore_s3_load_gbps", "", "", "GB/s"),
+        ),
+        timeout_s=900,
+        quick_timeout_s=240,
+    ),
+    Bench(
         "lmcache",
         "bench_lmcache.py",
         (

@@ -324,3 +324,36 @@ def test_bench_vllm_quick() -> None:
         assert turn["kvstore"] == turn["expected"], turn
     machine = result["machine"]
     assert machine["cores"] >= 1 and machine["cpu_model"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_events() -> None:
+    pytest.importorskip("zmq")
+    result = run_bench("bench_events.py")
+    assert result["bench"] == "events"
+    assert_positive(
+        result,
+        "put_gib_s_events_off",
+        "put_gib_s_events_on",
+        "put_ratio_events_on_vs_off",
+        "events_per_s",
+        "bytes_per_event",
+    )
+    assert result["events_received"] == result["events_published"] > 0  # none lost
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not VLLM_PYTHON.exists(),
+    reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
+)
+def test_bench_vllm_tier() -> None:
+    """Re-runs itself in .venv-vllm; both tiers' figures, and the three ratios."""
+    result = run_bench("bench_vllm_tier.py", timeout=280)
+    assert result["bench"] == "vllm_tier"
+    for name in ("store_gbps", "load_gbps", "lookups_per_s"):
+        assert_positive(result, f"vllm_fs_{name}", f"kvstore_{name}", f"kvstore_s3_{name}")
+    assert_positive(
+        result, "store_ratio_vs_vllm_fs", "load_ratio_vs_vllm_fs", "lookup_ratio_vs_vllm_fs"
+    )
