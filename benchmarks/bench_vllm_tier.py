@@ -199,7 +199,7 @@ def kvstore_disk(path: Path) -> dict[str, Any]:
         "path": str(path),
         "capacity": "8GiB",
         "page_cache": "bypass",
-        "io_threads": 8,  # as many writes in flight as vLLM's tier has jobs here
+        "io_threads": 16,  # reads and writes in flight: vLLM's tier runs 16 + 16 threads
     }
     return {"type": "KVStoreTier", "module_path": MODULE, "tiers": [disk], "discover": False}
 

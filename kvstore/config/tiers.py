@@ -194,8 +194,10 @@ class DiskTierConfig(TierConfig):
     ``page_cache``: ``keep`` (the default) writes and reads through the page
     cache, so a block written or read recently is read again at memory speed
     (warm reads ran ~3-5x faster than cold ones; ``bench_disk_tier.py``);
-    ``bypass`` writes with ``O_DIRECT`` and drops a block's pages after reading
-    it, for machines whose memory is better spent elsewhere (the host tier
+    ``bypass`` writes with ``O_DIRECT``, reads whole raw blocks with ``O_DIRECT``
+    straight into page-aligned memory (host-tier slots, vLLM's primary rows) and
+    drops a block's pages after any other read, for machines whose memory is
+    better spent elsewhere (the host tier
     already keeps hot blocks in memory). ``o_direct: true`` is the older
     spelling of ``page_cache: bypass``; left out (None), ``page_cache`` follows it.
 

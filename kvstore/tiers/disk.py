@@ -22,8 +22,9 @@ Page cache (``page_cache``): ``keep`` leaves written and read blocks in the
 kernel's page cache, so a block read again soon (a demoted block promoted
 back, a prefix shared by the next request) comes at memory speed; ``bypass``
 writes with ``O_DIRECT`` (straight from page-aligned memory such as the host
-tier's slots, else through a page-aligned staging buffer) and drops a block's
-pages after reading it.
+tier's slots, else through a page-aligned staging buffer), reads a whole raw
+block with ``O_DIRECT`` straight into page-aligned memory (vLLM's primary rows,
+the host tier's slots), and otherwise drops a block's pages after reading it.
 
 Several processes may share a directory: a writer's blocks appear to other
 processes atomically (whole or absent), and readers find blocks written after
@@ -83,6 +84,10 @@ T = TypeVar("T")
 
 def _round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
+
+
+class _NotRaw(Exception):
+    """A block file whose payload is compressed (O_DIRECT reads take raw blocks only)."""
 
 
 def _page_aligned(view: memoryview) -> bool:
@@ -339,10 +344,13 @@ class DiskTier(Tier):
             return
 
     # -- reading --------------------------------------------------------------
-    def _read_one(self, key: BlockKey, out: torch.Tensor, layers: LayerRange) -> bool:
+    def _read_one(
+        self, key: BlockKey, out: torch.Tensor, layers: LayerRange, buffered: bool = False
+    ) -> bool:
         path = self._tree.block_path(key)
+        direct = None if buffered else self._direct_target(out, layers)
         try:
-            fd = self._ops.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._ops.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
             self._count("misses")
             return False
@@ -350,8 +358,14 @@ class DiskTier(Tier):
             self._count("read_errors")
             log.warning("disk tier: cannot open block %s: %s", key.hex(), exc)
             return False
+        again = False
         try:
-            nbytes = self._read_block(fd, key, out, layers)
+            if direct is not None:
+                nbytes = self._read_direct(fd, key, direct)
+            else:
+                nbytes = self._read_block(fd, key, out, layers)
+        except _NotRaw:  # compressed by another writer: read it through the page cache
+            again = True
         except (CorruptBlockError, LayoutMismatchError) as exc:
             self._count("corrupt")
             log.warning("disk tier: block %s failed verification (%s); deleting it", key.hex(), exc)
@@ -362,12 +376,47 @@ class DiskTier(Tier):
             log.warning("disk tier: cannot read block %s: %s", key.hex(), exc)
             return False
         finally:
-            if self._bypass:
+            if self._bypass and direct is None:
                 self._drop_cached(fd)
             self._ops.close(fd)
+        if again:
+            return self._read_one(key, out, layers, buffered=True)
+        if direct is not None:
+            self._count("direct_reads")
         self._count("reads")
         self._count("bytes_read", nbytes)
         return True
+
+    def _direct_target(
+        self, out: torch.Tensor, layers: LayerRange
+    ) -> list[list[memoryview]] | None:
+        """``out``'s pages, when a whole raw block can be read into them with O_DIRECT
+        (``bypass``, a filesystem that takes it, page-aligned memory such as vLLM's
+        primary rows or the host tier's slots): no page cache, no copy."""
+        if not self._o_direct or layers is not None:
+            return None
+        pieces = layer_pieces(out)
+        if pieces is None or not all(_page_aligned(p) for row in pieces for p in row):
+            return None
+        return pieces
+
+    def _read_direct(self, fd: int, key: BlockKey, pieces: list[list[memoryview]]) -> int:
+        """Read a whole raw block with O_DIRECT straight into ``pieces`` -- header and
+        payload in one ``preadv``, one disk round trip -- then verify it (the caller must
+        not use ``pieces`` if this raises). :class:`_NotRaw` if it is compressed."""
+        head = self._buffer("head", self._data_offset)[: self._data_offset]
+        flat = [p for row in pieces for p in row]
+        got = read_exact(self._ops, fd, [head, *flat], 0)
+        if got < header_size(self.layout.num_layers):
+            raise CorruptBlockError("block file shorter than its header")
+        header = parse_header(head, self.layout, key)
+        if header.codec != Codec.RAW:
+            raise _NotRaw
+        offset, span = header.layer_span(0, header.num_layers)
+        if offset != 0 or got < self._data_offset + span:
+            raise CorruptBlockError("block file truncated")
+        verify_layers(header, pieces, 0)
+        return span
 
     def _read_block(self, fd: int, key: BlockKey, out: torch.Tensor, layers: LayerRange) -> int:
         """Read, verify and decode layers of one open block file into ``out``."""

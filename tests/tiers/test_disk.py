@@ -277,6 +277,51 @@ def test_bypass_writes_page_aligned_blocks_without_staging(
     tier.close()
 
 
+def aligned_empty(layout: KVLayout) -> torch.Tensor:
+    """An empty block starting on a page boundary (as vLLM's primary rows do)."""
+    nbytes = layout.block_nbytes
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096
+    return raw[start : start + nbytes].view(layout.dtype).view(layout.block_shape)
+
+
+def test_bypass_reads_whole_raw_blocks_into_aligned_memory_with_o_direct(
+    tmp_path: Path,
+) -> None:
+    """No page cache and no copy: the bytes land in the caller's pages and are verified
+    there; a damaged block is a miss (and deleted), a compressed one written by another
+    writer of the directory is read through the page cache instead, and ranged or
+    misaligned reads keep the buffered path."""
+    layout = ALIGNED
+    tier = disk_tier(tmp_path, layout, page_cache="bypass")
+    if not tier.stats()["o_direct"]:
+        tier.close()
+        pytest.skip("this filesystem refuses O_DIRECT")
+    keys, blocks = make_keys(4), blocks_of(layout, 4)
+    assert all(tier.put(keys[:3], blocks[:3]))
+    squeezed = disk_tier(tmp_path, layout, codec="shuffle-lz4")  # another writer
+    assert squeezed.put(keys[3:], blocks[3:]) == [True]
+    squeezed.close()
+    outs = [aligned_empty(layout) for _ in keys]
+    assert tier.get(keys, outs) == [True] * 4
+    for out, block in zip(outs, blocks, strict=True):
+        assert torch.equal(out, block)
+    assert tier.stats()["direct_reads"] == 3  # the compressed one went buffered
+    assert cached_bytes(block_file(tier, keys[0])) == 0
+    part = torch.empty((2, *layout.block_shape[1:]), dtype=layout.dtype)
+    assert tier.get(keys[:1], [part], layers=(1, 3)) == [True]
+    assert torch.equal(part, blocks[0][1:3]) and tier.stats()["direct_reads"] == 3
+    path = block_file(tier, keys[1])
+    with open(path, "r+b") as f:  # one flipped byte in the payload
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert tier.get(keys[1:2], [aligned_empty(layout)]) == [False]
+    assert tier.stats()["corrupt"] == 1 and not os.path.exists(path)
+    tier.close()
+
+
 def test_reads_verify_each_group_of_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads come in groups of layers, each verified: damage in any layer is caught,
     and ranged reads that start or end inside a group read exactly their layers."""
