@@ -265,11 +265,7 @@ class EventPublisher:
         while running:
             ready = dict(poller.poll(100))
             if self._wake_r in ready:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._clear_wakeups()
             running = self._drain_queue()
             beat = self.config.heartbeat_s
             if running and beat and time.monotonic() - self._last_send >= beat:
@@ -277,6 +273,12 @@ class EventPublisher:
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._serve_replay()
+
+    def _clear_wakeups(self) -> None:
+        """Empty the wake-up pipe (non-blocking: stops when nothing is left)."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                continue
 
     def _drain_queue(self) -> bool:
         """Send every queued batch; False once the close sentinel was reached."""
