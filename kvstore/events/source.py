@@ -11,8 +11,8 @@ One thread drains the store's change feed (``manager.watch()``) every
 
 so a demotion (host -> disk) is a store at the lower medium and a removal at
 the upper. Removals come first in a batch and stores parent-first: a consumer
-that ignores ``medium`` (Dynamo's indexer) then still holds a demoted block,
-and one that drops a block whose parent it does not know sees parents first.
+that does not keep media apart then still holds a demoted block, and one that
+drops a block whose parent it does not know sees parents first.
 
 :meth:`StoreEvents.start` announces everything the store holds already (e.g.
 what a restarted disk tier kept, with tokens from the book's journal) and
