@@ -12,7 +12,10 @@ caller, then committed.
 
 The partial writes themselves are kept in the books (under its lock); this
 module makes room (through the :class:`~kvstore.writer.Writer`), copies layers
-(through the copy engine) and publishes complete blocks.
+(through the copy engine of the batch's device) and publishes complete blocks.
+Asynchronous writers (:mod:`kvstore.saves`) use its two halves,
+:meth:`LayerWrites.start_layer` and :meth:`LayerWrites.end_layer`, around copies
+they queue themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.books import Books
-from kvstore.copies import CopyEngine
+from kvstore.copies import CopyPair, engine_for_pairs
 from kvstore.index import Move
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
@@ -36,13 +39,10 @@ __all__ = ["LayerWrites"]
 class LayerWrites:
     """Blocks being written layer by layer or in place (see the module docstring)."""
 
-    def __init__(
-        self, books: Books, io: TierIO, writer: Writer, copies: CopyEngine, lease_s: float
-    ) -> None:
+    def __init__(self, books: Books, io: TierIO, writer: Writer, lease_s: float) -> None:
         self.books = books
         self.io = io
         self.writer = writer
-        self.copies = copies
         self.lease_s = lease_s
         self.layout: KVLayout = io.layout
 
@@ -50,21 +50,70 @@ class LayerWrites:
         self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]
     ) -> tuple[int, FollowUps]:
         """Write ``layer`` of each block; how many blocks this completed, and the
-        background work that follows."""
+        background work that follows. A copy that raises aborts these writes."""
+        parts, pairs, follow = self.start_layer(keys, layer, srcs)
+        try:
+            engine_for_pairs(pairs).copy_all(pairs)
+        except BaseException as exc:
+            self.end_layer(parts, layer, follow, exc)
+            raise
+        return self.end_layer(parts, layer, follow, None), follow
+
+    def start_layer(
+        self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]
+    ) -> tuple[list[Partial], list[CopyPair], FollowUps]:
+        """The first half of :meth:`write`, for writers that copy asynchronously: room
+        for each block, a copy counted in flight into each, and the copies to make
+        (``srcs[i]`` into layer ``layer`` of ``keys[i]``'s room). Call
+        :meth:`end_layer` once they have landed (or failed)."""
+        return self.start_layers(keys, [(layer, srcs)])
+
+    def start_layers(
+        self, keys: Sequence[BlockKey], items: Sequence[tuple[int, Sequence[torch.Tensor]]]
+    ) -> tuple[list[Partial], list[CopyPair], FollowUps]:
+        """:meth:`start_layer` for several layers of the same blocks at once: ``items``
+        are ``(layer, srcs)``. The copies come block by block, each block's layers in
+        order, so that a block's adjacent layers from adjacent sources merge into one
+        copy. Call :meth:`end_layers` with the same layers."""
         follow = FollowUps()
         parts = self._claim(keys, follow)
-        self.books.partials.begin_writing(parts)
-        done: list[Partial] = []
-        try:
-            by_key = dict(zip(keys, srcs, strict=True))
-            pairs = []
-            for part in parts:
-                assert part.view is not None
+        for _ in items:
+            self.books.partials.begin_writing(parts)
+        sources = [dict(zip(keys, srcs, strict=True)) for _, srcs in items]
+        pairs: list[CopyPair] = []
+        for part in parts:
+            assert part.view is not None
+            for (layer, _), by_key in zip(items, sources, strict=True):
                 pairs.append((part.view[layer], by_key[part.key]))
-            self.copies.copy_all(pairs)
-        finally:
-            done = self.books.partials.mark(parts, layer)
-        return self._complete(done, follow), follow
+        return parts, pairs, follow
+
+    def end_layer(
+        self,
+        parts: Sequence[Partial],
+        layer: int,
+        follow: FollowUps,
+        error: BaseException | None,
+    ) -> int:
+        """The second half: ``layer`` landed in ``parts`` (publish the blocks now
+        complete; how many), or the copies failed (abort these writes; 0)."""
+        return self.end_layers(parts, [layer], follow, error)
+
+    def end_layers(
+        self,
+        parts: Sequence[Partial],
+        layers: Sequence[int],
+        follow: FollowUps,
+        error: BaseException | None,
+    ) -> int:
+        """:meth:`end_layer` for the layers of one :meth:`start_layers`."""
+        if error is not None:
+            for _ in layers:  # each layer counted a copy in flight
+                self._give_back(self.books.partials.fail(parts))
+            return 0
+        done: list[Partial] = []
+        for layer in layers:
+            done.extend(self.books.partials.mark(parts, layer))
+        return self._complete(done, follow)
 
     def begin(self, keys: Sequence[BlockKey]) -> tuple[list[Partial | None], FollowUps]:
         """Whole-block two-step store, step 1: room for each new key (None for keys

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +60,7 @@ from kvstore.policy.placement import Placement, TierRules
 from kvstore.prefetch import Prefetcher, PrefetchHandle
 from kvstore.progress import FlushProgress
 from kvstore.reader import Reader
+from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.writer import FollowUps, Writer
@@ -100,7 +102,7 @@ class BlockManager:
         self.reader = Reader(self.books, self.io, self.finder)
         self.writer = Writer(self.books, self.io)
         self.migrations = Migrations(self.books, self.io, self.writer, self.mover)
-        self.layer_writes = LayerWrites(self.books, self.io, self.writer, self.copies, lease_s)
+        self.layer_writes = LayerWrites(self.books, self.io, self.writer, lease_s)
         self.prefetcher = Prefetcher(
             self.books, self.io, self.reader, self.copies, self.config.prefetch, lease_s
         )
@@ -115,6 +117,9 @@ class BlockManager:
         )
         #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
         self.close_flush: dict[str, Any] | None = None
+        #: Asynchronous saves from GPU tensors, one saver per device (made on first use).
+        self._savers: dict[torch.device, Saver] = {}
+        self._savers_lock = threading.Lock()  # guards _savers
         self.finder.adopt_persistent()
 
     # -- state ----------------------------------------------------------------------
@@ -144,6 +149,10 @@ class BlockManager:
     def report(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """A consistent copy of the counters, and per tier its usage and own figures."""
         counters = self.books.snapshot()
+        with self._savers_lock:
+            savers = list(self._savers.values())
+        for name in SAVE_COUNTERS:
+            counters[name] = sum(saver.counts[name] for saver in savers)
         counters["moves_pending"] = self.mover.pending
         counters["moves_failed"] = self.mover.failures
         nbytes = self.layout.block_nbytes
@@ -157,14 +166,17 @@ class BlockManager:
     # -- queries --------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey], recheck: bool = False) -> int:
         """Number of leading ``keys`` that are stored and readable (see Finder.lookup)."""
+        self.settle(keys)
         return self.finder.lookup(keys, recheck)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and readable."""
+        self.settle([key])
         return self.books.leading([key]) == 1
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which of ``keys`` are readable, after asking shared tiers about missing ones."""
+        self.settle(keys)
         return self.finder.exists(keys)
 
     def where(self, key: BlockKey) -> list[int]:
@@ -235,6 +247,7 @@ class BlockManager:
         longest loadable prefix is loaded and its length returned; ``outs``
         past it hold unspecified data.
         """
+        self.settle(keys)
         loaded = self.reader.load(keys, outs, layers, prefix)
         self.migrations.promote_later(loaded.keys, loaded.entries)
         n = loaded.count
@@ -311,6 +324,7 @@ class BlockManager:
         self.books.check_open()
         if len(views) < len(keys):
             raise ValueError("one view per key")
+        self.settle(keys)
         self.finder.discover(keys)  # blocks other processes wrote count as stored
         return self.prefetcher.start(keys, views, order, step)
 
@@ -326,6 +340,58 @@ class BlockManager:
         """Give up unfinished layerwise writes of ``keys``; return how many."""
         return self.layer_writes.abort(keys)
 
+    # -- asynchronous saves from GPU tensors (see saves.py) ------------------------------
+    def save(self, keys: Sequence[BlockKey], kv: torch.Tensor, donate: bool = False) -> int:
+        """Save whole blocks from a CUDA tensor ``kv`` in the background; how many keys
+        were queued (a block that then finds no room is counted, not stored).
+        ``donate``: the caller never touches ``kv`` again (no snapshot is taken)."""
+        return self._saver(kv.device).put(keys, kv, donate)
+
+    def save_layer(
+        self, keys: Sequence[BlockKey], layer: int, kv_layer: torch.Tensor, donate: bool = False
+    ) -> int:
+        """Save ``layer`` of blocks from a CUDA tensor in the background; how many keys
+        were queued."""
+        return self._saver(kv_layer.device).put_layer(keys, layer, kv_layer, donate)
+
+    def settle(self, keys: Sequence[BlockKey]) -> None:
+        """Wait until none of ``keys`` is being saved in the background."""
+        if self._savers:
+            for saver in list(self._savers.values()):
+                saver.settle(keys)
+
+    def wait_saves(self, timeout: float | None = None) -> bool:
+        """Wait until every background save queued so far has landed; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._savers_lock:
+            savers = list(self._savers.values())
+        for saver in savers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not saver.wait(left):
+                return False
+        return True
+
+    def _saver(self, device: torch.device) -> Saver:
+        self.books.check_open()
+        with self._savers_lock:
+            saver = self._savers.get(device)
+            if saver is None:
+                saver = self._savers[device] = Saver(
+                    device, self.config.saves.staging_bytes, self._saver_parts()
+                )
+            return saver
+
+    def _saver_parts(self) -> SaverParts:
+        bt = self.layout.block_tokens
+
+        def chunks(kv: torch.Tensor, n: int) -> list[torch.Tensor]:
+            return [kv[:, :, i * bt : (i + 1) * bt] for i in range(n)]
+
+        def put_blocks(keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> int:
+            return self.put(keys, blocks)
+
+        return SaverParts(put_blocks, self.layer_writes, self.migrations.schedule, chunks, bt)
+
     # -- the end ----------------------------------------------------------------------
     def flush(self, progress: FlushProgress | None = None) -> int:
         """Finish background moves, then copy every block that only memory tiers
@@ -334,16 +400,26 @@ class BlockManager:
         After ``flush`` (and so after :meth:`close`) every stored block is on a
         medium that outlives the process, unless no persistent tier had room
         or admitted it. ``progress`` is told the bytes to write and written.
+        Background saves from GPU tensors are waited for first.
         """
+        self.wait_saves()
         return self.migrations.flush(progress=progress)
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait for background moves (write-through, promotions, evictions) to finish."""
-        return self.mover.drain(timeout)
+        """Wait for background saves from GPU tensors, then for background moves
+        (write-through, promotions, evictions) to finish; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_saves(timeout):
+            return False
+        return self.mover.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Finish background moves, persist what only memory holds, end every
         lease, wait for operations in flight, close every tier. Idempotent."""
+        with self._savers_lock:
+            savers = list(self._savers.values())
+        for saver in savers:  # before the books close: saves still land
+            saver.close()
         if not self.books.begin_close():
             return
         self.io.prepare_close()  # an optimisation of the flush: never a reason to fail

@@ -9,35 +9,47 @@ a block at a time (``order="block"``), so a partial prefix is usable early.
 Each block comes from its fastest copy. Blocks a memory tier holds are copied
 straight from the tier's memory (a view, valid while the lease pins it) by
 the copy engine, on the ``prefetch`` lane: the loader queues each step's copies
-and the lane reports the step done when they are; with a CUDA engine (issue
-17) those copies run on a persistent stream, ordered by events. Blocks only
-slower tiers hold are read (verified, with fallback) by the
-:class:`~kvstore.reader.Reader` on the loader's thread. At most two steps are
-in flight, so a cancel takes effect after the step in flight, and the lease
-ends only once the last queued copy is done.
+and the lane reports the step done when they are. Blocks only slower tiers
+hold are read (verified, with fallback) by the :class:`~kvstore.reader.Reader`
+on the loader's thread. The lease ends only once the last queued copy is done.
+
+Into host memory, at most two steps are in flight, so a cancel takes effect
+after the step in flight. Into a GPU, the copies are ordered on the GPU
+instead: the destination's CUDA engine queues them after the point where the
+caller's stream last used ``out`` (:meth:`CopyEngine.mark` at ``prefetch()``);
+blocks only slower tiers hold are read first, whole, into pinned staging (two
+buffers of ``prefetch.staging_bytes / 2`` in turn, so a group is read while the
+one before is copied) and copied from there; then every step of the
+memory-tier blocks is queued at once, each with its event, so
+:meth:`PrefetchHandle.wait_layer_on` lets the engine's stream wait for a layer
+on the GPU while the CPU goes on.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.books import Books
 from kvstore.config import PrefetchConfig
-from kvstore.copies import CopyEngine, Event
+from kvstore.copies import CopyEngine, Event, engine_for
+from kvstore.copies.runs import BlockRun, block_runs
 from kvstore.errors import BlockNotFoundError, InvalidInputError, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease
+from kvstore.memory import cuda_available
 from kvstore.reader import Reader
 from kvstore.tierio import TierIO
 
 __all__ = ["PrefetchHandle", "Prefetcher", "Step"]
+
+log = logging.getLogger(__name__)
 
 LANE = "prefetch"
 
@@ -85,6 +97,8 @@ class PrefetchHandle:
         self._cancelled = False
         self._error: KVStoreError | None = None
         self._steps: list[Step] = []
+        #: Per layer, the copy event after which it is in place (set once it is queued).
+        self._layer_events: list[Event | None] = [None] * num_layers
 
     # -- progress (called by the loader and the copy lane) ----------------------------
     def _progress(self, step: Step, failed_at: int | None, whole_blocks: bool) -> None:
@@ -99,6 +113,22 @@ class PrefetchHandle:
             else:
                 self._layers_done = max(self._layers_done, step.last_layer)
             self._steps.append(step)
+            self._cond.notify_all()
+
+    def _shrink(self, failed_at: int) -> None:
+        """Block ``failed_at`` could not be read: the prefix ends before it."""
+        with self._cond:
+            if failed_at < self._valid:
+                self._valid = failed_at
+                key = self.keys[failed_at].hex()
+                self._error = BlockNotFoundError(f"block {failed_at} ({key}) failed to load")
+            self._cond.notify_all()
+
+    def _queued(self, first: int, last: int, event: Event) -> None:
+        """Layers ``[first, last)`` of every valid block are queued, done with ``event``."""
+        with self._cond:
+            for layer in range(first, last):
+                self._layer_events[layer] = event
             self._cond.notify_all()
 
     def _finish(self, layers_complete: bool) -> None:
@@ -157,6 +187,28 @@ class PrefetchHandle:
         with self._cond:
             return self._cond.wait_for(lambda: self._layers_done > layer or self._done, timeout)
 
+    def wait_layer_on(self, layer: int, stream: object | None = None) -> None:
+        """Make ``stream`` (None: the current stream) wait until ``layer`` of every
+        valid block is in place, without waiting on the CPU for the copies.
+
+        With a CUDA destination this is a GPU-side wait (``stream.wait_event``):
+        the calling thread blocks only until the layer's copies are *queued*,
+        and at that point ``valid_blocks`` is final for the layer (blocks from
+        slower tiers are read and verified before their copies are queued). An
+        engine calls it before running layer ``layer`` on ``stream``. On CPU it
+        is :meth:`wait_layer` (nothing to wait on but the thread). Returns when
+        the load ended early too: check ``valid_blocks``.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise InvalidInputError(f"layer {layer} out of range [0, {self.num_layers})")
+        with self._cond:
+            self._cond.wait_for(lambda: self._layer_events[layer] is not None or self._done)
+            event = self._layer_events[layer]
+        if event is not None:
+            event.wait_stream(stream)
+        else:  # the load ended without queueing this layer (cancelled, failed, block order)
+            self.wait_layer(layer)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the load ends; False on timeout."""
         with self._end:
@@ -195,20 +247,28 @@ class PrefetchHandle:
 
 @dataclass
 class _Load:
-    """One prefetch in progress: its handle, lease, destination views and plan."""
+    """One prefetch in progress: its handle, lease, destination views and plan.
+
+    ``engine`` copies it (the CUDA engine of a GPU destination); ``ready`` is the
+    point on the caller's stream after which the destination may be written.
+    """
 
     handle: PrefetchHandle
     lease: Lease
     views: list[torch.Tensor]
     order: str
     step: int
-    sources: list[torch.Tensor | None]  # memory views of the fastest copies, where any
-    in_flight: list[Event]
+    engine: CopyEngine
+    ready: Event | None = None
+    sources: list[torch.Tensor | None] = field(default_factory=list)  # memory-tier views
+    in_flight: list[Event] = field(default_factory=list)
+    staging: list[tuple[torch.Tensor, Event | None]] = field(default_factory=list)
+    queued: int = 0  # steps already queued (the first, on the caller's thread)
 
 
 class Prefetcher:
     """Runs prefetches on ``config.threads`` loader threads and the copy engine's
-    ``prefetch`` lane."""
+    ``prefetch`` lane (the destination's CUDA engine for a GPU destination)."""
 
     def __init__(
         self,
@@ -228,18 +288,37 @@ class Prefetcher:
         self.num_layers = io.layout.num_layers
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-prefetch")
         self._live: set[PrefetchHandle] = set()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()  # guards _live and _streams
+        self._lock = threading.Lock()  # guards _live
 
     def start(
-        self, keys: Sequence[BlockKey], views: list[torch.Tensor], order: str, step: int
+        self,
+        keys: Sequence[BlockKey],
+        views: list[torch.Tensor],
+        order: str,
+        step: int,
+        ordered: bool | None = None,
     ) -> PrefetchHandle:
-        """Pin the stored prefix of ``keys`` and load it into the block ``views``."""
+        """Pin the stored prefix of ``keys`` and load it into the block ``views``.
+
+        ``ordered``: queue every copy at once, ordered by the copy engine's events
+        (slower tiers read first, through staging) -- what a GPU destination gets
+        (None: ordered exactly for GPU destinations); else step by step, slower
+        tiers read straight into ``views``, at most two steps in flight.
+        """
+        gpu = bool(views) and views[0].is_cuda
+        engine = engine_for(views[0].device) if gpu else self.copies
+        if ordered is None:
+            ordered = gpu
+        ready = engine.mark() if ordered else None  # the caller's last use of ``out``
         lease = self.books.lease(keys, self.lease_s)
         handle = PrefetchHandle(keys, len(lease.entries), self.num_layers, self.config)
         with self._lock:
             self._live.add(handle)
-        load = _Load(handle, lease, views, order, step, [], [])
+        load = _Load(handle, lease, views, order, step, engine, ready)
+        if ordered:
+            inference = bool(views) and views[0].is_inference()
+            with torch.inference_mode(inference):
+                self._first_step(load)
         self._pool.submit(self._run, load)
         return handle
 
@@ -248,29 +327,21 @@ class Prefetcher:
         # "inference tensor": copying into it in place is refused outside that mode, and
         # the mode is per thread. The loader runs in the mode its destination was made in.
         inference = bool(load.views) and load.views[0].is_inference()
-        device = load.views[0].device if load.views else torch.device("cpu")
         complete = False
         try:
-            with torch.inference_mode(inference), self._side_stream(device):
-                complete = self._load(load)
+            with torch.inference_mode(inference):
+                complete = self._load_gpu(load) if load.ready is not None else self._load(load)
+        except Exception:  # the loader outlives any load: what it queued still counts
+            log.exception("prefetch of %d blocks failed", len(load.handle.keys))
+            load.handle._shrink(load.handle.blocks_ready)
         finally:
             for event in load.in_flight:  # the lease keeps the sources alive until here
                 event.wait()
+            load.staging.clear()
             self.books.release(load.lease)
             load.handle._finish(complete)
             with self._lock:
                 self._live.discard(load.handle)
-
-    def _side_stream(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
-        """Reads from slow tiers into a GPU run on a stream of their own (one per device,
-        made once), not on the engine's."""
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        with self._lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        return torch.cuda.stream(stream)
 
     def _load(self, load: _Load) -> bool:
         """Run every step; True if the load ran to its end (not cancelled)."""
@@ -303,20 +374,38 @@ class Prefetcher:
             return False
         if len(load.in_flight) >= 2:  # at most two steps in flight
             load.in_flight.pop(0).wait()
-        if load.lease.expiry - self.books.clock() < self.lease_s / 2:  # rarely: keep it alive
-            self.books.renew(load.lease, self.lease_s)
-        first, last = layers if layers is not None else (0, self.num_layers)
+        self._keep_alive(load)
         began = time.perf_counter()
         pairs, bad = self._read_slow(load, lo, hi, layers)
-        step = (lo, hi, first, last, began)
+        event = self._submit(load, pairs, (lo, hi, layers, began), bad)
+        if layers is not None:
+            handle._queued(layers[0], layers[1], event)
+        return True
+
+    def _keep_alive(self, load: _Load) -> None:
+        if load.lease.expiry - self.books.clock() < self.lease_s / 2:  # rarely: keep it alive
+            self.books.renew(load.lease, self.lease_s)
+
+    def _submit(
+        self,
+        load: _Load,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        where: tuple[int, int, tuple[int, int] | None, float],
+        bad: int | None,
+    ) -> Event:
+        """Queue a step's copies on the prefetch lane; the handle hears when they land."""
+        handle = load.handle
+        lo, hi, layers, began = where
+        first, last = layers if layers is not None else (0, self.num_layers)
 
         def finished(error: BaseException | None) -> None:
             failed = lo if error is not None else bad
-            record = Step(*step, time.perf_counter())
+            record = Step(lo, hi, first, last, began, time.perf_counter())
             handle._progress(record, failed, whole_blocks=layers is None)
 
-        load.in_flight.append(self.copies.lane(LANE).submit(pairs, on_done=finished))
-        return True
+        event = load.engine.lane(LANE).submit(pairs, on_done=finished)
+        load.in_flight.append(event)
+        return event
 
     def _read_slow(
         self, load: _Load, lo: int, hi: int, layers: tuple[int, int] | None
@@ -340,6 +429,120 @@ class Prefetcher:
             ok = self.reader.read(keys, entries, outs, layers)
             bad = next((slow[n] for n, good in enumerate(ok) if not good), None)
         return pairs, bad
+
+    # -- into a GPU: everything queued at once, ordered on the GPU ------------------
+    def _load_gpu(self, load: _Load) -> bool:
+        """A GPU destination: blocks only slower tiers hold are read first (whole, into
+        pinned staging, double-buffered) and their copies queued; then every step of the
+        memory-tier blocks is queued at once, an event per step. True unless cancelled.
+        (The first step may already be queued, by :meth:`_first_step` in ``start``.)"""
+        handle = load.handle
+        if not load.sources:  # not begun on the caller's thread
+            self._begin_ordered(load)
+        slow = [i for i in range(handle.valid_blocks) if load.sources[i] is None]
+        if slow and not self._stage_slow(load, slow):
+            return False
+        runs = block_runs(load.views, load.sources, handle.valid_blocks)
+        for index, step in enumerate(self._ranges(load)):
+            if index < load.queued:
+                continue
+            if handle.cancelled:
+                return False
+            self._queue_step(load, runs, step)
+        return True
+
+    def _begin_ordered(self, load: _Load) -> None:
+        """Order the prefetch lane after the caller's use of ``out``; find the sources."""
+        assert load.ready is not None
+        load.engine.lane(LANE).after(load.ready)  # the caller's stream is done with ``out``
+        load.sources = self._sources(load)
+
+    def _first_step(self, load: _Load) -> None:
+        """On the caller's thread, for a prefix that memory tiers hold entirely: queue the
+        first step now, so that the copies start without waiting for a loader thread
+        (which may wait for the GIL while the engine runs Python)."""
+        try:
+            self._begin_ordered(load)
+            valid = load.handle.valid_blocks
+            if not valid or any(source is None for source in load.sources[:valid]):
+                return
+            self._queue_step(
+                load, block_runs(load.views, load.sources, valid), self._ranges(load)[0]
+            )
+            load.queued = 1
+        except Exception:  # the loader starts over and reports it
+            log.exception("prefetch: queueing the first step failed")
+            load.sources = []
+
+    def _ranges(self, load: _Load) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+        """The steps: ``((first block, end block), (first layer, end layer) or None)``."""
+        valid, layers = load.handle.valid_blocks, self.num_layers
+        if load.order == "layer":
+            return [
+                ((0, valid), (a, min(layers, a + load.step))) for a in range(0, layers, load.step)
+            ]
+        return [((a, min(valid, a + load.step)), None) for a in range(0, valid, load.step)]
+
+    def _queue_step(
+        self,
+        load: _Load,
+        runs: list[BlockRun],
+        step: tuple[tuple[int, int], tuple[int, int] | None],
+    ) -> None:
+        """Queue one step's copies (a view per run of adjacent blocks) with its event."""
+        (lo, hi), layers = step
+        first, last = layers if layers is not None else (0, self.num_layers)
+        hi = min(hi, load.handle.valid_blocks)
+        pairs = [
+            (dst[first:last, :, a - start : b - start], src[first:last, :, a - start : b - start])
+            for start, end, dst, src in runs
+            if (a := max(start, lo)) < (b := min(end, hi))
+        ]
+        event = self._submit(load, pairs, (lo, hi, layers, time.perf_counter()), None)
+        if layers is not None:
+            load.handle._queued(first, last, event)
+
+    def _stage_slow(self, load: _Load, slow: list[int]) -> bool:
+        """Read the blocks ``slow`` from slower tiers into pinned staging, a group at a
+        time (two groups' buffers in turn), queueing each group's copies as it lands.
+        A block that fails ends the prefix. False if cancelled."""
+        handle = load.handle
+        block = self.io.layout.block_nbytes
+        group = max(1, self.config.staging_bytes // (2 * block))
+        for n, start in enumerate(range(0, len(slow), group)):
+            idxs = [i for i in slow[start : start + group] if i < handle.valid_blocks]
+            if handle.cancelled:
+                return False
+            if not idxs:
+                break
+            self._keep_alive(load)
+            staging = self._staging(load, n % 2, len(idxs))
+            keys = [handle.keys[i] for i in idxs]
+            entries = [load.lease.entries[i] for i in idxs]
+            ok = self.reader.read(keys, entries, list(staging), None)
+            good = next((j for j, flag in enumerate(ok) if not flag), len(idxs))
+            pairs = [(load.views[i], staging[j]) for j, i in enumerate(idxs[:good])]
+            event = load.engine.lane(LANE).submit(pairs)
+            load.in_flight.append(event)
+            load.staging[n % 2] = (load.staging[n % 2][0], event)
+            if good < len(idxs):
+                handle._shrink(idxs[good])
+                break
+        return True
+
+    def _staging(self, load: _Load, which: int, count: int) -> torch.Tensor:
+        """Pinned buffer ``which`` (0 or 1) of the load, with room for ``count`` blocks;
+        its previous copies are waited for first (the buffer is about to be rewritten)."""
+        layout = self.io.layout
+        group = max(1, self.config.staging_bytes // (2 * layout.block_nbytes))
+        while len(load.staging) <= which:
+            shape = (group, *layout.block_shape)
+            buffer = torch.empty(shape, dtype=layout.dtype, pin_memory=cuda_available())
+            load.staging.append((buffer, None))
+        buffer, busy = load.staging[which]
+        if busy is not None:
+            busy.wait()
+        return buffer[:count]
 
     def close(self) -> None:
         """Cancel live prefetches and stop the loader threads."""

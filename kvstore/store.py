@@ -36,6 +36,7 @@ from kvstore.layout import KVLayout
 from kvstore.leases import Pin
 from kvstore.lending import Loan, PendingPut
 from kvstore.manager import BlockManager
+from kvstore.memory import cuda_available
 from kvstore.prefetch import PrefetchHandle
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
@@ -179,6 +180,7 @@ class KVStore:
         *,
         tokens: Any = None,
         parent: BlockKey | None = None,
+        donate: bool = False,
     ) -> int:
         """Store the KV of ``len(keys)`` chunks; ``kv`` has ``layout.tensor_shape(len(keys))``.
 
@@ -192,6 +194,15 @@ class KVStore:
         such as Dynamo's and llm-d's index prompts by their tokens. For the
         suffix after a hit of ``n`` chunks: ``put(keys[n:], kv, tokens=
         token_ids[n * bt : len(keys) * bt], parent=keys[n - 1] if n else None)``.
+
+        From a CUDA tensor, with ``saves.mode: async`` (the default), the save
+        runs in the background (:mod:`kvstore.saves`): ``kv`` is snapshotted on
+        the caller's stream into a GPU staging ring and the call returns in
+        microseconds with ``len(keys)``; the blocks become visible when their
+        copies land (``drain()`` waits; a block that finds no room is counted
+        in ``blocks_not_stored``). The caller may reuse ``kv`` at once; with
+        ``donate=True`` it promises never to touch ``kv`` again, and no
+        snapshot is taken (the store holds the tensor until its copies land).
         """
         checked = check_keys(keys)
         self.layout.check_tensor(kv, len(checked))
@@ -199,6 +210,8 @@ class KVStore:
             self.note_tokens(ChunkTokens.of(checked, tokens, parent, self.layout.block_tokens))
         elif parent is not None:
             raise InvalidInputError("parent: given without tokens")
+        if kv.is_cuda and self.config.saves.mode == "async":
+            return self._manager.save(checked, kv, donate)
         return self._manager.put(checked, self._chunks(kv, len(checked)))
 
     def note_tokens(self, tokens: ChunkTokens) -> None:
@@ -217,15 +230,25 @@ class KVStore:
             self._events.note(tokens)
         self._manager.note_tokens(tokens)
 
-    def get(self, keys: Sequence[BlockKey], out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self,
+        keys: Sequence[BlockKey],
+        out: torch.Tensor | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
         """The KV of ``keys`` as one tensor of ``layout.tensor_shape(len(keys))``.
 
-        Fills ``out`` when given (cpu or cuda), else returns a new CPU tensor.
-        Raises :class:`~kvstore.errors.BlockNotFoundError` if any key is not
-        stored (or every copy of it failed verification).
+        Fills ``out`` when given (cpu or cuda), else returns a new tensor on
+        ``device`` (default: the CPU, in pinned memory where CUDA exists, so a
+        ``.cuda()`` of the result runs at link speed). Raises
+        :class:`~kvstore.errors.BlockNotFoundError` if any key is not stored
+        (or every copy of it failed verification).
         """
         checked = check_keys(keys)
-        target = self._target(out, len(checked))
+        if out is not None and device is not None:
+            raise InvalidInputError("get: give out or device, not both")
+        target = self._target(out, len(checked), device)
         self._manager.get(checked, self._chunks(target, len(checked)))
         return target
 
@@ -285,20 +308,27 @@ class KVStore:
         handle.out = target
         return handle
 
-    def put_layer(self, keys: Sequence[BlockKey], layer: int, kv_layer: torch.Tensor) -> int:
+    def put_layer(
+        self, keys: Sequence[BlockKey], layer: int, kv_layer: torch.Tensor, *, donate: bool = False
+    ) -> int:
         """Store layer ``layer`` of ``len(keys)`` blocks, as prefill produces it.
 
         ``kv_layer`` has shape ``(kv_factor, n * block_tokens, num_kv_heads,
         head_dim)``. A block becomes visible to :meth:`lookup` when all its
         layers have arrived; returns how many blocks this call completed.
         Keys already stored are skipped. An unfinished block is dropped
-        after ``lease_s`` without a new layer.
+        after ``lease_s`` without a new layer. From a CUDA tensor the save runs
+        in the background, as for :meth:`put` (the call returns ``len(keys)``
+        queued at once; blocks become visible when their last layer lands;
+        ``donate`` as for :meth:`put`).
         """
         checked = check_keys(keys)
         layout = self.layout
         if not isinstance(layer, int) or not 0 <= layer < layout.num_layers:
             raise InvalidInputError(f"layer must be in [0, {layout.num_layers}), got {layer!r}")
         layout.check_layer(kv_layer, len(checked))
+        if kv_layer.is_cuda and self.config.saves.mode == "async":
+            return self._manager.save_layer(checked, layer, kv_layer, donate)
         step = layout.block_tokens
         srcs = [kv_layer[:, i * step : (i + 1) * step] for i in range(len(checked))]
         return self._manager.write_layer(checked, layer, srcs)
@@ -354,17 +384,32 @@ class KVStore:
         return self._manager.persist(check_keys(keys))
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until background moves (write-through, promotion, eviction) finish."""
+        """Wait until background saves from GPU tensors land and background moves
+        (write-through, promotion, eviction) finish; False on timeout."""
         return self._manager.drain(timeout)
 
     def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
         step = self.layout.block_tokens
         return [kv[:, :, i * step : (i + 1) * step] for i in range(n)]
 
-    def _target(self, out: torch.Tensor | None, n: int) -> torch.Tensor:
-        if out is None:
-            return torch.empty(self.layout.tensor_shape(n), dtype=self.layout.dtype)
-        return self.layout.check_tensor(out, n, what="out")
+    def _target(
+        self, out: torch.Tensor | None, n: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        if out is not None:
+            return self.layout.check_tensor(out, n, what="out")
+        shape, dtype = self.layout.tensor_shape(n), self.layout.dtype
+        if device is not None:
+            try:
+                where = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise InvalidInputError(f"device: {exc}") from None
+            if where.type not in ("cpu", "cuda"):
+                raise InvalidInputError(f"device: use cpu or cuda, got {where}")
+            if where.type == "cuda":
+                return torch.empty(shape, dtype=dtype, device=where)
+        # Pinned where CUDA exists: torch caches pinned blocks, and a .cuda() of a
+        # pageable result runs at a tenth of the link (it stages through a bounce buffer).
+        return torch.empty(shape, dtype=dtype, pin_memory=cuda_available())
 
     # -- state --------------------------------------------------------------
     @property

@@ -76,6 +76,7 @@ __all__ = [
     "EventsConfig",
     "HostTierConfig",
     "PrefetchConfig",
+    "SavesConfig",
     "ReplicationConfig",
     "RedisTierConfig",
     "RemoteTierConfig",
@@ -150,6 +151,10 @@ class PrefetchConfig:
 
     ``layers_per_step``: layers of every block a prefetch loads per step with
     ``order="layer"`` (``KVStore.prefetch(layers_per_step=...)`` overrides it).
+
+    ``staging_bytes``: pinned host memory a prefetch into a GPU reads blocks from
+    slower tiers (disk, S3, a server) into before copying them to the GPU: two
+    buffers of half this size, one read while the other is copied.
     """
 
     policy: str = _opt("wait_complete", parse_str)
@@ -158,6 +163,7 @@ class PrefetchConfig:
     timeout_max_s: float = _opt(30.0, parse_float)
     threads: int = _opt(2, parse_int)
     layers_per_step: int = _opt(1, parse_int)
+    staging_bytes: int = _opt(256 << 20, parse_size)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
@@ -166,7 +172,15 @@ class PrefetchConfig:
             raise ConfigError(
                 f"{path}.policy: unknown prefetch policy {self.policy!r}; use {known}"
             )
-        _check_positive(self, path, "timeout_base_s", "timeout_max_s", "threads", "layers_per_step")
+        _check_positive(
+            self,
+            path,
+            "timeout_base_s",
+            "timeout_max_s",
+            "threads",
+            "layers_per_step",
+            "staging_bytes",
+        )
         if self.timeout_per_1k_tokens_s < 0:
             raise ConfigError(f"{path}.timeout_per_1k_tokens_s: must be >= 0")
 
@@ -176,9 +190,40 @@ class PrefetchConfig:
         return min(self.timeout_max_s, grown)
 
 
+SAVE_MODES = ("async", "sync")
+
+
+@dataclass(frozen=True)
+class SavesConfig:
+    """Saves from GPU tensors (``KVStore.put`` / ``put_layer`` of CUDA tensors).
+
+    ``mode``: ``async`` (the default) snapshots the source into a GPU staging
+    ring on the caller's stream and returns at once; the copies to the store's
+    tiers run in the background and a block becomes visible when they land
+    (``store.drain()`` waits for them; reads of a key being saved wait for it).
+    ``sync`` copies before returning. Saves from host tensors are always
+    synchronous.
+
+    ``staging_bytes``: GPU memory of the staging ring, taken on the first
+    asynchronous save; a full ring makes savers wait, and a source larger than
+    the ring is saved synchronously.
+    """
+
+    mode: str = _opt("async", parse_str)
+    staging_bytes: int = _opt(256 << 20, parse_size)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for impossible values."""
+        if self.mode not in SAVE_MODES:
+            known = ", ".join(SAVE_MODES)
+            raise ConfigError(f"{path}.mode: unknown save mode {self.mode!r}; use {known}")
+        _check_positive(self, path, "staging_bytes")
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "replication": ReplicationConfig,
     "prefetch": PrefetchConfig,
+    "saves": SavesConfig,
     "server": ServerConfig,
     "cluster": ClusterConfig,
     "events": EventsConfig,
@@ -201,6 +246,7 @@ class StoreConfig:
     tiers: tuple[TierConfig, ...] = field(default_factory=lambda: default_tiers())
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    saves: SavesConfig = field(default_factory=SavesConfig)
     #: ``kvstore-server``'s own settings (the library ignores them).
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
@@ -222,6 +268,7 @@ class StoreConfig:
             tier.validate(f"tiers[{i}]")
         self.replication.validate("replication")
         self.prefetch.validate("prefetch")
+        self.saves.validate("saves")
         self.server.validate("server")
         self.cluster.validate("cluster")
         self.events.validate("events")
@@ -316,6 +363,7 @@ class StoreConfig:
             "tiers": [t.to_dict() for t in self.tiers],
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
+            "saves": dataclasses.asdict(self.saves),
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
             "events": self.events.to_dict(),

@@ -227,6 +227,11 @@ class PagedKV:
         v_pos = page_map.v_pos
         self._v = _rows_cols(v_pos, width, self.device) if v_pos is not None else None
         self._heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
+        # Whole pages move with index_select / index_copy_ where K and V are column
+        # blocks of the page (every GPU backend's layout): no per-element indexing.
+        self._k_cols = _column_block(page_map.k_pos, width)
+        self._v_cols = _column_block(v_pos, width) if v_pos is not None else None
+        self._whole_pages = self._k_cols is not None and (v_pos is None or self._v_cols is not None)
 
     @property
     def num_layers(self) -> int:
@@ -250,6 +255,24 @@ class PagedKV:
         pages = torch.stack((flat // self.page_tokens, flat % self.page_tokens), dim=1)
         return pages.to(self.device)
 
+    def pages(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor | None:
+        """The kernel pages holding tokens ``[start, end)``, in order, on the cache's
+        device -- when the range is whole pages and K/V are column blocks of a page
+        (then :meth:`gather` and :meth:`scatter` move whole pages); else None."""
+        p = self.page_tokens
+        if not self._whole_pages or start % p or end % p or start >= end:
+            return None
+        if end > len(block_ids) * self.block_size:
+            raise InvalidInputError(
+                f"tokens [{start}, {end}) are outside the {len(block_ids)} blocks given"
+            )
+        per_block = self.block_size // p
+        first = [
+            block_ids[t // self.block_size] * per_block + (t % self.block_size) // p
+            for t in range(start, end, p)
+        ]
+        return torch.as_tensor(first, dtype=torch.int64).to(self.device, non_blocking=True)
+
     def present(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor | None:
         """Offsets (from ``start``) of tokens ``[start, end)`` not in :data:`NULL_BLOCK`;
         None when every token has a real block."""
@@ -269,19 +292,87 @@ class PagedKV:
         cols = rows_cols[1][slots[:, 1]].unsqueeze(1)
         return page, self._heads, rows, cols
 
-    def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy layer ``layer`` of the tokens at ``slots`` into ``out`` ``[kv, T, heads, D]``."""
+    def gather(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        pages: torch.Tensor | None = None,
+    ) -> None:
+        """Copy layer ``layer`` of the tokens at ``slots`` into ``out`` ``[kv, T, heads, D]``.
+
+        ``pages`` (from :meth:`pages`, for the same tokens): read whole pages instead.
+        """
+        if pages is not None:
+            self._gather_pages(layer, pages, out)
+            return
         cache = self.caches[layer]
         out[0].copy_(cache[self._index(slots, self._k)])
         if self._v is not None:
             out[1].copy_(cache[self._index(slots, self._v)])
 
-    def scatter(self, layer: int, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write ``src`` ``[kv, tokens, heads, D]`` into layer ``layer`` at ``slots``."""
+    def scatter(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        src: torch.Tensor,
+        pages: torch.Tensor | None = None,
+    ) -> None:
+        """Write ``src`` ``[kv, tokens, heads, D]`` into layer ``layer`` at ``slots``.
+
+        ``pages`` (from :meth:`pages`, for the same tokens): write whole pages instead.
+        """
+        if pages is not None:
+            self._scatter_pages(layer, pages, src)
+            return
         cache = self.caches[layer]
         cache.index_put_(self._index(slots, self._k), src[0].to(cache.device, cache.dtype))
         if self._v is not None:
             cache.index_put_(self._index(slots, self._v), src[1].to(cache.device, cache.dtype))
+
+    def _page_views(
+        self, pages: torch.Tensor, kv: torch.Tensor
+    ) -> list[tuple[slice, torch.Tensor]]:
+        """Per side (K, V): the page columns it occupies, and ``kv[side]`` seen as
+        ``[pages, heads, page_tokens, D]`` (a view)."""
+        n, p = pages.numel(), self.page_tokens
+        cols = [self._k_cols, self._v_cols][: self.kv_factor]
+        views = []
+        for side, first in enumerate(cols):
+            assert first is not None
+            part = kv[side].view(n, p, self.heads, self.head_dim).permute(0, 2, 1, 3)
+            views.append((slice(first, first + self.head_dim), part))
+        return views
+
+    def _gather_pages(self, layer: int, pages: torch.Tensor, out: torch.Tensor) -> None:
+        whole = self.caches[layer].index_select(0, pages)  # [pages, heads, page_tokens, C]
+        for cols, part in self._page_views(pages, out):
+            part.copy_(whole[..., cols])
+
+    def _scatter_pages(self, layer: int, pages: torch.Tensor, src: torch.Tensor) -> None:
+        cache = self.caches[layer]
+        views = self._page_views(pages, src)
+        covered = sum(cols.stop - cols.start for cols, _ in views) == cache.shape[-1]
+        # Columns K and V do not cover (padding, scales) keep what the pages hold.
+        whole = (
+            torch.empty((pages.numel(), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            if covered
+            else cache.index_select(0, pages)
+        )
+        for cols, part in views:
+            whole[..., cols].copy_(part)
+        cache.index_copy_(0, pages, whole)
+
+
+def _column_block(pos: torch.Tensor, width: int) -> int | None:
+    """The first column when ``pos`` (``[page_tokens, D]`` flat page positions) puts token
+    ``t``'s ``D`` values in columns ``c, ..., c + D - 1`` of row ``t``; else None."""
+    tokens, dim = pos.shape
+    first = int(pos[0, 0]) % width
+    want = (torch.arange(tokens).unsqueeze(1) * width + first + torch.arange(dim).unsqueeze(0)).to(
+        pos.device
+    )
+    return first if first + dim <= width and torch.equal(pos.to(torch.int64), want) else None
 
 
 def _rows_cols(

@@ -66,6 +66,8 @@ class _Load:
     spec: TransferSpec
     handle: PrefetchHandle
     scattered: dict[int, int] = field(default_factory=dict)  # layer -> token end scattered
+    #: (group, start, end) -> whole kernel pages of those tokens, or None (see PagedKV.pages)
+    pages: dict[tuple[int, int, int], torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class _Save:
     keys: list[BlockKey]
     slots: dict[int, torch.Tensor]
     failed: bool = False
+    #: Per group, the whole kernel pages of the tokens (None: move token by token).
+    pages: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,15 +177,30 @@ class TransferWorker:
         return self.paged.present(spec.block_ids[group], start - base, end - base)
 
     def _scatter_range(
-        self, layer: int, spec: TransferSpec, tokens: tuple[int, int], src: torch.Tensor
+        self,
+        layer: int,
+        spec: TransferSpec,
+        tokens: tuple[int, int],
+        src: torch.Tensor,
+        pages: dict[tuple[int, int, int], torch.Tensor | None] | None = None,
     ) -> None:
         """Write ``src`` ``[kv, end - start, heads, D]`` as tokens ``[start, end)`` of
-        ``layer``, skipping tokens whose block its group has freed (a sliding window)."""
+        ``layer``, skipping tokens whose block its group has freed (a sliding window).
+        ``pages`` caches the whole pages of a range between layers (a layerwise load)."""
         assert self.paged is not None
         start, end = tokens
         group = self.groups.group(layer)
-        slots = self._slots(spec, start, end, group)
         keep = self._present(spec, start, end, group)
+        if keep is None and pages is not None:
+            where = (group, start, end)
+            if where not in pages:
+                base = spec.block_offset * self.block_size
+                ids = spec.block_ids[group]
+                pages[where] = self.paged.pages(ids, start - base, end - base)
+            if pages[where] is not None:
+                self.paged.scatter(layer, torch.empty(0), src, pages[where])
+                return
+        slots = self._slots(spec, start, end, group)
         if keep is not None:
             slots, src = slots[keep], src[:, keep]
             self.counters.add("load_layer_tokens_outside_window", end - start - len(keep))
@@ -211,12 +230,23 @@ class TransferWorker:
             try:
                 with self.counters.timed("load_seconds"):
                     if self.layerwise and not spec.whole:
-                        self._loads.append(_Load(spec, self.store.prefetch(keys, order="layer")))
+                        handle = self.store.prefetch(keys, out=self._load_buffer(len(keys)))
+                        self._loads.append(_Load(spec, handle))
                     else:
                         self._load_sync(spec, keys)
             except Exception:  # never break generation: the engine recomputes
                 log.exception("kvstore: loading request %s failed", spec.req_id)
                 self._fail(spec, spec.token_start)
+
+    def _load_buffer(self, chunks: int) -> torch.Tensor | None:
+        """Where a layerwise load lands: on the engine's GPU when its caches are there
+        (the copies run as DMA and each layer is waited for on the GPU), else a new
+        host tensor made by the store."""
+        assert self.paged is not None
+        if self.paged.device.type != "cuda":
+            return None
+        shape = self.layout.tensor_shape(chunks)
+        return torch.empty(shape, dtype=self.layout.dtype, device=self.paged.device)
 
     def _load_sync(self, spec: TransferSpec, keys: list[BlockKey]) -> None:
         c = self.layout.block_tokens
@@ -243,13 +273,15 @@ class TransferWorker:
             if layer in load.scattered or not 0 <= layer < self.layout.num_layers:
                 continue
             try:
-                load.handle.wait_layer(layer)
+                # On a GPU the engine's stream waits for the layer's copies there; the
+                # thread only waits until they are queued (valid_blocks is final then).
+                load.handle.wait_layer_on(layer)
                 end = self._valid_end(load)
                 start = load.spec.token_start
                 if end > start and load.handle.out is not None:
                     lo = start - load.spec.first_chunk * self.layout.block_tokens
                     src = load.handle.out[layer, :, lo : lo + end - start]
-                    self._scatter_range(layer, load.spec, (start, end), src)
+                    self._scatter_range(layer, load.spec, (start, end), src, load.pages)
                 load.scattered[layer] = end
             except Exception:  # the layer stays unscattered: finish_load reports it
                 log.exception("kvstore: loading layer %d failed", layer)
@@ -351,8 +383,25 @@ class TransferWorker:
                 for g in groups
             }
             self._note_tokens(spec, keys, whole)
-            out.append(_Save([keys[i] for i in whole], slots))
+            pages = {
+                g: self._whole_pages(spec, [spans[todo.index(i)] for i in whole], g) for g in groups
+            }
+            out.append(_Save([keys[i] for i in whole], slots, pages=pages))
         return out
+
+    def _whole_pages(
+        self, spec: TransferSpec, spans: list[tuple[int, int]], group: int
+    ) -> torch.Tensor | None:
+        """The kernel pages of the tokens of ``spans``, in order, if they are whole pages."""
+        assert self.paged is not None
+        base = spec.block_offset * self.block_size
+        found = []
+        for start, end in spans:
+            pages = self.paged.pages(spec.block_ids[group], start - base, end - base)
+            if pages is None:
+                return None
+            found.append(pages)
+        return torch.cat(found) if found else None
 
     def _note_tokens(self, spec: TransferSpec, keys: list[BlockKey], whole: list[int]) -> None:
         """Tell the store (a kvstore-server behind it publishes KV events) the tokens of
@@ -375,17 +424,18 @@ class TransferWorker:
                 log.exception("kvstore: noting the tokens of request %s failed", spec.req_id)
 
     def _gather(self, layer: int, save: _Save) -> torch.Tensor:
+        """Layer ``layer`` of the save's tokens in our layout, on the caches' device: on a
+        GPU the gather is a kernel on the engine's stream (a snapshot in stream order,
+        so the engine may reuse the blocks in later steps), and ``put_layer`` of it
+        returns at once while the copy to host memory runs in the background."""
         assert self.paged is not None
         kv = torch.empty(
-            (
-                self.layout.kv_factor,
-                len(save.keys) * self.layout.block_tokens,
-                self.layout.num_kv_heads,
-                self.layout.head_dim,
-            ),
+            self.layout.layer_shape(len(save.keys)),
             dtype=self.layout.dtype,
+            device=self.paged.device,
         )
-        self.paged.gather(layer, save.slots[self.groups.group(layer)], kv)
+        group = self.groups.group(layer)
+        self.paged.gather(layer, save.slots[group], kv, save.pages.get(group))
         return kv
 
     def _put_layer(self, layer: int, saves: list[_Save]) -> int:
@@ -395,7 +445,8 @@ class TransferWorker:
                 continue
             try:
                 with self.counters.timed("save_seconds"):
-                    completed += self.store.put_layer(save.keys, layer, self._gather(layer, save))
+                    kv = self._gather(layer, save)  # a fresh tensor: the store may keep it
+                    completed += self.store.put_layer(save.keys, layer, kv, donate=True)
             except Exception:  # a failed save is a future miss, never an engine error
                 log.exception("kvstore: saving layer %d failed", layer)
                 self.counters.add("save_errors")

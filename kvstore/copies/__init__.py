@@ -9,16 +9,20 @@ ordering (lanes, events) and asynchrony live here and nowhere else.
   :func:`copy_pairs` (what every engine runs a batch with; contiguous host copies
   left over go to C in one call, ``kvstore._memcopy``).
 - ``threads.py``: :class:`ThreadCopyEngine`, a worker thread per lane (CPU).
-- ``cuda.py`` (to come): persistent CUDA streams per device and direction,
-  ``non_blocking`` copies from pinned memory, CUDA events, GPU-side waits.
+- ``rows.py``: :func:`plan_rows`, a strided copy as a few 2-D byte copies.
+- ``runs.py``: evenly spaced blocks as one view (a layerwise load's copies per run).
+- ``cuda.py``: :class:`CudaCopyEngine`, persistent CUDA streams, DMA row copies
+  (``cudart.py``: ``cudaMemcpy2DAsync`` through ctypes), CUDA events, GPU-side waits.
 
-Use :func:`engine_for` to get the process's engine for a device.
+Use :func:`engine_for` to get the process's engine for a device, or
+:func:`engine_for_pairs` for the engine a batch of copies needs.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +42,7 @@ __all__ = [
     "coalesce",
     "copy_pairs",
     "engine_for",
+    "engine_for_pairs",
     "needs_inference_mode",
 ]
 
@@ -55,12 +60,12 @@ class _Shared:
         self._lock = threading.Lock()
         self._engines: dict[str, CopyEngine] = {}
 
-    def get(self, key: str) -> CopyEngine:
-        """The engine for ``key``; a new one if there is none or it was closed."""
+    def get(self, key: str, make: Callable[[], CopyEngine]) -> CopyEngine:
+        """The engine for ``key``; a new one (``make()``) if there is none or it was closed."""
         with self._lock:
             engine = self._engines.get(key)
             if engine is None or engine.closed:
-                engine = self._engines[key] = ThreadCopyEngine()
+                engine = self._engines[key] = make()
             return engine
 
     def after_fork_in_child(self) -> None:
@@ -76,13 +81,32 @@ if hasattr(os, "register_at_fork"):
 def engine_for(device: torch.device | str) -> CopyEngine:
     """The process's copy engine for ``device``: created on first use, then shared.
 
-    Thread-safe; nothing is created at import. Today every device -- CPU and,
-    until ``cuda.py`` exists, CUDA too -- gets the one shared
-    :class:`ThreadCopyEngine` (its copies of CUDA tensors are synchronous on
-    the worker's default stream, so its events are still exact). The CUDA
-    engine will be one per CUDA device, keyed by device index. An engine that
-    was closed is replaced by a new one on the next call. A forked child may
-    call this and copy at once (the workers are reset in the child).
+    A CUDA device (when CUDA is available) gets its :class:`CudaCopyEngine`,
+    one per device index (``cuda`` alone means the current device); every
+    other device gets the one shared :class:`ThreadCopyEngine`. Thread-safe;
+    nothing is created at import. An engine that was closed is replaced by a
+    new one on the next call. A forked child may call this and copy on CPU at
+    once (the thread engine's workers are reset in the child).
     """
-    torch.device(device)  # a clear error for a malformed device string
-    return _SHARED.get("threads")
+    dev = torch.device(device)  # a clear error for a malformed device string
+    if dev.type == "cuda" and torch.cuda.is_available():
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return _SHARED.get(f"cuda:{index}", lambda: _cuda_engine(index))
+    return _SHARED.get("threads", ThreadCopyEngine)
+
+
+def engine_for_pairs(pairs: Sequence[CopyPair]) -> CopyEngine:
+    """The engine for a batch: that of the first CUDA device a tensor of it is on,
+    else the thread engine (a host-only batch)."""
+    for dst, src in pairs:
+        if dst.is_cuda:
+            return engine_for(dst.device)
+        if src.is_cuda:
+            return engine_for(src.device)
+    return engine_for("cpu")
+
+
+def _cuda_engine(index: int) -> CopyEngine:
+    from kvstore.copies.cuda import CudaCopyEngine  # imported only where CUDA is used
+
+    return CudaCopyEngine(torch.device("cuda", index))

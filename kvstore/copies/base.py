@@ -17,10 +17,10 @@ Two engines fit this contract:
 - ``threads.py`` (CPU, and for now every device): one worker thread per
   lane runs the batches; events are ``threading`` primitives; a wait is a
   wait of the calling thread.
-- ``cuda.py`` (to come): a lane is a persistent CUDA stream per device and
-  direction (host to device, device to host, device to device); ``submit``
-  queues ``non_blocking`` copies from pinned memory on that stream at once
-  and records a CUDA event; ``after`` is ``stream.wait_event``;
+- ``cuda.py``: a lane is a persistent CUDA stream of one device;
+  ``submit`` queues the copies (DMA row copies from pinned memory, else
+  ``copy_(non_blocking=True)``) on that stream at once and records a CUDA
+  event; ``after`` is ``stream.wait_event``;
   :meth:`Event.wait_stream` makes the *engine's* stream wait on the GPU,
   not its thread; ``on_done`` runs on a completion thread once the CUDA
   event has completed, and only then is the event marked done for CPU
@@ -33,10 +33,12 @@ the contract with it.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from kvstore.copies.coalescing import CopyPair
+from kvstore.errors import ClosedError
 
 __all__ = ["CopyEngine", "CopyPair", "Event", "Lane", "OnDone"]
 
@@ -107,7 +109,10 @@ class Lane(ABC):
         before the returned event is done: a thread that waited for the event
         sees what ``on_done`` did. Errors never raise here: they land in the
         event's :attr:`Event.error` and in ``on_done``. The caller must keep
-        the tensors alive and unchanged until the event is done.
+        the tensors alive and unchanged until the event is done. A lane does
+        not wait for the caller's stream: GPU tensors that work queued there
+        produces or still uses must be ordered first with
+        ``lane.after(engine.mark())`` (a GPU-side wait; nothing to do on CPU).
 
         Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
         """
@@ -138,6 +143,13 @@ class Lane(ABC):
         Also works after the engine is closed (then it returns True at once).
         """
 
+    @abstractmethod
+    def close(self) -> None:
+        """Refuse new work, finish what is queued, stop the lane's thread (its engine's
+        :meth:`CopyEngine.close` calls this). From the lane's own thread (inside
+        ``on_done``) it cannot wait for itself: the thread finishes the queue and
+        stops after the callback returns."""
+
 
 class CopyEngine(ABC):
     """Moves bytes between memories: synchronous batches and ordered lanes.
@@ -145,7 +157,21 @@ class CopyEngine(ABC):
     Get the process's engine for a device with
     :func:`kvstore.copies.engine_for` (shared, created on first use) rather
     than making one per object: lanes are meant to be few and persistent.
+
+    The base class keeps the lanes by name (:meth:`lane`, :meth:`close`); an
+    engine makes its kind of lane in :meth:`_make_lane`. Locking: ``_lock``
+    guards ``_lanes`` and ``_closed``, held only to look up, create or list
+    lanes, never while waiting for one.
     """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lanes: dict[str, Lane] = {}
+        self._closed = False
+
+    @abstractmethod
+    def _make_lane(self, name: str) -> Lane:
+        """A new lane called ``name`` (:meth:`lane` calls this once per name)."""
 
     @abstractmethod
     def copy_all(self, pairs: Sequence[CopyPair]) -> None:
@@ -158,23 +184,45 @@ class CopyEngine(ABC):
         """
 
     @abstractmethod
+    def mark(self) -> Event:
+        """An event done once the work queued so far on the calling thread's current
+        stream is done: the point a GPU tensor made by the caller is ready (a source
+        it produced, a destination it last used). Pass it to :meth:`Lane.after`.
+
+        CUDA engine: a CUDA event recorded on the current stream of the engine's
+        device. Thread engine: there is no stream, the caller's work is done when
+        it calls, so the event is done already.
+        """
+
     def lane(self, name: str) -> Lane:
         """The lane called ``name``: created on first use, the same object afterwards.
 
         Raises :class:`~kvstore.errors.ClosedError` once the engine is closed.
         """
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"copy lane {name!r}: the copy engine is closed")
+            lane = self._lanes.get(name)
+            if lane is None:
+                lane = self._lanes[name] = self._make_lane(name)
+            return lane
 
     @property
-    @abstractmethod
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
+        with self._lock:
+            return self._closed
 
-    @abstractmethod
     def close(self) -> None:
-        """Finish every queued batch, then stop the lanes' workers. Idempotent.
+        """Finish every queued batch, then stop the lanes' threads. Idempotent.
 
         Afterwards ``lane``, ``submit``, ``record`` and ``after`` raise
-        :class:`~kvstore.errors.ClosedError`. Called from a lane's own worker
-        (inside ``on_done``), it cannot wait for that lane: that worker
+        :class:`~kvstore.errors.ClosedError`. Called from a lane's own thread
+        (inside ``on_done``), it cannot wait for that lane: that thread
         finishes its queue and stops after the callback returns.
         """
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.close()

@@ -10,12 +10,12 @@ worker sleeps there before it starts the next batch -- the CPU twin of
 ``stream.wait_event``. An event only ever stands for work queued before it,
 so waits between lanes cannot form a cycle.
 
-The CUDA engine (``cuda.py``, to come) keeps this shape: a lane's stream
-replaces the worker's queue, CUDA events replace ``threading.Event`` and a
-completion thread runs ``on_done``. Where the engine is asked for a CUDA
-device before it exists, this engine copies CUDA tensors too, each lane on a
-CUDA stream of its own (made once per device, so the engine's stream is not
-blocked), synchronized before the batch's event is done.
+The CUDA engine (``cuda.py``) keeps this shape: a lane's stream replaces the
+worker's queue, CUDA events replace ``threading.Event`` and a completion
+thread runs ``on_done``. :func:`~kvstore.copies.engine_for` hands CUDA work
+to it; should a batch with CUDA tensors reach this engine anyway, each lane
+copies it on a CUDA stream of its own (made once per device, so the caller's
+stream is not blocked), synchronized before the batch's event is done.
 
 Fork: a forked child has only the thread that forked. ``os.register_at_fork``
 resets every engine of this module in the child: fresh locks, no workers
@@ -247,7 +247,7 @@ class ThreadLane(Lane):
         stream.synchronize()
 
     # -- the engine's side -----------------------------------------------------
-    def _close(self) -> None:
+    def close(self) -> None:
         """Refuse new work, let the worker finish the queue, wait for it.
 
         From the worker itself (``on_done`` closing the engine) nothing is
@@ -279,15 +279,11 @@ class ThreadLane(Lane):
 class ThreadCopyEngine(CopyEngine):
     """The copy engine on threads: ``copy_all`` on the caller's thread, lanes on workers.
 
-    Locking: ``_lock`` guards ``_lanes`` and ``_closed``; it is held only to
-    look up, create or list lanes, never while waiting for one. Each lane
-    has its own lock (:class:`ThreadLane`).
+    The lanes are kept by the base class; each lane has its own lock (:class:`ThreadLane`).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lanes: dict[str, ThreadLane] = {}
-        self._closed = False
+        super().__init__()
         _ENGINES.add(self)
 
     def __repr__(self) -> str:
@@ -296,31 +292,18 @@ class ThreadCopyEngine(CopyEngine):
     def copy_all(self, pairs: Sequence[CopyPair]) -> None:
         copy_pairs(pairs)
 
-    def lane(self, name: str) -> Lane:
-        with self._lock:
-            if self._closed:
-                raise ClosedError(f"copy lane {name!r}: the copy engine is closed")
-            lane = self._lanes.get(name)
-            if lane is None:
-                lane = self._lanes[name] = ThreadLane(name)
-            return lane
+    def mark(self) -> Event:
+        """Done already: without streams, the caller's work is over when it calls."""
+        return ThreadEvent(done=True)
 
-    @property
-    def closed(self) -> bool:
-        with self._lock:
-            return self._closed
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            lanes = list(self._lanes.values())
-        for lane in lanes:
-            lane._close()
+    def _make_lane(self, name: str) -> Lane:
+        return ThreadLane(name)
 
     def _after_fork_in_child(self) -> None:
         """A fresh lock (the old one may have been held by a thread now gone); reset lanes."""
         self._lock = threading.Lock()
         for lane in self._lanes.values():
+            assert isinstance(lane, ThreadLane)
             lane._after_fork_in_child()
 
 

@@ -4,7 +4,9 @@ A memory tier is a :class:`~kvstore.memory.SlabAllocator` with one slot per
 block and a map from key to slot. Copies run outside the lock, so many
 threads move blocks at once; ``_lock`` (owned by the tier) guards only the
 map, the reader counts and the allocator calls. Bytes move through the copy
-engine (:mod:`kvstore.copies`), coalesced.
+engine (:mod:`kvstore.copies`), coalesced: blocks in consecutive slots move in
+one copy; the engine is the one of the batch's GPU, if any (a host slab's
+copies into a GPU tensor run on the CUDA engine, as DMA from pinned memory).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from kvstore.config import TierConfig
-from kvstore.copies import engine_for
+from kvstore.copies import engine_for_pairs
 from kvstore.errors import CapacityError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
@@ -67,9 +69,6 @@ class SlabTier(Tier):
         self._readers: dict[int, int] = {}
         self._deferred: set[int] = set()
         self._lock = threading.Lock()
-        #: Every copy in and out of the slab goes through the copy engine (coalesced:
-        #: blocks in consecutive slots move in one copy).
-        self._copies = engine_for(self._slab.device)
 
     @property
     def capacity_blocks(self) -> int:
@@ -107,7 +106,7 @@ class SlabTier(Tier):
             done[i] = False
         with self._slab.writing(slots):  # the prefault thread waits meanwhile if need be
             pairs = [(self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)]
-            self._copies.copy_all(pairs)
+            engine_for_pairs(pairs).copy_all(pairs)
         with self._lock:
             dupes = []
             for i, slot in zip(new, slots, strict=False):
@@ -136,7 +135,7 @@ class SlabTier(Tier):
                 for slot, out in zip(slots, outs, strict=True)
                 if slot is not None
             ]
-            self._copies.copy_all(pairs)
+            engine_for_pairs(pairs).copy_all(pairs)
         finally:
             self._release([s for s in slots if s is not None])
         return [slot is not None for slot in slots]
