@@ -329,6 +329,42 @@ REGISTRY: tuple[Bench, ...] = (
         quick_timeout_s=240,
     ),
     Bench(
+        "gpu",
+        "bench_gpu.py",
+        (
+            Figure("host_put_ratio", "pinned non_blocking copy, device to host", ">= 0.95", "x"),
+            Figure("host_get_ratio", "pinned non_blocking copy, host to device", ">= 0.95", "x"),
+            Figure("hbm_get_ratio", "device-to-device copy", ">= 0.8", "x"),
+            Figure("get_then_cuda_ratio", "pinned host to device copy", ">= 0.8", "x"),
+            Figure("prefetch_overlap", "", ">= 0.9", "x"),
+            Figure("prefetch_speedup", "load, then compute", ">= 1.6", "x"),
+            Figure("prefetch_first_layer_vs_raw", "one raw layer copy", "<= 2", "x"),
+            Figure("prefetch_concurrent4_ratio", "pinned host to device copy", ">= 0.9", "x"),
+            Figure("put_layer_ratio", "raw async copies", ">= 0.85", "x"),
+            Figure("put_layer_caller_ms", "", "<= 0.05", "ms"),
+            Figure("engine_step_save_overhead", "the step without saves", "<= 1.05", "x"),
+            Figure("engine_step_load_speedup", "recomputing the prefix", ">= 5", "x"),
+        ),
+        note="needs a CUDA GPU (skipped without one); figures from an H100: "
+        "docs/benchmarks/gpu-h100.json",
+    ),
+    Bench(
+        "gpu_model",
+        "bench_gpu_model.py",
+        (
+            Figure("lengths.16384.hit_speedup_host", "full prefill (TTFT)", ">= 4", "x"),
+            Figure(
+                "lengths.16384.hit_vs_link_limit", "prefix bytes / pinned H2D rate", "<= 1.25", "x"
+            ),
+            Figure("lengths.16384.hit_speedup_disk", "full prefill (TTFT)", ">= 1.5", "x"),
+            Figure("lengths.16384.save_overhead", "full prefill without saves", "<= 1.05", "x"),
+        ),
+        quick_args=("--lengths", "4096", "--repeats", "1"),
+        timeout_s=900,
+        note="needs a CUDA GPU and transformers (skipped without); figures from an H100: "
+        "docs/benchmarks/gpu-model-h100.json",
+    ),
+    Bench(
         "vllm",
         "bench_vllm.py",
         (

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run, for a machine with an NVIDIA GPU, torch (CUDA) and
+# transformers but no package index: install the wheels carried in .whl/ (lz4, msgspec,
+# pyzmq, pytest-asyncio: see docs/benchmarks/README.md, "GPU runs"), build the C extensions
+# in place, run the CUDA tests and both GPU benchmarks. Everything lands in $OUT (default
+# /tmp/kvstore-gpu): info.txt, build.log, tests.log, bench_gpu.log, gpu.json,
+# bench_gpu_model.log, gpu-model.json. About 5 minutes on an H100.
+#   GPU_CHECK_PARTS    which parts to run (default "tests bench model")
+#   GPU_CHECK_LENGTHS  the model benchmark's prompt lengths (default 4096,16384,32768)
+#   GPU_CHECK_DISK     where the model benchmark's disk tier goes (default ~/kvstore-gpu-disk)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/kvstore-gpu}"
+mkdir -p "$out"
+parts="${GPU_CHECK_PARTS:-tests bench model}"
+export PYTHONUNBUFFERED=1
+py=python3
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/kvstore-site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/kvstore-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+  "$py" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  "$py" -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tail -1
+  nproc; free -g | head -2; df -h /tmp | tail -1
+} > "$out/info.txt" 2>&1
+
+"$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || echo "C extensions not built" >> "$out/build.log"
+"$py" -c 'import kvstore._memcopy, kvstore._chain; print("extensions ok")' >> "$out/build.log" 2>&1
+
+if [[ " $parts " == *" tests "* ]]; then
+  timeout 120 "$py" -m pytest -q -p no:cacheprovider --timeout 90 -n 4 \
+    tests/copies tests/test_saves.py tests/test_prefetch_gpu.py tests/test_prefetch.py \
+    tests/tiers/test_device.py tests/tiers/test_host.py tests/test_memory.py \
+    tests/connectors/test_vllm_groups.py > "$out/tests.log" 2>&1
+  echo "exit $?" >> "$out/tests.log"
+fi
+if [[ " $parts " == *" bench "* ]]; then
+  timeout 150 "$py" benchmarks/bench_gpu.py --out "$out/gpu.json" > "$out/bench_gpu.log" 2>&1
+  echo "exit $?" >> "$out/bench_gpu.log"
+fi
+if [[ " $parts " == *" model "* ]]; then
+  disk="${GPU_CHECK_DISK:-$HOME/kvstore-gpu-disk}"  # not /tmp: that may be tmpfs
+  mkdir -p "$disk"
+  timeout 240 "$py" benchmarks/bench_gpu_model.py --out "$out/gpu-model.json" --disk-dir "$disk" \
+    --lengths "${GPU_CHECK_LENGTHS:-4096,16384,32768}" \
+    > "$out/bench_gpu_model.log" 2>&1
+  echo "exit $?" >> "$out/bench_gpu_model.log"
+fi
+tail -n 3 "$out"/*.log
