@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, for a machine with an NVIDIA GPU, torch (CUDA) and
 # transformers but no package index: install the wheels carried in .whl/ (lz4, msgspec,
-# pyzmq, pytest-asyncio: see docs/benchmarks/README.md, "GPU runs"), build the C extensions
+# pyzmq, pytest-asyncio: scripts/gpu-wheels.sh fetches them beforehand), build the C extensions
 # in place, run the CUDA tests and both GPU benchmarks. Everything lands in $OUT (default
 # /tmp/kvstore-gpu): info.txt, build.log, tests.log, bench_gpu.log, gpu.json,
-# bench_gpu_model.log, gpu-model.json. About 5 minutes on an H100.
+# bench_gpu_model.log, gpu-model.json. About three minutes on an H100.
 #   GPU_CHECK_PARTS    which parts to run (default "tests bench model")
 #   GPU_CHECK_LENGTHS  the model benchmark's prompt lengths (default 4096,16384,32768)
 #   GPU_CHECK_DISK     where the model benchmark's disk tier goes (default ~/kvstore-gpu-disk)
