@@ -117,8 +117,9 @@ class BlockManager:
         )
         #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
         self.close_flush: dict[str, Any] | None = None
-        #: Asynchronous saves from GPU tensors, one saver per device (made on first use).
-        self._savers: dict[torch.device, Saver] = {}
+        #: Asynchronous saves from GPU tensors, one saver per device (made on first use;
+        #: None for a device whose staging ring did not fit).
+        self._savers: dict[torch.device, Saver | None] = {}
         self._savers_lock = threading.Lock()  # guards _savers
         self.finder.adopt_persistent()
 
@@ -152,7 +153,7 @@ class BlockManager:
         with self._savers_lock:
             savers = list(self._savers.values())
         for name in SAVE_COUNTERS:
-            counters[name] = sum(saver.counts[name] for saver in savers)
+            counters[name] = sum(saver.counts[name] for saver in savers if saver is not None)
         counters["moves_pending"] = self.mover.pending
         counters["moves_failed"] = self.mover.failures
         nbytes = self.layout.block_nbytes
@@ -344,21 +345,30 @@ class BlockManager:
     def save(self, keys: Sequence[BlockKey], kv: torch.Tensor, donate: bool = False) -> int:
         """Save whole blocks from a CUDA tensor ``kv`` in the background; how many keys
         were queued (a block that then finds no room is counted, not stored).
-        ``donate``: the caller never touches ``kv`` again (no snapshot is taken)."""
-        return self._saver(kv.device).put(keys, kv, donate)
+        ``donate``: the caller never touches ``kv`` again (no snapshot is taken).
+        Without room for the staging ring on the device, saves synchronously."""
+        saver = self._saver(kv.device)
+        if saver is None:
+            bt = self.layout.block_tokens
+            return self.put(keys, [kv[:, :, i * bt : (i + 1) * bt] for i in range(len(keys))])
+        return saver.put(keys, kv, donate)
 
     def save_layer(
         self, keys: Sequence[BlockKey], layer: int, kv_layer: torch.Tensor, donate: bool = False
     ) -> int:
         """Save ``layer`` of blocks from a CUDA tensor in the background; how many keys
-        were queued."""
-        return self._saver(kv_layer.device).put_layer(keys, layer, kv_layer, donate)
+        were queued (synchronously, as :meth:`save`, without a staging ring)."""
+        saver = self._saver(kv_layer.device)
+        if saver is None:
+            return self.write_layer(keys, layer, _split_layer(kv_layer, len(keys)))
+        return saver.put_layer(keys, layer, kv_layer, donate)
 
     def settle(self, keys: Sequence[BlockKey]) -> None:
         """Wait until none of ``keys`` is being saved in the background."""
         if self._savers:
             for saver in list(self._savers.values()):
-                saver.settle(keys)
+                if saver is not None:
+                    saver.settle(keys)
 
     def wait_saves(self, timeout: float | None = None) -> bool:
         """Wait until every background save queued so far has landed; False on timeout."""
@@ -367,18 +377,29 @@ class BlockManager:
             savers = list(self._savers.values())
         for saver in savers:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not saver.wait(left):
+            if saver is not None and not saver.wait(left):
                 return False
         return True
 
-    def _saver(self, device: torch.device) -> Saver:
+    def _saver(self, device: torch.device) -> Saver | None:
+        """The saver of ``device`` (made on first use); None where its staging ring does
+        not fit in the device's memory (logged once: saves then copy before returning)."""
         self.books.check_open()
         with self._savers_lock:
-            saver = self._savers.get(device)
-            if saver is None:
-                saver = self._savers[device] = Saver(
+            if device in self._savers:
+                return self._savers[device]
+            try:
+                saver: Saver | None = Saver(
                     device, self.config.saves.staging_bytes, self._saver_parts()
                 )
+            except torch.OutOfMemoryError:
+                log.warning(
+                    "saves: no room for a %d-byte staging ring on %s; saving synchronously",
+                    self.config.saves.staging_bytes,
+                    device,
+                )
+                saver = None
+            self._savers[device] = saver
             return saver
 
     def _saver_parts(self) -> SaverParts:
@@ -419,7 +440,8 @@ class BlockManager:
         with self._savers_lock:
             savers = list(self._savers.values())
         for saver in savers:  # before the books close: saves still land
-            saver.close()
+            if saver is not None:
+                saver.close()
         if not self.books.begin_close():
             return
         self.io.prepare_close()  # an optimisation of the flush: never a reason to fail
@@ -433,6 +455,12 @@ class BlockManager:
         self.mover.close()
         self.io.abort(0, self.books.close())
         self.io.close()
+
+
+def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` blocks' views of one layer ``(kv, n * block_tokens, heads, dim)``."""
+    step = kv_layer.shape[1] // n
+    return [kv_layer[:, i * step : (i + 1) * step] for i in range(n)]
 
 
 def _books(

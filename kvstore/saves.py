@@ -242,8 +242,12 @@ class Saver:
                 self._count("saves_in_line")
                 return self._in_line(keys, src, layer)
             staged = self.ring.view(region, src)
-            with _on(self.device):
-                staged.copy_(src)  # on the caller's stream: after the producer, before reuse
+            try:
+                with _on(self.device):
+                    staged.copy_(src)  # on the caller's stream: after the producer, before reuse
+            except BaseException:
+                self.ring.give(region)
+                raise
         with _on(self.device):
             ready = self.engine.mark()
         job = _Job(list(keys), staged, region, ready, layer)

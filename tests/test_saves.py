@@ -176,3 +176,27 @@ def test_get_refuses_out_and_device_together() -> None:
         with pytest.raises(InvalidInputError):
             store.get(keys, device="meta")
         assert torch.equal(store.get(keys, device="cpu"), store.get(keys))
+
+
+def test_without_room_for_the_ring_saves_are_synchronous(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device too full for the staging ring (an out-of-memory no real CPU tier gives)."""
+    import kvstore.manager
+
+    def no_room(*_: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(kvstore.manager, "Saver", no_room)
+    layout = small_layout()
+    with KVStore(layout, host_config(layout, 8)) as store:
+        keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
+        kv = random_blocks(layout, 2, seed=9)
+        with caplog.at_level("WARNING", logger="kvstore.manager"):
+            assert store.manager.save(keys[:1], kv[:, :, : layout.block_tokens]) == 1
+            for layer in range(layout.num_layers):
+                store.manager.save_layer(keys[1:], layer, kv[layer, :, layout.block_tokens :])
+        assert store.lookup(keys) == 2
+        assert torch.equal(store.get(keys), kv)
+        assert sum("staging ring" in r.getMessage() for r in caplog.records) == 1
+        assert store.stats()["saves_queued"] == 0
