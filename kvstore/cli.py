@@ -155,7 +155,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return 0
     print(f"layout {layout.fingerprint_hex}: {stats['blocks']} blocks stored")
     for tier in stats["tiers"]:
-        print(f"  {tier['kind']:<7} {tier['blocks']:>8} / {tier['capacity_blocks']} blocks")
+        speed = ""
+        if "read_gbps_estimate" in tier:
+            speed = (
+                f"  reads {tier['read_gbps_estimate']:.2f} GB/s, "
+                f"{tier['read_latency_ms_estimate']:.2f} ms a call ({tier['read_speed_source']})"
+            )
+        print(f"  {tier['kind']:<7} {tier['blocks']:>8} / {tier['capacity_blocks']} blocks{speed}")
     return 0
 
 

@@ -61,6 +61,7 @@ from kvstore.prefetch import Prefetcher, PrefetchHandle
 from kvstore.progress import FlushProgress
 from kvstore.reader import Reader
 from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
+from kvstore.speeds import ReadSpeed
 from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.writer import FollowUps, Writer
@@ -93,7 +94,7 @@ class BlockManager:
         rules = [TierRules.of(t.config) for t in tiers]
         self.placement = Placement(rules, self.config.replication)
         self.books = _books(tiers, self.placement, self.config, clock)
-        self.io = TierIO(tiers, layout, self.books)
+        self.io = TierIO(tiers, layout, self.books, _speeds(tiers, self.config, clock))
         first = tiers[0].device
         self.copies = engine_for(first if first is not None else "cpu")
         self.mover = Mover(self.config.mover_threads)
@@ -455,6 +456,23 @@ class BlockManager:
         self.mover.close()
         self.io.abort(0, self.books.close())
         self.io.close()
+
+
+def _speeds(
+    tiers: Sequence[Tier], config: StoreConfig, clock: Callable[[], float]
+) -> list[ReadSpeed]:
+    """A live read-speed estimate per tier, starting from its configured figures."""
+    restore = config.restore
+    return [
+        ReadSpeed(
+            t.config.read_gbps,
+            t.config.read_latency_ms,
+            restore.speed_half_life_s,
+            restore.speed_stale_s,
+            clock,
+        )
+        for t in tiers
+    ]
 
 
 def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:

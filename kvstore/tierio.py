@@ -23,6 +23,7 @@ import torch
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
+from kvstore.speeds import ReadSpeed, SpeedEstimate
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["Health", "TierIO"]
@@ -57,12 +58,22 @@ class TierIO:
     ``_lock`` guards the health records only.
     """
 
-    def __init__(self, tiers: Sequence[Tier], layout: KVLayout, books: Counting) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        layout: KVLayout,
+        books: Counting,
+        speeds: Sequence[ReadSpeed] | None = None,
+    ) -> None:
         self.tiers = list(tiers)
         self.layout = layout
         self._books = books
         self._health = [Health() for _ in self.tiers]
         self._lock = threading.Lock()
+        #: Each tier's live read speed (fed by every read below); none: not measured.
+        self.speeds = list(speeds) if speeds is not None else []
+        if self.speeds and len(self.speeds) != len(self.tiers):
+            raise ValueError("one ReadSpeed per tier")
 
     # -- what the tiers are -------------------------------------------------------
     def mask(self, test: Callable[[Tier], bool]) -> int:
@@ -120,7 +131,13 @@ class TierIO:
         if layers is not None:
             nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
         self._books.count(bytes_read=sum(ok) * nbytes, read_seconds=elapsed)
+        if self.speeds:
+            self.speeds[level].observe(sum(ok) * nbytes, elapsed)
         return ok
+
+    def speed(self, level: int) -> SpeedEstimate | None:
+        """Tier ``level``'s read speed now (None where speeds are not kept)."""
+        return self.speeds[level].estimate() if self.speeds else None
 
     def delete(self, level: int, keys: Sequence[BlockKey]) -> None:
         """Delete ``keys`` from tier ``level`` (a failure is counted and logged)."""
@@ -176,6 +193,9 @@ class TierIO:
         with self._lock:
             health = self._health[level]
             figures: dict[str, Any] = {"available": not health.down, "io_errors": health.errors}
+        speed = self.speed(level)
+        if speed is not None:
+            figures.update(speed.as_stats())
         return {**figures, **(self._call(level, "stats", 0, lambda t: t.stats()) or {})}
 
     def prepare_close(self) -> None:

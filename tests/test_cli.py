@@ -91,3 +91,6 @@ def test_stats_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stats = json.loads(capsys.readouterr().out)
     assert stats["blocks"] == 0
     assert stats["tiers"][0]["capacity_blocks"] == 64 // 2  # 2 MiB blocks at 2 layers
+    assert stats["tiers"][0]["read_speed_source"] == "configured"
+    assert main(["stats", "--config", str(path), "--layers", "2"]) == 0
+    assert "reads 10.00 GB/s, 0.01 ms a call (configured)" in capsys.readouterr().out

@@ -76,6 +76,7 @@ __all__ = [
     "EventsConfig",
     "HostTierConfig",
     "PrefetchConfig",
+    "RestoreConfig",
     "SavesConfig",
     "ReplicationConfig",
     "RedisTierConfig",
@@ -190,6 +191,27 @@ class PrefetchConfig:
         return min(self.timeout_max_s, grown)
 
 
+@dataclass(frozen=True)
+class RestoreConfig:
+    """What loading a stored prefix costs, measured as the store runs.
+
+    ``speed_half_life_s``: each tier's read speed is a fit over its recent
+    reads, each weighted by how recent it is; a read's weight halves every
+    this many seconds (a tier that slows down shows within a few half-lives).
+
+    ``speed_stale_s``: an estimate with no read for this long is reported as
+    ``stale`` (the last figures; the tier's ``read_gbps`` / ``read_latency_ms``
+    stand until its first read).
+    """
+
+    speed_half_life_s: float = _opt(30.0, parse_float)
+    speed_stale_s: float = _opt(300.0, parse_float)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for impossible values."""
+        _check_positive(self, path, "speed_half_life_s", "speed_stale_s")
+
+
 SAVE_MODES = ("async", "sync")
 
 
@@ -224,6 +246,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "replication": ReplicationConfig,
     "prefetch": PrefetchConfig,
     "saves": SavesConfig,
+    "restore": RestoreConfig,
     "server": ServerConfig,
     "cluster": ClusterConfig,
     "events": EventsConfig,
@@ -247,6 +270,7 @@ class StoreConfig:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     saves: SavesConfig = field(default_factory=SavesConfig)
+    restore: RestoreConfig = field(default_factory=RestoreConfig)
     #: ``kvstore-server``'s own settings (the library ignores them).
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
@@ -269,6 +293,7 @@ class StoreConfig:
         self.replication.validate("replication")
         self.prefetch.validate("prefetch")
         self.saves.validate("saves")
+        self.restore.validate("restore")
         self.server.validate("server")
         self.cluster.validate("cluster")
         self.events.validate("events")
@@ -364,6 +389,7 @@ class StoreConfig:
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
             "saves": dataclasses.asdict(self.saves),
+            "restore": dataclasses.asdict(self.restore),
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
             "events": self.events.to_dict(),

@@ -81,6 +81,12 @@ class TierConfig:
     ``admit_after``: only blocks accessed at least this many times enter this
     tier; others skip it, to the next tier (or are dropped). E.g. 2 on a disk
     tier spares it one-off blocks; 0 admits every block.
+
+    ``read_gbps`` / ``read_latency_ms``: what a read from this tier is taken to
+    cost (GB/s, and milliseconds a call) until the store has measured its own
+    reads; from then on it keeps a live estimate (``stats()``:
+    ``read_gbps_estimate``, ``read_latency_ms_estimate``; ``restore`` says how
+    fast it follows). Each kind has a default of its medium's order of magnitude.
     """
 
     kind: ClassVar[str] = ""
@@ -91,9 +97,16 @@ class TierConfig:
     write_policy: str = _opt("write_back", parse_str)
     promote_after: int = _opt(0, parse_int)
     admit_after: int = _opt(0, parse_int)
+    read_gbps: float = _opt(1.0, parse_float)
+    read_latency_ms: float = _opt(1.0, parse_float)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` (naming ``path.key``) for impossible values."""
+        if self.read_gbps <= 0 or self.read_latency_ms < 0:
+            raise ConfigError(
+                f"{path}.read_gbps / read_latency_ms: must be > 0 and >= 0, got "
+                f"{self.read_gbps} and {self.read_latency_ms}"
+            )
         if self.capacity <= 0:
             raise ConfigError(f"{path}.capacity: must be > 0 bytes, got {self.capacity}")
         if not 0.0 < self.high_watermark <= 1.0:
@@ -148,6 +161,8 @@ class HostTierConfig(TierConfig):
 
     kind: ClassVar[str] = "host"
     capacity: int = _opt(4 * 1024**3, parse_size)
+    read_gbps: float = _opt(10.0, parse_float)
+    read_latency_ms: float = _opt(0.01, parse_float)
     promote_after: int = _opt(2, parse_int)
     pinned: bool | None = _opt(None, parse_optional_bool)
     shared_memory: bool = _opt(False, parse_bool)
@@ -171,6 +186,8 @@ class DeviceTierConfig(TierConfig):
     """
 
     kind: ClassVar[str] = "device"
+    read_gbps: float = _opt(300.0, parse_float)
+    read_latency_ms: float = _opt(0.01, parse_float)
     device: str = _opt("cuda:0", parse_str)
     promote_after: int = _opt(2, parse_int)
 
@@ -227,6 +244,8 @@ class DiskTierConfig(TierConfig):
 
     kind: ClassVar[str] = "disk"
     capacity: int = _opt(32 * 1024**3, parse_size)
+    read_gbps: float = _opt(2.0, parse_float)
+    read_latency_ms: float = _opt(0.2, parse_float)
     path: str = field(default_factory=default_cache_dir, metadata={"parse": parse_str})
     io_threads: int = _opt(4, parse_int)
     o_direct: bool = _opt(False, parse_bool)
@@ -313,6 +332,8 @@ class S3TierConfig(TierConfig):
 
     kind: ClassVar[str] = "s3"
     capacity: int = _opt(1024**4, parse_size)
+    read_gbps: float = _opt(0.1, parse_float)
+    read_latency_ms: float = _opt(30.0, parse_float)
     bucket: str = _opt("", parse_str)
     prefix: str = _opt("kvstore", parse_str)
     endpoint_url: str | None = _opt(None, parse_optional_str)
@@ -381,6 +402,8 @@ class RedisTierConfig(TierConfig):
 
     kind: ClassVar[str] = "redis"
     capacity: int = _opt(1024**3, parse_size)
+    read_gbps: float = _opt(0.5, parse_float)
+    read_latency_ms: float = _opt(0.5, parse_float)
     url: str = _opt("redis://localhost:6379/0", parse_str)
     cluster: bool = _opt(False, parse_bool)
     ttl: float | None = _opt(None, parse_optional_float)
@@ -465,6 +488,8 @@ class RemoteTierConfig(TierConfig):
 
     kind: ClassVar[str] = "remote"
     capacity: int = _opt(1024**4, parse_size)
+    read_gbps: float = _opt(2.0, parse_float)
+    read_latency_ms: float = _opt(0.2, parse_float)
     address: str = _opt("127.0.0.1:7070", parse_str)
     namespace: str = _opt("default", parse_str)
     token: str | None = _opt(None, parse_optional_str)
@@ -507,6 +532,8 @@ class ClusterTierConfig(TierConfig):
 
     kind: ClassVar[str] = "cluster"
     capacity: int = _opt(1024**5, parse_size)
+    read_gbps: float = _opt(1.0, parse_float)
+    read_latency_ms: float = _opt(1.0, parse_float)
 
 
 def default_tiers() -> tuple[TierConfig, ...]:

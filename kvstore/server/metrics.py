@@ -107,6 +107,10 @@ _STORE_GAUGES = (
 )
 
 
+#: A tier's live read-speed estimate (kvstore/speeds.py): stats key, label.
+_SPEEDS = (("read_gbps_estimate", "gbps"), ("read_latency_ms_estimate", "latency_ms"))
+
+
 def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
     for field, kind, name in _STORE_GAUGES:
         samples = []
@@ -118,7 +122,7 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                 labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
                 samples.append((labels, float(value)))
         _metric(lines, f"kvstore_store_{name}", kind, samples)
-    tier_samples = []
+    tier_samples, speed_samples = [], []
     for stats in stores:
         for i, tier in enumerate(stats.get("tiers", [])):
             labels = (
@@ -128,7 +132,13 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
             for key in ("blocks", "capacity_blocks"):
                 if isinstance(tier.get(key), (int, float)):
                     tier_samples.append((labels + f',what="{key}"', float(tier[key])))
+            for key, what in _SPEEDS:
+                if isinstance(tier.get(key), (int, float)):
+                    source = tier.get("read_speed_source", "")
+                    speed_labels = labels + f',what="{what}",source="{source}"'
+                    speed_samples.append((speed_labels, float(tier[key])))
     _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples)
+    _metric(lines, "kvstore_tier_read_speed", "gauge", speed_samples)
     _cluster_metrics(lines, stores)
 
 

@@ -44,6 +44,10 @@ def test_metrics_and_healthz(kv_server: Start) -> None:
     in_place = 2 * LAYOUT.block_nbytes  # the shared-memory put copied both blocks itself
     assert f"kvstore_store_bytes_written_in_place_total{{{labels}}} {in_place:g}" in text
     assert "# TYPE kvstore_server_bytes_received_total counter" in text
+    # Each tier's read speed: the configured figures until the server reads from it.
+    assert "# TYPE kvstore_tier_read_speed gauge" in text
+    assert f'kvstore_tier_read_speed{{{labels},tier="0",kind="host",what="gbps",' in text
+    assert 'what="latency_ms",source="configured"}' in text
     assert fetch(base + "/healthz") == (200, "ok\n")
     assert fetch(base + "/nothing")[0] == 404
 
