@@ -271,6 +271,8 @@ def test_to_dict_round_trip():
         "write_policy": "write_back",
         "promote_after": 2,
         "admit_after": 0,
+        "read_gbps": 300.0,
+        "read_latency_ms": 0.01,
         "device": "cuda:1",
     }
     assert plain["tiers"][1]["kind"] == "host" and plain["tiers"][1]["pinned"] is True
