@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from kvstore.copies.coalescing import CopyPair
 from kvstore.errors import ClosedError
 
-__all__ = ["CopyEngine", "CopyPair", "Event", "Lane", "OnDone"]
+__all__ = ["CopyEngine", "CopyPair", "Event", "Lane", "OnDone", "WorkerLane"]
 
 #: Called once a batch's copies are over, with the exception a copy raised (else None).
 OnDone = Callable[[BaseException | None], object]
@@ -149,6 +149,58 @@ class Lane(ABC):
         :meth:`CopyEngine.close` calls this). From the lane's own thread (inside
         ``on_done``) it cannot wait for itself: the thread finishes the queue and
         stops after the callback returns."""
+
+
+class WorkerLane(Lane):
+    """A lane whose queue one daemon thread works through, started on first use: what
+    both engines' lanes share (the thread engine's worker copies; the CUDA engine's
+    completion thread waits for the GPU).
+
+    Locking: ``_cond`` guards the subclass's queue, ``_worker``, ``_closed``,
+    ``_queued`` and ``_finished``, and is notified whenever an item is queued or
+    finished or the lane closes. Subclasses run their queue in :meth:`_work` and
+    count each finished item in ``_finished``, in queue order.
+    """
+
+    def __init__(self, name: str, thread_prefix: str) -> None:
+        self.name = name
+        self._thread_name = f"{thread_prefix}-{name}"
+        self._cond = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._queued = 0  # items ever queued
+        self._finished = 0  # items ever finished
+
+    @abstractmethod
+    def _work(self) -> None:
+        """The thread's body: run queued items until the lane is closed and drained."""
+
+    def _counted(self) -> None:
+        """One more item was queued: start the thread on first use, else wake it.
+        ``_cond`` held."""
+        self._queued += 1
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name=self._thread_name, daemon=True)
+            self._worker.start()
+        self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        """Raise ClosedError once the engine closed the lane. ``_cond`` held."""
+        if self._closed:
+            raise ClosedError(f"copy lane {self.name!r}: the copy engine is closed")
+
+    def drain(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            target = self._queued
+            return self._cond.wait_for(lambda: self._finished >= target, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
 
 
 class CopyEngine(ABC):

@@ -33,7 +33,7 @@ try:  # built by the install (csrc/memcopy.c); without it, a copy_ per pair
 except ImportError:  # pragma: no cover - an install without a C compiler
     _memcopy = None  # type: ignore[assignment]
 
-__all__ = ["CopyPair", "coalesce", "copy_pairs", "needs_inference_mode"]
+__all__ = ["CopyPair", "coalesce", "copy_pairs", "needs_inference_mode", "touches_cuda"]
 
 #: One copy: ``(dst, src)`` means ``dst.copy_(src)``.
 CopyPair = tuple[torch.Tensor, torch.Tensor]
@@ -307,6 +307,11 @@ def coalesce(pairs: Sequence[CopyPair], *, strided: bool = True) -> list[CopyPai
         out.append(pair)
         i += count
     return out
+
+
+def touches_cuda(pairs: Sequence[CopyPair]) -> bool:
+    """True when a tensor of the batch lives on a CUDA device."""
+    return any(dst.is_cuda or src.is_cuda for dst, src in pairs)
 
 
 def needs_inference_mode(pairs: Sequence[CopyPair]) -> bool:

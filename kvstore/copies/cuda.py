@@ -43,19 +43,19 @@ from typing import Any
 import torch
 
 from kvstore.copies import cudart
-from kvstore.copies.base import CopyEngine, Event, Lane, OnDone
-from kvstore.copies.coalescing import CopyPair, coalesce, copy_pairs, needs_inference_mode
+from kvstore.copies.base import CopyEngine, Event, Lane, OnDone, WorkerLane
+from kvstore.copies.coalescing import (
+    CopyPair,
+    coalesce,
+    copy_pairs,
+    needs_inference_mode,
+    touches_cuda,
+)
 from kvstore.copies.rows import plan_rows
-from kvstore.errors import ClosedError
 
-__all__ = ["CudaCopyEngine", "CudaEvent", "CudaLane", "touches_cuda"]
+__all__ = ["CudaCopyEngine", "CudaEvent", "CudaLane"]
 
 log = logging.getLogger(__name__)
-
-
-def touches_cuda(pairs: Sequence[CopyPair]) -> bool:
-    """True when a tensor of the batch lives on a CUDA device."""
-    return any(dst.is_cuda or src.is_cuda for dst, src in pairs)
 
 
 def _blocking_event() -> torch.cuda.Event:
@@ -195,21 +195,18 @@ class _Pending:
     error: BaseException | None = None
 
 
-class CudaLane(Lane):
-    """A persistent CUDA stream, with a completion thread for CPU waiters and ``on_done``."""
+class CudaLane(WorkerLane):
+    """A persistent CUDA stream, with a completion thread for CPU waiters and ``on_done``.
+
+    ``_cond`` (see :class:`~kvstore.copies.base.WorkerLane`) also guards ``_pending``."""
 
     def __init__(self, name: str, device: torch.device, copier: _Copier) -> None:
-        self.name = name
+        super().__init__(name, "kvstore-cuda")
         self.device = device
         self._copier = copier
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()
-        self._worker: threading.Thread | None = None
-        self._closed = False
-        self._queued = 0
-        self._finished = 0
 
     def __repr__(self) -> str:
         return f"CudaLane({self.name!r}, {self.device})"
@@ -270,11 +267,6 @@ class CudaLane(Lane):
                 return
         event.wait()  # an event of another engine: nothing the GPU can wait on
 
-    def drain(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            target = self._queued
-            return self._cond.wait_for(lambda: self._finished >= target, timeout)
-
     # -- internals -----------------------------------------------------------------
     def _record(self) -> torch.cuda.Event:
         """A blocking-sync CUDA event after everything queued so far. ``_cond`` held."""
@@ -283,21 +275,11 @@ class CudaLane(Lane):
         return cuda_event
 
     def _push(self, item: _Pending) -> None:
-        """Hand ``item`` to the completion thread (started on first use). ``_cond`` held."""
+        """Hand ``item`` to the completion thread. ``_cond`` held."""
         self._pending.append(item)
-        self._queued += 1
-        if self._worker is None:
-            self._worker = threading.Thread(
-                target=self._complete, name=f"kvstore-cuda-{self.name}", daemon=True
-            )
-            self._worker.start()
-        self._cond.notify_all()
+        self._counted()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"copy lane {self.name!r}: the copy engine is closed")
-
-    def _complete(self) -> None:
+    def _work(self) -> None:
         """Completion thread: in queue order, wait for each batch, run on_done, mark it."""
         while True:
             with self._cond:
@@ -322,15 +304,6 @@ class CudaLane(Lane):
                 self._pending.popleft()
                 self._finished += 1
                 self._cond.notify_all()
-
-    def close(self) -> None:
-        """Refuse new work; wait until the completion thread has finished the queue."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
 
 
 class CudaCopyEngine(CopyEngine):

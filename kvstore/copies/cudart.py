@@ -12,6 +12,7 @@ Nothing here runs at import; :func:`load` needs CUDA initialised.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import logging
@@ -103,14 +104,12 @@ class _Loaded:
 def _candidates() -> list[str]:
     """Where torch's libcudart may be: what the process has mapped first."""
     found: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1]
-                if "libcudart.so" in os.path.basename(path) and path not in found:
-                    found.append(path)
-    except OSError:
-        pass  # not Linux: the searches below still apply
+    # No /proc (not Linux): the searches below still apply.
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(None, 1)[-1]
+            if "libcudart.so" in os.path.basename(path) and path not in found:
+                found.append(path)
     torch_dir = os.path.dirname(torch.__file__)
     site = os.path.dirname(torch_dir)
     for pattern in (

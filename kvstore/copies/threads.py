@@ -13,9 +13,8 @@ so waits between lanes cannot form a cycle.
 The CUDA engine (``cuda.py``) keeps this shape: a lane's stream replaces the
 worker's queue, CUDA events replace ``threading.Event`` and a completion
 thread runs ``on_done``. :func:`~kvstore.copies.engine_for` hands CUDA work
-to it; should a batch with CUDA tensors reach this engine anyway, each lane
-copies it on a CUDA stream of its own (made once per device, so the caller's
-stream is not blocked), synchronized before the batch's event is done.
+to it; a batch with CUDA tensors submitted to a lane here fails (its event
+carries a :class:`~kvstore.errors.KVStoreError` saying so).
 
 Fork: a forked child has only the thread that forked. ``os.register_at_fork``
 resets every engine of this module in the child: fresh locks, no workers
@@ -43,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.copies.base import CopyEngine, Event, Lane, OnDone
-from kvstore.copies.coalescing import CopyPair, copy_pairs
-from kvstore.errors import ClosedError, KVStoreError
+from kvstore.copies.base import CopyEngine, Event, Lane, OnDone, WorkerLane
+from kvstore.copies.coalescing import CopyPair, copy_pairs, touches_cuda
+from kvstore.errors import KVStoreError
 
 __all__ = ["ThreadCopyEngine", "ThreadEvent", "ThreadLane"]
 
@@ -117,27 +116,19 @@ class _Wait:
 _Item = _Batch | _Mark | _Wait
 
 
-class ThreadLane(Lane):
+class ThreadLane(WorkerLane):
     """An ordered queue of copy batches run by one daemon worker thread.
 
-    Locking: ``_cond`` (this lane's own condition) guards ``_queue``,
-    ``_busy``, ``_worker``, ``_closed``, ``_queued`` and ``_finished``, and is
-    notified whenever an item is queued, finished, or the lane closes. The
-    worker never holds it while it copies, runs ``on_done`` or waits for
-    another lane's event, so submitters are blocked only for a queue append.
+    Locking (see :class:`~kvstore.copies.base.WorkerLane`): ``_cond`` also guards
+    ``_queue`` and ``_busy``. The worker never holds it while it copies, runs
+    ``on_done`` or waits for another lane's event, so submitters are blocked only
+    for a queue append.
     """
 
     def __init__(self, name: str) -> None:
-        self.name = name
-        self._cond = threading.Condition()
+        super().__init__(name, "kvstore-copy")
         self._queue: deque[_Item] = deque()
         self._busy: _Item | None = None  # the item the worker is running
-        self._worker: threading.Thread | None = None
-        self._closed = False
-        self._queued = 0  # items ever queued
-        self._finished = 0  # items ever finished (they finish in queue order)
-        #: The worker's own CUDA stream per device (made once, used by the worker only).
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def __repr__(self) -> str:
         return f"ThreadLane({self.name!r})"
@@ -164,35 +155,18 @@ class ThreadLane(Lane):
             return
         self._put(_Wait(event))
 
-    def drain(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            target = self._queued
-            return self._cond.wait_for(lambda: self._finished >= target, timeout)
-
     def _put(self, item: _Item) -> None:
         with self._cond:
             self._check_open()
             self._append(item)
 
     def _append(self, item: _Item) -> None:
-        """Queue ``item``; start the worker if there is none. ``_cond`` held."""
+        """Queue ``item`` (the worker starts on first use). ``_cond`` held."""
         self._queue.append(item)
-        self._queued += 1
-        if self._worker is None:
-            self._worker = threading.Thread(
-                target=self._loop, name=f"kvstore-copy-{self.name}", daemon=True
-            )
-            self._worker.start()
-        else:
-            self._cond.notify_all()
-
-    def _check_open(self) -> None:
-        """Raise ClosedError once the engine closed the lane. ``_cond`` held."""
-        if self._closed:
-            raise ClosedError(f"copy lane {self.name!r}: the copy engine is closed")
+        self._counted()
 
     # -- the worker ------------------------------------------------------------
-    def _loop(self) -> None:
+    def _work(self) -> None:
         """Run queued items in order until the lane is closed and its queue empty."""
         torch.set_grad_enabled(False)  # per thread: copies are not part of any graph
         while True:
@@ -233,33 +207,16 @@ class ThreadLane(Lane):
         item.event._set(error)
 
     def _copy(self, pairs: Sequence[CopyPair]) -> None:
-        """Run a batch. Copies touching a GPU run on this lane's own stream (never the
-        engine's), synchronized before the batch counts as done."""
-        device = next((t.device for pair in pairs for t in pair if t.is_cuda), None)
-        if device is None:
-            copy_pairs(pairs)
-            return
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream):
-            copy_pairs(pairs)
-        stream.synchronize()
+        """Run a batch of host copies. GPU copies belong to the CUDA engine
+        (``engine_for`` hands them there): here a batch with a GPU tensor fails."""
+        if touches_cuda(pairs):
+            raise KVStoreError(
+                f"copy lane {self.name!r}: GPU tensors go through the CUDA engine "
+                "(kvstore.copies.engine_for(device))"
+            )
+        copy_pairs(pairs)
 
     # -- the engine's side -----------------------------------------------------
-    def close(self) -> None:
-        """Refuse new work, let the worker finish the queue, wait for it.
-
-        From the worker itself (``on_done`` closing the engine) nothing is
-        waited for: the worker finishes the queue and stops after returning.
-        """
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
-
     def _after_fork_in_child(self) -> None:
         """The worker did not survive the fork: forget it, fail what it had to do."""
         self._cond = threading.Condition()

@@ -219,3 +219,16 @@ def test_the_cuda_engine_copies_strided_host_blocks_as_dma_rows() -> None:
         assert torch.equal(slab.cuda(), kv.view(4, 2, 2, 128, 8, 128).permute(2, 0, 1, 3, 4, 5))
     finally:
         engine.close()
+
+
+@pytest.mark.cuda
+def test_a_thread_lane_refuses_gpu_batches() -> None:
+    from kvstore.errors import KVStoreError
+
+    engine = ThreadCopyEngine()
+    try:
+        event = engine.lane("gpu").submit([(torch.zeros(4, device="cuda"), torch.ones(4))])
+        assert event.wait(WAIT) and isinstance(event.error, KVStoreError)
+        assert "CUDA engine" in str(event.error)
+    finally:
+        engine.close()
