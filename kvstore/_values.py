@@ -94,7 +94,10 @@ def parse_float(value: Any, key: str) -> float:
 def parse_bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no"):
+    if isinstance(value, str) and value.lower() in (
+        *("1", "true", "yes", "on"),
+        *("0", "false", "no", "off"),
+    ):
         return value.lower() in ("1", "true", "yes", "on")
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
 

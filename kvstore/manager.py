@@ -60,8 +60,9 @@ from kvstore.policy.placement import Placement, TierRules
 from kvstore.prefetch import Prefetcher, PrefetchHandle
 from kvstore.progress import FlushProgress
 from kvstore.reader import Reader
+from kvstore.restore import Restorer, RestorerParts
 from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
-from kvstore.speeds import ReadSpeed
+from kvstore.speeds import PrefillSpeed, ReadSpeed
 from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.writer import FollowUps, Writer
@@ -116,6 +117,8 @@ class BlockManager:
             self.migrations.schedule,
             lease_s,
         )
+        #: Restore planning: what a stored prefix is worth loading (``store.plan``).
+        self.restorer = _restorer(self, tiers)
         #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
         self.close_flush: dict[str, Any] | None = None
         #: Asynchronous saves from GPU tensors, one saver per device (made on first use;
@@ -473,6 +476,27 @@ def _speeds(
         )
         for t in tiers
     ]
+
+
+def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
+    """The manager's restore planner over its own lookup, index, speeds and migrations."""
+    restore, layout = manager.config.restore, manager.layout
+    parts = RestorerParts(
+        lookup=manager.lookup,
+        where=manager.where,
+        speeds=manager.io.speeds_now,
+        fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
+        warm=manager.migrations.warm,
+    )
+    prefill = PrefillSpeed(
+        restore.prefill_table,
+        restore.prefill_tokens_per_s,
+        restore.learn_prefill,
+        restore.speed_half_life_s,
+        manager.clock,
+    )
+    chunk = (layout.block_tokens, layout.block_nbytes, layout.num_layers)
+    return Restorer(parts, prefill, chunk, planning=restore.planning, warm=restore.warm)
 
 
 def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:

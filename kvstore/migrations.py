@@ -59,6 +59,14 @@ class Migrations:
         for key, target in self.books.promotions(keys, entries, self.io.promotable):
             self.mover.submit(functools.partial(self._copy_up, key, target), key=("up", key))
 
+    def warm(self, keys: Sequence[BlockKey], target: int = 0) -> int:
+        """Copy ``keys`` into tier ``target`` in the background (what a restore plan left
+        on slow tiers); how many copies were queued."""
+        return sum(
+            self.mover.submit(functools.partial(self._copy_up, key, target), key=("up", key))
+            for key in keys
+        )
+
     def promote_now(self, keys: Sequence[BlockKey], target: int) -> int:
         """Copy ``keys`` into tier ``target`` on the caller's thread; how many landed."""
         return sum(self._copy_up(key, target) for key in keys)

@@ -15,16 +15,22 @@ the bandwidth is what is left. Before a tier is read the estimate is its
 configured prior (``read_gbps`` / ``read_latency_ms`` of the tier's config); a
 measured estimate with no read for ``stale_s`` is reported as ``stale`` (still
 the last figures: whoever plans with it may want to probe first).
+
+The engine's side of the same question -- what recomputing tokens costs -- is
+:class:`PrefillSpeed`: a declared table of prefill times by prompt length
+(attention grows faster than linearly), a declared rate, or a rate learned from
+the engine's own step times.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ReadSpeed", "SpeedEstimate"]
+__all__ = ["DecayedFit", "PrefillEstimate", "PrefillSpeed", "ReadSpeed", "SpeedEstimate"]
 
 #: Sizes must spread by this fraction of their mean for the fit to separate latency
 #: from bandwidth (below it the two are indistinguishable from noise).
@@ -57,11 +63,59 @@ class SpeedEstimate:
         }
 
 
+class DecayedFit:
+    """A least-squares line ``y = intercept + slope * x`` over observations whose weights
+    halve every ``half_life_s`` (the fit behind :class:`ReadSpeed` and
+    :class:`PrefillSpeed`).
+
+    Locking: ``_lock`` guards the decayed sums; each observer takes it once per call,
+    for a few float operations.
+    """
+
+    def __init__(self, half_life_s: float, clock: Callable[[], float]) -> None:
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: float | None = None  # when the last observation came
+        # Decayed sums of weight, x, y, x*x and x*y.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, x: float, y: float, weight: float = 1.0) -> None:
+        """One observation (``weight`` of them alike)."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None:
+                keep = 0.5 ** (max(0.0, now - self._last) / self.half_life_s)
+                self._w *= keep
+                self._x *= keep
+                self._y *= keep
+                self._xx *= keep
+                self._xy *= keep
+            self._last = now
+            self._w += weight
+            self._x += weight * x
+            self._y += weight * y
+            self._xx += weight * x * x
+            self._xy += weight * x * y
+
+    def moments(self) -> tuple[float, float, float, float, float, float] | None:
+        """``(weight, mean x, mean y, var x, cov xy, age seconds)``; None before any
+        observation."""
+        with self._lock:
+            if self._last is None or self._w <= 0:
+                return None
+            weight = self._w
+            mx, my = self._x / weight, self._y / weight
+            vxx = self._xx / weight - mx * mx
+            vxy = self._xy / weight - mx * my
+            age = max(0.0, self._clock() - self._last)
+        return weight, mx, my, vxx, vxy, age
+
+
 class ReadSpeed:
     """One tier's read-speed estimate (see the module docstring).
 
-    Locking: ``_lock`` guards the decayed sums; every reader of the tier takes it
-    once per call, for a few float operations.
+    Thread-safe: the fit takes its own lock.
     """
 
     def __init__(
@@ -75,43 +129,21 @@ class ReadSpeed:
         self.prior = SpeedEstimate(prior_gbps, prior_latency_ms, "configured", 0.0, None)
         self.half_life_s = half_life_s
         self.stale_s = stale_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._last: float | None = None  # when the last call was observed
-        # Decayed sums of weight, x (bytes), y (seconds), x*x and x*y.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._fit_line = DecayedFit(half_life_s, clock)
 
-    def observe(self, nbytes: float, seconds: float) -> None:
-        """One read call: ``nbytes`` read in ``seconds`` (calls that read nothing are not
-        observations)."""
-        if nbytes <= 0 or seconds <= 0:
+    def observe(self, nbytes: float, seconds: float, calls: int = 1) -> None:
+        """Read calls: ``calls`` of them, ``nbytes`` in ``seconds`` together (calls that
+        read nothing are not observations)."""
+        if nbytes <= 0 or seconds <= 0 or calls <= 0:
             return
-        with self._lock:
-            now = self._clock()
-            if self._last is not None:
-                keep = 0.5 ** (max(0.0, now - self._last) / self.half_life_s)
-                self._w *= keep
-                self._x *= keep
-                self._y *= keep
-                self._xx *= keep
-                self._xy *= keep
-            self._last = now
-            self._w += 1.0
-            self._x += nbytes
-            self._y += seconds
-            self._xx += nbytes * nbytes
-            self._xy += nbytes * seconds
+        self._fit_line.observe(nbytes / calls, seconds / calls, float(calls))
 
     def estimate(self) -> SpeedEstimate:
         """The current estimate (the prior until a read was observed)."""
-        with self._lock:
-            if self._last is None or self._w <= 0:
-                return self.prior
-            age = max(0.0, self._clock() - self._last)
-            weight = self._w
-            mx, my = self._x / weight, self._y / weight
-            vxx = self._xx / weight - mx * mx
-            vxy = self._xy / weight - mx * my
+        moments = self._fit_line.moments()
+        if moments is None:
+            return self.prior
+        weight, mx, my, vxx, vxy, age = moments
         latency_s, per_byte = self._fit(mx, my, vxx, vxy)
         source = "stale" if age > self.stale_s else "measured"
         return SpeedEstimate(1.0 / per_byte / 1e9, latency_s * 1e3, source, weight, age)
@@ -125,3 +157,101 @@ class ReadSpeed:
                 return latency, per_byte
         latency = min(self.prior.latency_ms / 1e3, my / 2)  # sizes alike: keep the prior's
         return latency, (my - latency) / mx
+
+
+#: Learned prefill rates need this much (decayed) weight of steps before they count.
+_MIN_STEPS = 3.0
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """Where the engine's prefill speed comes from (``table``, ``configured``,
+    ``learned``, ``unknown``), its mean rate in tokens a second (None: unknown) and the
+    decayed weight of the steps behind a learned one."""
+
+    source: str
+    tokens_per_s: float | None
+    samples: float = 0.0
+
+    def as_stats(self) -> dict[str, Any]:
+        """The figures as ``stats()`` shows them."""
+        return {
+            "prefill_source": self.source,
+            "prefill_tokens_per_s": self.tokens_per_s,
+            "prefill_samples": self.samples,
+        }
+
+
+class PrefillSpeed:
+    """Seconds the engine takes to prefill a span of a prompt.
+
+    ``table``: ``(prompt tokens, seconds to prefill that whole prompt)`` points; the
+    time of tokens ``[a, b)`` is ``F(b) - F(a)`` on the line through ``(0, 0)`` and
+    the points (past the last one, its last segment's slope). Else ``tokens_per_s``,
+    a flat rate. Else, with ``learn``, a rate fitted to the engine's steps
+    (:meth:`observe_step`: tokens scheduled, seconds taken) over recent ones; until
+    enough were seen the speed is unknown and :meth:`seconds` is None.
+
+    Thread-safe: the learned fit takes its own lock; the rest is read-only.
+    """
+
+    def __init__(
+        self,
+        table: Sequence[tuple[int, float]] | None,
+        tokens_per_s: float | None,
+        learn: bool,
+        half_life_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        points = sorted((int(t), float(s)) for t, s in table or ())
+        self._tokens = [0] + [t for t, _ in points]
+        self._seconds = [0.0] + [s for _, s in points]
+        self.tokens_per_s = tokens_per_s
+        self.learn = learn
+        self._steps = DecayedFit(half_life_s, clock)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """One engine step: ``tokens`` computed in ``seconds`` (used when learning)."""
+        if self.learn and tokens > 0 and seconds > 0:
+            self._steps.observe(float(tokens), seconds)
+
+    def seconds(self, start: int, end: int) -> float | None:
+        """Seconds to prefill prompt tokens ``[start, end)`` (None: the speed is unknown)."""
+        if end <= start:
+            return 0.0
+        if len(self._tokens) > 1:
+            return self._curve(end) - self._curve(start)
+        per_token = self._per_token()
+        return None if per_token is None else (end - start) * per_token
+
+    def estimate(self) -> PrefillEstimate:
+        """The speed behind :meth:`seconds`, as ``stats()`` shows it."""
+        if len(self._tokens) > 1:
+            return PrefillEstimate("table", self._tokens[-1] / self._seconds[-1])
+        if self.tokens_per_s is not None:
+            return PrefillEstimate("configured", self.tokens_per_s)
+        per_token = self._per_token()
+        moments = self._steps.moments()
+        samples = moments[0] if moments is not None else 0.0
+        if per_token is None:
+            return PrefillEstimate("unknown", None, samples)
+        return PrefillEstimate("learned", 1.0 / per_token, samples)
+
+    def _curve(self, tokens: int) -> float:
+        """Seconds to prefill a whole prompt of ``tokens`` (piecewise linear)."""
+        xs, ys = self._tokens, self._seconds
+        i = min(max(bisect.bisect_right(xs, tokens), 1), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + (tokens - xs[i - 1]) * slope
+
+    def _per_token(self) -> float | None:
+        """Seconds a token: declared, else learned (None: neither)."""
+        if self.tokens_per_s is not None:
+            return 1.0 / self.tokens_per_s
+        moments = self._steps.moments() if self.learn else None
+        if moments is None or moments[0] < _MIN_STEPS:
+            return None
+        _, mx, my, vxx, vxy, _ = moments
+        if vxx > (_SPREAD * mx) ** 2 and vxy > 0:
+            return vxy / vxx  # the slope: per-step overhead is paid with or without a load
+        return my / mx

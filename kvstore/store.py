@@ -38,6 +38,7 @@ from kvstore.lending import Loan, PendingPut
 from kvstore.manager import BlockManager
 from kvstore.memory import cuda_available
 from kvstore.prefetch import PrefetchHandle
+from kvstore.restore import RestorePlan, RestoreRequest
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 
@@ -252,15 +253,59 @@ class KVStore:
         self._manager.get(checked, self._chunks(target, len(checked)))
         return target
 
-    def get_prefix(self, keys: Sequence[BlockKey], out: torch.Tensor) -> int:
-        """Load the longest stored prefix of ``keys`` into ``out``; return its length.
+    def get_prefix(
+        self, keys: Sequence[BlockKey], out: torch.Tensor, *, prompt_tokens: int | None = None
+    ) -> int:
+        """Load the leading stored chunks of ``keys`` worth loading into ``out``; return
+        how many.
 
-        Never raises for a miss: a block that is absent or fails verification
-        ends the prefix. ``out`` past the returned prefix is unspecified.
+        That is the longest stored prefix, or with restore planning on (the default)
+        and a known prefill speed, the part of it that :meth:`plan` expects to load
+        faster than it recomputes (for a prompt of ``prompt_tokens``). Never raises
+        for a miss: a block that is absent or fails verification ends the prefix.
+        ``out`` past the returned prefix is unspecified.
         """
         checked = check_keys(keys)
         target = self._target(out, len(checked))
-        return self._manager.get(checked, self._chunks(target, len(checked)), prefix=True)
+        plan = self.plan(checked, prompt_tokens=prompt_tokens)
+        if plan.load == 0:
+            return 0
+        start = time.perf_counter()
+        chunks = self._chunks(target, len(checked))[: plan.load]
+        n = self._manager.get(checked[: plan.load], chunks, prefix=True)
+        if n == plan.load:
+            self._manager.restorer.stats.loaded(plan.load_s, time.perf_counter() - start)
+        return n
+
+    # -- restore planning ----------------------------------------------------
+    def plan(
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        prompt_tokens: int | None = None,
+        computed_tokens: int = 0,
+        overlap: bool = False,
+    ) -> RestorePlan:
+        """How many leading chunks of ``keys`` are worth loading, and what that costs.
+
+        Weighs each stored chunk's tier at its live read speed against the engine's
+        prefill speed (``restore.prefill_table`` / ``prefill_tokens_per_s``, or
+        learned: :meth:`note_prefill_step`) for a prompt of ``prompt_tokens`` whose
+        first ``computed_tokens`` the engine already holds; ``overlap``: the load runs
+        layer by layer under compute. Chunks it leaves on slow tiers are copied up in
+        the background (``restore.warm``). See :mod:`kvstore.restore`.
+        """
+        checked = check_keys(keys)
+        for name, value in (("prompt_tokens", prompt_tokens), ("computed_tokens", computed_tokens)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise InvalidInputError(f"plan: {name} must be an int >= 0, got {value!r}")
+        request = RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap))
+        return self._manager.restorer.plan(checked, request)
+
+    def note_prefill_step(self, tokens: int, seconds: float) -> None:
+        """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
+        speed is fitted to (ignored when ``restore`` declares one)."""
+        self._manager.restorer.prefill.observe_step(tokens, seconds)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys`` from every tier; return how many were stored."""
@@ -431,6 +476,7 @@ class KVStore:
             "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
             **counters,
             "tiers": tiers,
+            "restore": self._manager.restorer.snapshot(),
             **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 

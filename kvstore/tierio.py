@@ -55,7 +55,7 @@ class Health:
 class TierIO:
     """Calls into ``tiers`` (fastest first) for the data path; see the module docstring.
 
-    ``_lock`` guards the health records only.
+    ``_lock`` guards the health records and the read totals.
     """
 
     def __init__(
@@ -74,6 +74,7 @@ class TierIO:
         self.speeds = list(speeds) if speeds is not None else []
         if self.speeds and len(self.speeds) != len(self.tiers):
             raise ValueError("one ReadSpeed per tier")
+        self._reads = [(0.0, 0.0, 0) for _ in self.tiers]  # bytes, seconds, calls
 
     # -- what the tiers are -------------------------------------------------------
     def mask(self, test: Callable[[Tier], bool]) -> int:
@@ -133,7 +134,47 @@ class TierIO:
         self._books.count(bytes_read=sum(ok) * nbytes, read_seconds=elapsed)
         if self.speeds:
             self.speeds[level].observe(sum(ok) * nbytes, elapsed)
+        if any(ok):
+            with self._lock:
+                b, sec, calls = self._reads[level]
+                self._reads[level] = (b + sum(ok) * nbytes, sec + elapsed, calls + 1)
         return ok
+
+    def tier_ids(self) -> list[str]:
+        """Each tier as ``kind:n`` (its kind, and how many tiers of that kind come before
+        it): how processes with different tier lists name the same tier."""
+        seen: dict[str, int] = {}
+        ids = []
+        for tier in self.tiers:
+            n = seen.get(tier.kind, 0)
+            seen[tier.kind] = n + 1
+            ids.append(f"{tier.kind}:{n}")
+        return ids
+
+    def read_totals(self) -> dict[str, tuple[float, float, int]]:
+        """Per tier id, every read so far: ``(bytes, seconds, calls)`` (what a process that
+        reads ships to one that plans, such as vLLM's workers to its scheduler)."""
+        with self._lock:
+            return dict(zip(self.tier_ids(), self._reads, strict=True))
+
+    def observe_reads(self, reads: dict[str, tuple[float, float, int]]) -> None:
+        """Feed reads another process made (``{tier id: (bytes, seconds, calls)}``) into
+        the matching tiers' speeds; ids this store lacks are ignored."""
+        if not self.speeds:
+            return
+        for level, tier_id in enumerate(self.tier_ids()):
+            if tier_id in reads:
+                nbytes, seconds, calls = reads[tier_id]
+                self.speeds[level].observe(nbytes, seconds, int(calls))
+
+    def speeds_now(self) -> list[SpeedEstimate]:
+        """Every tier's read speed now (their configured figures where not kept)."""
+        if self.speeds:
+            return [speed.estimate() for speed in self.speeds]
+        return [
+            SpeedEstimate(t.config.read_gbps, t.config.read_latency_ms, "configured", 0.0, None)
+            for t in self.tiers
+        ]
 
     def speed(self, level: int) -> SpeedEstimate | None:
         """Tier ``level``'s read speed now (None where speeds are not kept)."""

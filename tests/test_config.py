@@ -245,7 +245,7 @@ def test_bad_page_cache_values_are_clear(fields, path, needle):
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("value", ["off", "maybe", 2, 1.0])
+@pytest.mark.parametrize("value", ["never", "maybe", 2, 1.0])
 def test_bad_pinned_values(value):
     with raises_at("tiers[0].pinned"):
         from_dict({"tiers": [{"kind": "host", "pinned": value}]})

@@ -43,6 +43,7 @@ from kvstore._values import (
     parse_bool,
     parse_float,
     parse_int,
+    parse_optional_float,
     parse_size,
     parse_str,
 )
@@ -52,6 +53,7 @@ from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
 from kvstore.config.events import EventsConfig
+from kvstore.config.restore import check_prefill_table, parse_prefill_table
 from kvstore.config.server import ServerConfig, TokenConfig
 from kvstore.config.tiers import (
     DeviceTierConfig,
@@ -193,7 +195,21 @@ class PrefetchConfig:
 
 @dataclass(frozen=True)
 class RestoreConfig:
-    """What loading a stored prefix costs, measured as the store runs.
+    """Whether loading a stored prefix pays, from measured speeds.
+
+    ``planning``: on (the default), a lookup offers only the leading chunks whose
+    load is expected to beat recomputing them (``store.plan``; the vLLM connector,
+    ``KVStoreTier`` and ``get_prefix`` follow it); off, every stored chunk is a hit
+    (``KVSTORE_RESTORE_PLANNING=off``).
+
+    ``prefill_table``: the engine's prefill time by prompt length, as
+    ``[[tokens, seconds], ...]`` (``kvstore calibrate`` measures it); or
+    ``prefill_tokens_per_s``, one flat rate. With neither, the vLLM connector learns
+    a rate from the engine's own step times (``learn_prefill``); until it has one,
+    every stored chunk is loaded.
+
+    ``warm``: chunks a plan leaves on a tier too slow to pay are copied to a faster
+    tier in the background, so the next request finds them fast.
 
     ``speed_half_life_s``: each tier's read speed is a fit over its recent
     reads, each weighted by how recent it is; a read's weight halves every
@@ -204,12 +220,30 @@ class RestoreConfig:
     stand until its first read).
     """
 
+    planning: bool = _opt(True, parse_bool)
+    prefill_table: tuple[tuple[int, float], ...] | None = _opt(None, parse_prefill_table)
+    prefill_tokens_per_s: float | None = _opt(None, parse_optional_float)
+    learn_prefill: bool = _opt(True, parse_bool)
+    warm: bool = _opt(True, parse_bool)
     speed_half_life_s: float = _opt(30.0, parse_float)
     speed_stale_s: float = _opt(300.0, parse_float)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
         _check_positive(self, path, "speed_half_life_s", "speed_stale_s")
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
+            raise ConfigError(
+                f"{path}.prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}"
+            )
+        if self.prefill_table is not None:
+            check_prefill_table(self.prefill_table, f"{path}.prefill_table")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (the table as lists, so YAML writes it)."""
+        out = dataclasses.asdict(self)
+        if self.prefill_table is not None:
+            out["prefill_table"] = [list(pair) for pair in self.prefill_table]
+        return out
 
 
 SAVE_MODES = ("async", "sync")
@@ -389,7 +423,7 @@ class StoreConfig:
             "replication": dataclasses.asdict(self.replication),
             "prefetch": dataclasses.asdict(self.prefetch),
             "saves": dataclasses.asdict(self.saves),
-            "restore": dataclasses.asdict(self.restore),
+            "restore": self.restore.to_dict(),
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
             "events": self.events.to_dict(),

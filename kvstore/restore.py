@@ -1,0 +1,318 @@
+"""Restore planning: how much of a stored prefix is worth loading.
+
+A lookup says which leading chunks of a prompt are stored and where; a
+:class:`RestorePlan` says how many of them to load. Loading chunks
+``[first, n)`` from their tiers costs ``load(n)`` (each tier's live read speed:
+one call per tier, its latency plus its bytes over its bandwidth, tiers one
+after another); recomputing what is not loaded costs the engine's prefill of
+tokens ``[n * chunk_tokens, prompt_tokens)`` (:class:`~kvstore.speeds.PrefillSpeed`).
+The plan picks the ``n`` with the least time to a ready prompt:
+
+    load(n) + prefill(n)                                   loads before compute
+    max(load(n), prefill(n)) + load(n) / layers            loads overlapping compute layer by layer
+
+so a hit is never expected to be slower than a miss. Ties go to the longer load;
+a plan never loads less than the leading chunks in the store's fast (memory) tiers;
+with planning off, or no known prefill speed, every stored chunk is loaded.
+Stored chunks a plan leaves behind on slow tiers are *warmed*: copied up in the
+background so the next request finds them fast.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.keys import BlockKey
+from kvstore.speeds import PrefillSpeed, SpeedEstimate
+
+__all__ = [
+    "RestoreCosts",
+    "RestorePlan",
+    "RestoreRequest",
+    "RestoreStats",
+    "Restorer",
+    "RestorerParts",
+    "plan_restore",
+]
+
+#: Relative slack within which a longer load counts as no slower (ties go to loading).
+_TIE = 1e-6
+
+
+@dataclass(frozen=True)
+class RestoreCosts:
+    """What a plan weighs: chunk size, each tier level's read speed, which levels are
+    fast (always loaded), the engine's prefill speed and the model's layer count."""
+
+    chunk_tokens: int
+    chunk_bytes: int
+    speeds: Sequence[SpeedEstimate]
+    fast: frozenset[int]
+    prefill: PrefillSpeed
+    num_layers: int = 1
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    """One prompt's restore: ``levels[i]`` is the fastest tier level holding leading
+    stored chunk ``i``; the engine already holds ``computed_tokens`` (its own cache);
+    ``prompt_tokens`` is the whole prompt (None: the stored chunks' tokens);
+    ``overlap`` says the load runs layer by layer under compute."""
+
+    levels: Sequence[int]
+    prompt_tokens: int | None = None
+    computed_tokens: int = 0
+    overlap: bool = False
+    planning: bool = True
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The answer: load chunks ``[first, load)`` of the ``stored`` leading ones.
+
+    ``load_s``: expected seconds to load them; ``recompute_s``: to prefill the same
+    tokens instead (None: prefill speed unknown); ``ready_s`` / ``nocache_s``: expected
+    seconds to a ready prompt with this plan / loading nothing. ``tier_chunks``: chunks
+    loaded per tier level. ``warm``: indexes of stored chunks left on slow tiers.
+    ``reason``: ``pays`` (planned), ``all`` (every stored chunk pays), ``off``
+    (planning off), ``unknown`` (no prefill speed yet), ``none`` (nothing stored).
+    """
+
+    stored: int
+    first: int
+    load: int
+    load_s: float
+    recompute_s: float | None
+    ready_s: float | None
+    nocache_s: float | None
+    floor: int
+    reason: str
+    tier_chunks: dict[int, int] = field(default_factory=dict)
+    warm: tuple[int, ...] = ()
+
+    @property
+    def skipped(self) -> int:
+        """Stored chunks the plan leaves to recompute."""
+        return self.stored - self.load
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain values (logs, the server protocol, benchmarks)."""
+        return {
+            "stored": self.stored,
+            "first": self.first,
+            "load": self.load,
+            "load_ms": self.load_s * 1e3,
+            "recompute_ms": None if self.recompute_s is None else self.recompute_s * 1e3,
+            "ready_ms": None if self.ready_s is None else self.ready_s * 1e3,
+            "nocache_ms": None if self.nocache_s is None else self.nocache_s * 1e3,
+            "floor": self.floor,
+            "reason": self.reason,
+            "tier_chunks": dict(self.tier_chunks),
+            "warm": len(self.warm),
+        }
+
+
+def _load_seconds(per_level: dict[int, int], costs: RestoreCosts) -> float:
+    """Seconds to read ``per_level[level]`` chunks from each level, one call per level."""
+    return sum(
+        costs.speeds[level].seconds_for(n * costs.chunk_bytes) for level, n in per_level.items()
+    )
+
+
+def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
+    """The plan for ``request`` under ``costs`` (see the module docstring)."""
+    ct, stored = costs.chunk_tokens, len(request.levels)
+    first = min(request.computed_tokens // ct, stored)
+    total = request.prompt_tokens if request.prompt_tokens is not None else stored * ct
+    total = max(total, stored * ct)
+    floor = first
+    while floor < stored and request.levels[floor] in costs.fast:
+        floor += 1
+    loads, per_level = [0.0], dict[int, int]()
+    for i in range(first, stored):
+        per_level[request.levels[i]] = per_level.get(request.levels[i], 0) + 1
+        loads.append(_load_seconds(per_level, costs))
+    prefill = costs.prefill
+
+    def ready(n: int) -> float | None:
+        compute = prefill.seconds(n * ct, total)
+        if compute is None:
+            return None
+        load = loads[n - first]
+        if request.overlap:
+            return max(load, compute) + load / max(1, costs.num_layers)
+        return load + compute
+
+    nocache = ready(first)
+    if stored == first:
+        reason = "none"
+        best = first
+    elif not request.planning or nocache is None:
+        reason, best = ("off" if not request.planning else "unknown"), stored
+    else:
+        best, best_s = first, nocache
+        for n in range(first + 1, stored + 1):
+            t = ready(n)
+            assert t is not None
+            if t <= best_s * (1 + _TIE):
+                best, best_s = n, min(t, best_s)
+        best = max(best, floor)
+        reason = "all" if best == stored else "pays"
+    return _plan(request, costs, first, best, floor, reason, loads, ready(best), nocache)
+
+
+def _plan(
+    request: RestoreRequest,
+    costs: RestoreCosts,
+    first: int,
+    best: int,
+    floor: int,
+    reason: str,
+    loads: list[float],
+    ready_s: float | None,
+    nocache_s: float | None,
+) -> RestorePlan:
+    ct, stored = costs.chunk_tokens, len(request.levels)
+    tier_chunks: dict[int, int] = {}
+    for level in request.levels[first:best]:
+        tier_chunks[level] = tier_chunks.get(level, 0) + 1
+    warm = tuple(i for i in range(best, stored) if request.levels[i] not in costs.fast)
+    return RestorePlan(
+        stored=stored,
+        first=first,
+        load=best,
+        load_s=loads[best - first],
+        recompute_s=costs.prefill.seconds(first * ct, best * ct),
+        ready_s=ready_s,
+        nocache_s=nocache_s,
+        floor=floor,
+        reason=reason,
+        tier_chunks=tier_chunks,
+        warm=warm,
+    )
+
+
+class RestoreStats:
+    """Counts of plans and how their estimates held up.
+
+    Locking: ``_lock`` guards every field; callers hold it for a few additions.
+    """
+
+    def __init__(self, keep: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+        self._errors: deque[float] = deque(maxlen=keep)  # planned / actual - 1
+
+    def add(self, name: str, amount: float = 1) -> None:
+        """Add ``amount`` to counter ``name``."""
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def planned(self, plan: RestorePlan, chunk_tokens: int) -> None:
+        """Count a plan: tokens to load (per tier) and tokens left to recompute."""
+        with self._lock:
+            c = self._counts
+            c["plans"] = c.get("plans", 0) + 1
+            c[f"plans_{plan.reason}"] = c.get(f"plans_{plan.reason}", 0) + 1
+            loaded = (plan.load - plan.first) * chunk_tokens
+            c["tokens_planned_load"] = c.get("tokens_planned_load", 0) + loaded
+            skipped = plan.skipped * chunk_tokens
+            c["tokens_planned_recompute"] = c.get("tokens_planned_recompute", 0) + skipped
+            for level, n in plan.tier_chunks.items():
+                name = f"tokens_planned_load_tier{level}"
+                c[name] = c.get(name, 0) + n * chunk_tokens
+
+    def loaded(self, planned_s: float, actual_s: float) -> None:
+        """One restore ran: its planned and its actual load seconds."""
+        if planned_s <= 0 or actual_s <= 0:
+            return
+        with self._lock:
+            self._errors.append(planned_s / actual_s - 1)
+            self._counts["restores_timed"] = self._counts.get("restores_timed", 0) + 1
+            self._counts["load_planned_s"] = self._counts.get("load_planned_s", 0) + planned_s
+            self._counts["load_actual_s"] = self._counts.get("load_actual_s", 0) + actual_s
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, and the median of planned / actual load time - 1 (recent ones)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out["estimate_error_median"] = statistics.median(self._errors) if self._errors else None
+        return out
+
+
+@dataclass(frozen=True)
+class RestorerParts:
+    """The narrow view of the data path a :class:`Restorer` needs."""
+
+    lookup: Callable[[Sequence[BlockKey], bool], int]
+    where: Callable[[BlockKey], list[int]]
+    speeds: Callable[[], list[SpeedEstimate]]
+    fast: frozenset[int]
+    warm: Callable[[Sequence[BlockKey]], int]
+
+
+class Restorer:
+    """Plans restores for one store: its tiers' live speeds, the engine's prefill speed,
+    counters, and the background warming of what a plan leaves on slow tiers."""
+
+    def __init__(
+        self,
+        parts: RestorerParts,
+        prefill: PrefillSpeed,
+        chunk: tuple[int, int, int],
+        planning: bool = True,
+        warm: bool = True,
+    ) -> None:
+        self.parts = parts
+        self.prefill = prefill
+        self.chunk_tokens, self.chunk_bytes, self.num_layers = chunk
+        self.planning = planning
+        self.warming = warm
+        self.stats = RestoreStats()
+
+    def costs(self) -> RestoreCosts:
+        """The costs a plan made now would weigh."""
+        return RestoreCosts(
+            self.chunk_tokens,
+            self.chunk_bytes,
+            self.parts.speeds(),
+            self.parts.fast,
+            self.prefill,
+            self.num_layers,
+        )
+
+    def plan(self, keys: Sequence[BlockKey], request: RestoreRequest) -> RestorePlan:
+        """Plan ``keys``' restore (``request.levels`` is filled in from the store) and
+        warm what it leaves on slow tiers."""
+        stored = self.parts.lookup(keys, True)
+        levels = []
+        for key in keys[:stored]:
+            where = self.parts.where(key)
+            if not where:  # evicted since the lookup: the prefix ends here
+                break
+            levels.append(where[0])
+        request = RestoreRequest(
+            levels,
+            request.prompt_tokens,
+            request.computed_tokens,
+            request.overlap,
+            request.planning and self.planning,
+        )
+        plan = plan_restore(request, self.costs())
+        self.stats.planned(plan, self.chunk_tokens)
+        if plan.warm and self.warming:
+            queued = self.parts.warm([keys[i] for i in plan.warm])
+            self.stats.add("chunks_warming", queued)
+        return plan
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, estimate error and the prefill speed, as ``stats()`` shows them."""
+        out = self.stats.snapshot()
+        out.update(self.prefill.estimate().as_stats())
+        out["planning"] = self.planning
+        return out

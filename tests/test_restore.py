@@ -1,0 +1,290 @@
+"""Restore planning: exact plans from given speeds and prefill rates, and the store
+following them (get_prefix, warming, stats, the off switch)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore import KVStore
+from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.restore import RestoreCosts, RestoreRequest, plan_restore
+from kvstore.speeds import PrefillSpeed, ReadSpeed, SpeedEstimate
+from kvstore.testing.data import random_blocks, small_layout
+
+CT = 256  # tokens a chunk
+MB = 1_000_000
+
+
+def speed(gbps: float, latency_ms: float = 0.0) -> SpeedEstimate:
+    return SpeedEstimate(gbps, latency_ms, "configured", 0.0, None)
+
+
+def prefill(tokens_per_s: float | None = 10_000, table: Any = None) -> PrefillSpeed:
+    return PrefillSpeed(table, tokens_per_s, False, 30.0, time.monotonic)
+
+
+#: Level 0: memory at 10 GB/s; 1: disk at 1 GB/s + 1 ms; 2: a slow bucket, 0.02 GB/s + 50 ms.
+SPEEDS = [speed(10.0), speed(1.0, 1.0), speed(0.02, 50.0)]
+
+
+def costs(rate: float | None = 10_000, overlap_layers: int = 1, **kw: Any) -> RestoreCosts:
+    fields: dict[str, Any] = {
+        "chunk_tokens": CT,
+        "chunk_bytes": 32 * MB,  # 32 MB a chunk: a chunk recomputes in 25.6 ms at 10K tok/s
+        "speeds": SPEEDS,
+        "fast": frozenset({0}),
+        "prefill": prefill(rate),
+        "num_layers": overlap_layers,
+    }
+    fields.update(kw)
+    return RestoreCosts(**fields)
+
+
+def test_all_fast_loads_everything() -> None:
+    plan = plan_restore(RestoreRequest([0] * 8), costs())
+    assert (plan.load, plan.reason, plan.first, plan.floor) == (8, "all", 0, 8)
+    assert plan.load_s == pytest.approx(8 * 32 * MB / 10e9)
+    assert plan.recompute_s == pytest.approx(8 * CT / 10_000)
+    assert plan.tier_chunks == {0: 8} and plan.warm == ()
+
+
+def test_a_slow_tail_is_recomputed_and_warmed() -> None:
+    # 4 chunks in memory, then 4 only in the slow bucket (1.6 s each to read, 25.6 ms to compute)
+    plan = plan_restore(RestoreRequest([0, 0, 0, 0, 2, 2, 2, 2]), costs())
+    assert (plan.load, plan.reason) == (4, "pays")
+    assert plan.warm == (4, 5, 6, 7)
+    assert plan.ready_s is not None and plan.nocache_s is not None
+    assert plan.ready_s < plan.nocache_s
+    assert plan.tier_chunks == {0: 4}
+
+
+def test_a_disk_tail_that_pays_is_loaded() -> None:
+    # disk: 1 ms + 32 ms a chunk is slower than 25.6 ms of compute: it does not pay...
+    assert plan_restore(RestoreRequest([0, 0, 1, 1]), costs()).load == 2
+    # ... at 2K tokens a second (128 ms a chunk) it does
+    plan = plan_restore(RestoreRequest([0, 0, 1, 1]), costs(rate=2_000))
+    assert (plan.load, plan.reason) == (4, "all")
+    assert plan.load_s == pytest.approx(2 * 32 * MB / 10e9 + 0.001 + 2 * 32 * MB / 1e9)
+
+
+def test_a_slow_head_makes_the_whole_prefix_a_miss() -> None:
+    plan = plan_restore(RestoreRequest([2, 0, 0, 0]), costs())
+    assert (plan.load, plan.floor, plan.reason) == (0, 0, "pays")
+    assert plan.warm == (0,)  # only the slow chunk needs warming
+    assert plan.ready_s == plan.nocache_s
+
+
+def test_a_plan_never_loads_less_than_the_fast_tiers_hold() -> None:
+    # memory at a (made up) crawl: loading loses, yet what memory holds is loaded
+    crawl = [speed(0.001), *SPEEDS[1:]]
+    plan = plan_restore(RestoreRequest([0, 0, 2]), costs(speeds=crawl))
+    assert (plan.load, plan.floor) == (2, 2)
+
+
+def test_overlap_counts_loads_under_compute() -> None:
+    # 4 disk chunks (33 ms each to read) before an 8-chunk suffix; at 10K tok/s a chunk
+    # computes in 25.6 ms. Serially the load loses; layer by layer under the suffix's
+    # compute (205 ms) the whole load hides.
+    request = RestoreRequest([1] * 4, prompt_tokens=12 * CT)
+    assert plan_restore(request, costs()).load == 0
+    overlapped = RestoreRequest([1] * 4, prompt_tokens=12 * CT, overlap=True)
+    plan = plan_restore(overlapped, costs(overlap_layers=32))
+    assert plan.load == 4
+    assert plan.ready_s == pytest.approx(8 * 0.0256 + plan.load_s / 32)
+
+
+def test_tokens_the_engine_holds_are_neither_loaded_nor_counted() -> None:
+    plan = plan_restore(RestoreRequest([0] * 6, computed_tokens=2 * CT + 5), costs())
+    assert (plan.first, plan.load) == (2, 6)
+    assert plan.tier_chunks == {0: 4}
+    assert plan.load_s == pytest.approx(4 * 32 * MB / 10e9)
+
+
+def test_off_and_unknown_prefill_load_every_stored_chunk() -> None:
+    levels = [0, 2, 2]
+    off = plan_restore(RestoreRequest(levels, planning=False), costs())
+    assert (off.load, off.reason) == (3, "off")
+    unknown = plan_restore(RestoreRequest(levels), costs(rate=None))
+    assert (unknown.load, unknown.reason, unknown.nocache_s) == (3, "unknown", None)
+    assert unknown.ready_s == unknown.load_s  # nothing left to compute
+    assert plan_restore(RestoreRequest([]), costs()).reason == "none"
+
+
+def test_a_prefill_table_prices_long_prompts_higher() -> None:
+    # quadratic-ish: 1K tokens in 0.1 s, 8K in 2 s, 16K in 6 s
+    table = [(1024, 0.1), (8192, 2.0), (16384, 6.0)]
+    p = prefill(None, table)
+    assert p.seconds(0, 1024) == pytest.approx(0.1)
+    assert p.seconds(8192, 16384) == pytest.approx(4.0)
+    assert p.seconds(16384, 20480) == pytest.approx(2.0)  # past the table: its last slope
+    assert p.estimate().source == "table"
+    # chunks on a slow-ish disk (0.4 GB/s: 80 ms each) pay over a long prompt (64
+    # chunks: 5.1 s against 6 s) and not over a short one (4: 0.32 s against 0.1 s)
+    slow_disk = [SPEEDS[0], speed(0.4, 1.0), SPEEDS[2]]
+    long_request = RestoreRequest([1] * 64, prompt_tokens=64 * CT)
+    c = costs(speeds=slow_disk, prefill=p)
+    assert plan_restore(long_request, c).load == 64
+    assert plan_restore(RestoreRequest([1] * 4), c).load == 0
+
+
+def test_a_learned_prefill_follows_the_engine_steps() -> None:
+    clock = [0.0]
+    p = PrefillSpeed(None, None, True, 10.0, lambda: clock[0])
+    assert p.seconds(0, 100) is None and p.estimate().source == "unknown"
+    for i, tokens in enumerate([512, 2048, 1024, 4096, 256, 8192]):
+        clock[0] = float(i)
+        p.observe_step(tokens, 0.004 + tokens / 20_000)  # 4 ms a step, 20K tok/s
+    est = p.estimate()
+    assert est.source == "learned" and est.tokens_per_s == pytest.approx(20_000)
+    assert p.seconds(0, 20_000) == pytest.approx(1.0)
+
+
+def test_a_tier_that_becomes_slow_is_planned_around_as_its_estimate_follows() -> None:
+    clock = [0.0]
+    disk = ReadSpeed(1.0, 1.0, half_life_s=5.0, stale_s=60.0, clock=lambda: clock[0])
+
+    def plan_now() -> int:
+        c = costs(speeds=[SPEEDS[0], disk.estimate(), SPEEDS[2]], rate=2_000)
+        return plan_restore(RestoreRequest([0, 1, 1, 1]), c).load
+
+    for i in range(10):  # 1 GB/s reads: loads pay (32 ms a chunk against 128 ms)
+        clock[0] = float(i)
+        disk.observe(32 * MB * (1 + i % 3), 0.001 + 32 * MB * (1 + i % 3) / 1e9)
+    assert plan_now() == 4
+    for i in range(10, 40):  # the disk drops to 0.1 GB/s (320 ms a chunk)
+        clock[0] = float(i)
+        disk.observe(32 * MB * (1 + i % 3), 0.001 + 32 * MB * (1 + i % 3) / 0.1e9)
+    assert disk.estimate().gbps < 0.15
+    assert plan_now() == 1
+
+
+# -- the store ----------------------------------------------------------------------
+
+
+def store_config(tmp_path: Path, host_blocks: int = 64, **restore: Any) -> dict[str, Any]:
+    layout = small_layout()
+    return {
+        "tiers": [
+            {"kind": "host", "capacity": host_blocks * layout.block_nbytes},
+            {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"},
+        ],
+        "restore": restore,
+    }
+
+
+def keys_of(store: KVStore, n: int) -> list[Any]:
+    tokens = list(range(n * store.layout.block_tokens))
+    return store.hash_tokens(tokens, namespace="m")
+
+
+def on_disk_only(store: KVStore, keys: list[Any], kv: torch.Tensor, head: int) -> None:
+    """Store every chunk on disk, and only the first ``head`` in memory too."""
+    store.put(keys, kv)
+    store.flush()
+    assert store.evict(len(keys), tier=0)
+    assert store.manager.promote(keys[:head], tier=0) == head  # back into memory
+    assert [0 in store.manager.where(k) for k in keys] == [i < head for i in range(len(keys))]
+    assert all(1 in store.manager.where(k) for k in keys)
+
+
+def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> None:
+    layout = small_layout()
+    # the disk tier declared absurdly slow: a chunk of it never pays against the
+    # declared prefill rate, and nothing reads it (which would measure it) before the plan
+    config = store_config(tmp_path, prefill_tokens_per_s=1e6)
+    config["tiers"][1].update(read_gbps=1e-6, read_latency_ms=1000)
+    kv = random_blocks(layout, 6)
+    with KVStore(layout, config) as store:
+        keys = keys_of(store, 6)
+        on_disk_only(store, keys, kv, 3)
+        out = torch.empty(layout.tensor_shape(6), dtype=layout.dtype)
+        assert store.get_prefix(keys, out) == 3  # plans, loads 3, warms 3..5
+        assert torch.equal(out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens])
+        store.manager.mover.drain(5.0)
+        assert all(0 in store.manager.where(k) for k in keys)  # warmed into memory
+        assert store.plan(keys).load == 6  # the next request finds them fast
+        stats = store.stats()["restore"]
+        assert stats["plans_pays"] == 1 and stats["plans_all"] == 1
+        assert stats["tokens_planned_recompute"] == 3 * layout.block_tokens
+        assert stats["chunks_warming"] >= 3
+        assert stats["prefill_source"] == "configured"
+
+
+def test_planning_off_loads_every_stored_chunk(tmp_path: Path) -> None:
+    layout = small_layout()
+    config = store_config(tmp_path, prefill_tokens_per_s=1e6, planning="off")
+    config["tiers"][1].update(read_gbps=1e-6, read_latency_ms=1000)
+    kv = random_blocks(layout, 4)
+    with KVStore(layout, config) as store:
+        keys = keys_of(store, 4)
+        on_disk_only(store, keys, kv, 1)
+        out = torch.empty(layout.tensor_shape(4), dtype=layout.dtype)
+        assert store.plan(keys).reason == "off"
+        assert store.get_prefix(keys, out) == 4
+        assert torch.equal(out, kv)
+
+
+def test_without_a_prefill_speed_every_stored_chunk_is_a_hit(tmp_path: Path) -> None:
+    layout = small_layout()
+    kv = random_blocks(layout, 4)
+    with KVStore(layout, store_config(tmp_path)) as store:
+        keys = keys_of(store, 4)
+        store.put(keys, kv)
+        out = torch.empty(layout.tensor_shape(4), dtype=layout.dtype)
+        assert store.get_prefix(keys, out) == 4
+        restore = store.stats()["restore"]
+        assert restore["plans_unknown"] == 1 and restore["prefill_source"] == "unknown"
+        store.note_prefill_step(512, 0.05)  # the store learns the engine's rate
+        for tokens in (1024, 256, 2048):
+            store.note_prefill_step(tokens, tokens / 10_000)
+        assert store.stats()["restore"]["prefill_source"] == "learned"
+        assert store.plan(keys).reason == "all"  # memory always pays
+
+
+def test_planned_and_actual_load_times_are_compared(tmp_path: Path) -> None:
+    layout = small_layout()
+    kv = random_blocks(layout, 4)
+    with KVStore(layout, store_config(tmp_path, prefill_tokens_per_s=1.0)) as store:
+        keys = keys_of(store, 4)
+        store.put(keys, kv)
+        out = torch.empty(layout.tensor_shape(4), dtype=layout.dtype)
+        for _ in range(3):
+            assert store.get_prefix(keys, out) == 4
+        restore = store.stats()["restore"]
+        assert restore["restores_timed"] == 3
+        assert restore["estimate_error_median"] is not None
+        assert restore["load_planned_s"] > 0 and restore["load_actual_s"] > 0
+
+
+def test_bad_plan_input_is_refused(tmp_path: Path) -> None:
+    layout = small_layout()
+    with KVStore(layout, store_config(tmp_path)) as store:
+        keys = keys_of(store, 2)
+        with pytest.raises(InvalidInputError):
+            store.plan(keys, prompt_tokens=-1)
+        with pytest.raises(InvalidInputError):
+            store.plan(keys, computed_tokens=1.5)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError):
+            store.plan(["nope"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("restore", "message"),
+    [
+        ({"prefill_tokens_per_s": 0}, "restore.prefill_tokens_per_s: must be > 0"),
+        ({"prefill_table": [[512, 0.1], [512, 0.2]]}, "tokens must be > 0 and rise"),
+        ({"prefill_table": [[512, 0.5], [1024, 0.1]]}, "seconds must be > 0 and never fall"),
+        ({"prefill_table": [[512]]}, "expected [tokens, seconds]"),
+        ({"prefill_table": "[[1, 2"}, "not valid YAML"),
+        ({"planning": "maybe"}, "restore.planning: expected true or false"),
+    ],
+)
+def test_bad_restore_config_is_a_clear_error(restore: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVStore(small_layout(), {"tiers": [{"kind": "host", "capacity": "1MiB"}], "restore": restore})
+    assert message in str(info.value)
