@@ -254,27 +254,35 @@ class KVStore:
         return target
 
     def get_prefix(
-        self, keys: Sequence[BlockKey], out: torch.Tensor, *, prompt_tokens: int | None = None
+        self,
+        keys: Sequence[BlockKey],
+        out: torch.Tensor,
+        *,
+        prompt_tokens: int | None = None,
+        plan: bool = True,
     ) -> int:
         """Load the leading stored chunks of ``keys`` worth loading into ``out``; return
         how many.
 
         That is the longest stored prefix, or with restore planning on (the default)
         and a known prefill speed, the part of it that :meth:`plan` expects to load
-        faster than it recomputes (for a prompt of ``prompt_tokens``). Never raises
-        for a miss: a block that is absent or fails verification ends the prefix.
-        ``out`` past the returned prefix is unspecified.
+        faster than it recomputes (for a prompt of ``prompt_tokens``); ``plan=False``
+        loads the longest stored prefix whatever it costs (a caller that planned).
+        Never raises for a miss: a block that is absent or fails verification ends
+        the prefix. ``out`` past the returned prefix is unspecified.
         """
         checked = check_keys(keys)
         target = self._target(out, len(checked))
-        plan = self.plan(checked, prompt_tokens=prompt_tokens)
-        if plan.load == 0:
+        chunks = self._chunks(target, len(checked))
+        if not plan:
+            return self._manager.get(checked, chunks, prefix=True)
+        restore = self.plan(checked, prompt_tokens=prompt_tokens)
+        if restore.load == 0:
             return 0
         start = time.perf_counter()
-        chunks = self._chunks(target, len(checked))[: plan.load]
-        n = self._manager.get(checked[: plan.load], chunks, prefix=True)
-        if n == plan.load:
-            self._manager.restorer.stats.loaded(plan.load_s, time.perf_counter() - start)
+        n = self._manager.get(checked[: restore.load], chunks[: restore.load], prefix=True)
+        if n == restore.load:
+            self._manager.restorer.stats.loaded(restore.load_s, time.perf_counter() - start)
         return n
 
     # -- restore planning ----------------------------------------------------
@@ -301,6 +309,24 @@ class KVStore:
                 raise InvalidInputError(f"plan: {name} must be an int >= 0, got {value!r}")
         request = RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap))
         return self._manager.restorer.plan(checked, request)
+
+    def warm(self, keys: Sequence[BlockKey]) -> int:
+        """Copy the stored ones of ``keys`` into the fastest tier in the background (what
+        a restore plan left on slow tiers, so the next request finds it fast); how many
+        copies were queued."""
+        checked = check_keys(keys)
+        stored = [k for k, ok in zip(checked, self._manager.exists(checked), strict=True) if ok]
+        return self._manager.migrations.warm(stored) if stored else 0
+
+    def read_totals(self) -> dict[str, tuple[float, float, int]]:
+        """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``; what a
+        process that reads ships to one that plans (:meth:`observe_reads`)."""
+        return self._manager.io.read_totals()
+
+    def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
+        """Feed reads another process made into this store's tier speeds (matched by
+        tier id; others ignored)."""
+        self._manager.io.observe_reads(dict(reads))
 
     def note_prefill_step(self, tokens: int, seconds: float) -> None:
         """One engine step computed ``tokens`` in ``seconds``: what a learned prefill

@@ -204,7 +204,9 @@ def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> 
         on_disk_only(store, keys, kv, 3)
         out = torch.empty(layout.tensor_shape(6), dtype=layout.dtype)
         assert store.get_prefix(keys, out) == 3  # plans, loads 3, warms 3..5
-        assert torch.equal(out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens])
+        assert torch.equal(
+            out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens]
+        )
         store.manager.mover.drain(5.0)
         assert all(0 in store.manager.where(k) for k in keys)  # warmed into memory
         assert store.plan(keys).load == 6  # the next request finds them fast
@@ -286,5 +288,7 @@ def test_bad_plan_input_is_refused(tmp_path: Path) -> None:
 )
 def test_bad_restore_config_is_a_clear_error(restore: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        KVStore(small_layout(), {"tiers": [{"kind": "host", "capacity": "1MiB"}], "restore": restore})
+        KVStore(
+            small_layout(), {"tiers": [{"kind": "host", "capacity": "1MiB"}], "restore": restore}
+        )
     assert message in str(info.value)

@@ -27,6 +27,7 @@ __all__ = [
     "Scheduled",
     "StepPlan",
     "TransferSpec",
+    "Found",
     "chunk_tokens_for",
     "matched_tokens",
 ]
@@ -36,8 +37,8 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 
 #: ``keys_for(token_ids, adapter, salt) -> {tp_rank: keys of every full chunk}``.
 KeyFn = Callable[[Sequence[int], str | None, str | None], dict[int, list[BlockKey]]]
-#: ``lookup(keys_by_rank) -> leading chunks stored for every rank``.
-LookupFn = Callable[[dict[int, list[BlockKey]]], int]
+#: ``lookup(keys_by_rank, prompt_len, num_computed) -> what is stored and worth loading``.
+LookupFn = Callable[[dict[int, list[BlockKey]], int, int], "Found"]
 #: A request's block ids, one list per KV cache group.
 GroupBlocks = tuple[list[int], ...]
 
@@ -67,6 +68,17 @@ def matched_tokens(hit_chunks: int, chunk_tokens: int, prompt_len: int, num_comp
     return max(0, hit - num_computed)
 
 
+@dataclass(frozen=True)
+class Found:
+    """What a lookup found for one prompt: the leading chunks stored for every rank
+    (``stored``), how many of them are worth loading (``load``: the restore plan) and
+    the plan's expected seconds to load them (None: not planned)."""
+
+    stored: int
+    load: int
+    load_s: float | None = None
+
+
 @dataclass
 class TransferSpec:
     """One request's load or save in one step (shipped scheduler -> workers).
@@ -81,7 +93,8 @@ class TransferSpec:
 
     ``token_ids`` (saves, when the store has a kvstore-server behind it): the
     token ids of the spec's chunks, and ``parents[rank]`` the key of the chunk
-    before them, so the server's KV events carry the tokens.
+    before them, so the server's KV events carry the tokens. ``planned_s`` (loads):
+    the restore plan's expected load seconds, to compare with the actual.
     """
 
     req_id: str
@@ -94,6 +107,7 @@ class TransferSpec:
     whole: bool = False
     token_ids: list[int] | None = None
     parents: dict[int, BlockKey | None] | None = None
+    planned_s: float | None = None
 
     def blocks_of(self, start: int, end: int, block_size: int, group: int = 0) -> list[int]:
         """Engine block ids of ``group`` holding any of tokens ``[start, end)``."""
@@ -121,7 +135,9 @@ class RequestState:
 
     keys: dict[int, list[BlockKey]]
     prompt_len: int
-    hit_chunks: int = 0
+    hit_chunks: int = 0  # leading chunks to load (the restore plan)
+    stored_chunks: int = 0  # leading chunks stored (at least hit_chunks)
+    planned_load_s: float | None = None
     local_tokens: int = 0  # the engine's own hit, as passed to the last match()
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or planned for saving
@@ -187,10 +203,14 @@ class Planner:
     ) -> int:
         """Tokens beyond ``num_computed`` (the engine's own hit) the store can load."""
         state = self._state(req_id, prompt_token_ids, adapter, salt)
-        state.hit_chunks = self._lookup(state.keys) if state.keys and not state.load_failed else 0
+        found = Found(0, 0)
+        if state.keys and not state.load_failed:
+            found = self._lookup(state.keys, state.prompt_len, num_computed)
+        state.hit_chunks, state.stored_chunks = found.load, found.stored
+        state.planned_load_s = found.load_s
         state.local_tokens = num_computed
         # Chunks found stored need no save; a failed load rolls this back (see step()).
-        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
+        state.saved_chunks = max(state.saved_chunks, found.stored)
         return matched_tokens(state.hit_chunks, self.chunk_tokens, state.prompt_len, num_computed)
 
     def allocated(
@@ -224,7 +244,7 @@ class Planner:
         if state is None:
             return
         state.load_failed = True
-        state.hit_chunks = 0
+        state.hit_chunks = state.stored_chunks = 0
         state.saved_chunks = 0  # what is still stored is skipped when saving
         state.expected_computed = 0
 
@@ -278,7 +298,10 @@ class Planner:
         first, last = start // c, -(-end // c)
         if start >= end or last > state.hit_chunks:
             return None  # nothing, or more than was found: never load what is not there
-        return self._spec(req_id, state, first, last, start, end)
+        spec = self._spec(req_id, state, first, last, start, end)
+        if spec is not None:
+            spec.planned_s = state.planned_load_s
+        return spec
 
     def _save_spec(self, req_id: str, state: RequestState, done: int) -> TransferSpec | None:
         """Full prompt chunks computed by the end of this step and not yet saved."""

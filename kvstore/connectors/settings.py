@@ -112,7 +112,8 @@ def shared_tiers_config(config: StoreConfig) -> StoreConfig | None:
     reserve memory of its own for them.
     """
     tiers = tuple(t for t in config.tiers if t.kind not in _MEMORY_KINDS)
-    return StoreConfig(tiers=tiers) if tiers else None
+    # The restore section comes along: the scheduler plans which hits pay.
+    return StoreConfig(tiers=tiers, restore=config.restore) if tiers else None
 
 
 class Counters:

@@ -254,7 +254,7 @@ class TransferWorker:
             batch = keys[offset : offset + self._batch]
             chunk0 = spec.first_chunk + offset
             staging = self._staging(len(batch))
-            n = self.store.get_prefix(batch, staging)
+            n = self.store.get_prefix(batch, staging, plan=False)  # the scheduler planned
             lo, hi = max(spec.token_start, chunk0 * c), min(spec.token_end, (chunk0 + n) * c)
             if hi > lo:
                 a, b = lo - chunk0 * c, hi - chunk0 * c

@@ -65,8 +65,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.paged import PagedKV, PageMap
-from kvstore.connectors.plan import Planner, Scheduled, StepPlan, chunk_tokens_for
+from kvstore.connectors.plan import Found, Planner, Scheduled, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
+from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
 from kvstore.connectors.transfer import LayerGroups, TransferWorker
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
@@ -163,6 +164,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters = Counters("scheduler" if is_scheduler else "worker")
         self._lookup_store: KVStore | None = None
         self._worker: TransferWorker | None = None
+        self._reads: ReadDeltas | None = None  # a worker's tier reads, for the scheduler
+        self._speeds = EngineSpeeds(None)
         self._events: ConnectorEvents | None = None
         self._prompts: dict[str, Any] = {}  # request -> prompt token ids, for events
         # A kvstore-server (or cluster) behind the store: saves carry their tokens to it.
@@ -252,6 +255,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._planner = Planner(
             self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup
         )
+        self._speeds = EngineSpeeds(self._lookup_store)
 
     def _init_events(self, events: EventsConfig, shared: StoreConfig) -> None:
         """Report the chunks kvstore holds in vLLM's KV events, in the engine's blocks;
@@ -264,14 +268,32 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         announced = self._events.restore(self._lookup_store.exists)
         log.info("kvstore: KV events on (%s); %d chunks announced again", medium.name, announced)
 
-    def _lookup(self, keys: dict[int, list[BlockKey]]) -> int:
-        if self._lookup_store is None:
-            return 0
-        # Workers evict from the shared tiers this scheduler only reads: confirm.
-        found = min(self._lookup_store.lookup(ks, recheck=True) for ks in keys.values())
-        if self._events is not None and keys:
-            self._events.gone(keys[min(keys)][found:])
-        return found
+    def _lookup(self, keys: dict[int, list[BlockKey]], prompt_len: int, computed: int) -> Found:
+        """What is stored for every rank, and how much of it pays to load (the restore
+        plan: the shared tiers' speeds as the workers measure them against the engine's
+        prefill speed; loads overlap compute layer by layer unless they are whole)."""
+        store = self._lookup_store
+        if store is None or not keys:
+            return Found(0, 0)
+        first = min(keys)
+        # Workers evict from the shared tiers this scheduler only reads: plan() confirms.
+        overlap = not self.geometry.per_request_loads
+        plan = store.plan(
+            keys[first], prompt_tokens=prompt_len, computed_tokens=computed, overlap=overlap
+        )
+        stored = plan.stored
+        for rank, ks in keys.items():
+            if rank != first:
+                stored = min(stored, store.lookup(ks, recheck=True))
+        if self._events is not None:
+            self._events.gone(keys[first][stored:])
+        load = min(plan.load, stored)
+        if load < stored:
+            self.counters.add("plan_recompute_requests")
+            self.counters.add("plan_recompute_tokens", (stored - load) * self.chunk_tokens)
+        # Chunks left on slow shared tiers: plan() warms them (copies them up the shared
+        # tiers, e.g. from S3 to disk) for the next request.
+        return Found(stored, load, plan.load_s if load > plan.first else None)
 
     def _announce(self, req_id: str, chunks: int) -> None:
         """The store holds the first ``chunks`` chunks of request ``req_id``'s prompt."""
@@ -334,7 +356,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._events is not None:
             self._prompts[request.request_id] = tokens
             self._announce(
-                request.request_id, self._planner.requests[request.request_id].hit_chunks
+                request.request_id, self._planner.requests[request.request_id].stored_chunks
             )
         if not self._loads:
             return 0, False
@@ -358,14 +380,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._planner.allocated(request.request_id, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """A failed whole load: vLLM recomputes the request; never offer it a hit again."""
+        """A step ended: learn from it (the engine's prefill speed, the tiers' read speeds
+        the workers measured); a failed whole load: vLLM recomputes the request, never
+        offer it a hit again."""
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.counters.add("load_failed_requests_seen")
             self._planner.load_failed(req_id)
+        if self._lookup_store is not None:
+            self._speeds.step_ended(getattr(connector_output, "kv_connector_stats", None))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Plan this step's loads and saves from what vLLM scheduled."""
         plan = self._planner.step(_scheduled(scheduler_output))
+        self._speeds.step_started(scheduler_output.total_num_scheduled_tokens, bool(plan.loads))
         if not self._saves or not self.geometry.serves:
             plan.saves = []
         for save in plan.saves:  # saved by the workers within this step
@@ -407,6 +434,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters,
             saves=rank == 0 or not self.geometry.replicated,
         )
+        self._reads = ReadDeltas(store)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Attach vLLM's per-layer paged caches, and learn how the kernel packs a page."""
@@ -501,8 +529,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
-        """The counters that changed since the last call (vLLM logs and aggregates them)."""
+        """The counters that changed since the last call (vLLM logs and aggregates them);
+        from a worker, also the tier reads it made (the scheduler plans with them)."""
         delta = self.counters.take_delta()
+        if self._reads is not None:
+            delta.update(self._reads.take())
         return KVStoreConnectorStats(data=delta) if delta else None
 
     @classmethod

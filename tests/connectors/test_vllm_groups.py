@@ -12,7 +12,7 @@ import torch
 
 from kvstore import KVLayout, KVStore
 from kvstore.connectors.paged import NULL_BLOCK, PagedKV, PageMap
-from kvstore.connectors.plan import Planner, Scheduled, TransferSpec
+from kvstore.connectors.plan import Found, Planner, Scheduled, TransferSpec
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.transfer import LayerGroups, TransferWorker
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
@@ -148,11 +148,11 @@ def test_planner_plans_whole_loads_at_allocation_and_recomputes_after_a_failure(
     def keys_for(t: object, a: object, s: object) -> dict[int, list[BlockKey]]:
         return {0: keys_of(list(t))}  # type: ignore[call-overload]
 
-    def lookup(keys: dict[int, list[BlockKey]]) -> int:
+    def lookup(keys: dict[int, list[BlockKey]], prompt_len: int, computed: int) -> Found:
         n = 0
         while n < len(keys[0]) and keys[0][n] in stored:
             n += 1
-        return n
+        return Found(n, n)
 
     tokens = list(range(40))
     stored.update(keys_of(tokens)[:4])

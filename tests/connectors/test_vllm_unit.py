@@ -19,6 +19,7 @@ import torch
 from kvstore import ConfigError, InvalidInputError, KVLayout, KVStore, StoreConfig
 from kvstore.connectors.paged import PagedKV, PageMap
 from kvstore.connectors.plan import (
+    Found,
     Planner,
     Scheduled,
     TransferSpec,
@@ -227,8 +228,16 @@ class FakeIndex:
 
     def __init__(self) -> None:
         self.stored: set[BlockKey] = set()
+        #: Chunks a restore plan would load (None: every stored one).
+        self.plan: int | None = None
 
-    def lookup(self, keys: dict[int, list[BlockKey]]) -> int:
+    def lookup(self, keys: dict[int, list[BlockKey]], prompt_len: int, computed: int) -> Found:
+        n = self.count(keys)
+        if self.plan is None:
+            return Found(n, n)
+        return Found(n, min(n, self.plan), 0.01)
+
+    def count(self, keys: dict[int, list[BlockKey]]) -> int:
         counts = []
         for ks in keys.values():
             n = 0
@@ -260,6 +269,21 @@ def test_planner_loads_the_hit_then_saves_new_full_chunks() -> None:
     assert save.block_ids == (blocks[8:12],) and save.block_offset == 8
     assert save.blocks_of(64, 96, BS) == blocks[8:12]
     assert not planner.step([Scheduled("r", None, False, 100, 1)])  # decode: nothing new
+
+
+def test_planner_loads_what_the_restore_plan_says() -> None:
+    index, tokens = FakeIndex(), list(range(100, 200))  # 3 full chunks, all stored
+    keys = keys_for(tokens, None, None)
+    index.stored |= set(keys[0]) | set(keys[1])
+    index.plan = 1  # chunk 0 pays; 1 and 2 sit on a slow tier
+    planner = planner_with(index)
+    assert planner.match("r", tokens, 0) == 32
+    planner.allocated("r", 32)
+    blocks = list(range(40, 53))
+    plan = planner.step([Scheduled("r", (blocks,), True, 32, 68)])
+    (load,) = plan.loads
+    assert (load.first_chunk, load.token_end, load.planned_s) == (0, 32, 0.01)
+    assert not plan.saves  # the recomputed chunks are stored already: nothing to save
 
 
 def test_planner_follows_chunked_prefill() -> None:
