@@ -162,7 +162,18 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 f"{tier['read_latency_ms_estimate']:.2f} ms a call ({tier['read_speed_source']})"
             )
         print(f"  {tier['kind']:<7} {tier['blocks']:>8} / {tier['capacity_blocks']} blocks{speed}")
+    _print_restore(stats.get("restore") or {})
     return 0
+
+
+def _print_restore(restore: dict[str, Any]) -> None:
+    """Restore planning: on or off, the prefill speed it weighs loads against."""
+    if not restore:
+        return
+    rate = restore.get("prefill_tokens_per_s")
+    speed = f"{rate:,.0f} tokens/s" if rate else "not known yet (every stored chunk loads)"
+    state = "on" if restore.get("planning") else "off (every stored chunk loads)"
+    print(f"restore planning {state}; prefill {speed} ({restore.get('prefill_source')})")
 
 
 def _redact(value: Any) -> Any:

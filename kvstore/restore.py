@@ -203,9 +203,20 @@ class RestoreStats:
     Locking: ``_lock`` guards every field; callers hold it for a few additions.
     """
 
+    #: Counters shown from the start (others appear when first counted).
+    BASE = (
+        "plans",
+        "tokens_planned_load",
+        "tokens_planned_recompute",
+        "chunks_warming",
+        "restores_timed",
+        "load_planned_s",
+        "load_actual_s",
+    )
+
     def __init__(self, keep: int = 256) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, float] = {}
+        self._counts: dict[str, float] = dict.fromkeys(self.BASE, 0)
         self._errors: deque[float] = deque(maxlen=keep)  # planned / actual - 1
 
     def add(self, name: str, amount: float = 1) -> None:
@@ -309,6 +320,25 @@ class Restorer:
             queued = self.parts.warm([keys[i] for i in plan.warm])
             self.stats.add("chunks_warming", queued)
         return plan
+
+    def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
+        """Whether reading one chunk of ``nbytes`` from tier ``level`` beats recomputing
+        its prompt tokens ``[start, end)`` (engines that look chunks up one at a time, in
+        order); None when planning is off or the prefill speed is unknown (load it)."""
+        if not self.planning:
+            return None
+        compute = self.prefill.seconds(*tokens)
+        if compute is None:
+            return None
+        speeds = self.parts.speeds()
+        if not 0 <= level < len(speeds) or level in self.parts.fast:
+            return True
+        pays = speeds[level].seconds_for(nbytes) <= compute * (1 + _TIE)
+        self.stats.add("chunks_checked")
+        if not pays:
+            self.stats.add("chunks_planned_recompute")
+            self.stats.add("tokens_planned_recompute", tokens[1] - tokens[0])
+        return pays
 
     def snapshot(self) -> dict[str, Any]:
         """Counters, estimate error and the prefill speed, as ``stats()`` shows them."""

@@ -92,5 +92,14 @@ def test_stats_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert stats["blocks"] == 0
     assert stats["tiers"][0]["capacity_blocks"] == 64 // 2  # 2 MiB blocks at 2 layers
     assert stats["tiers"][0]["read_speed_source"] == "configured"
+    assert stats["restore"]["planning"] is True and stats["restore"]["plans"] == 0
     assert main(["stats", "--config", str(path), "--layers", "2"]) == 0
-    assert "reads 10.00 GB/s, 0.01 ms a call (configured)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reads 10.00 GB/s, 0.01 ms a call (configured)" in out
+    assert "restore planning on; prefill not known yet (every stored chunk loads) (unknown)" in out
+    path.write_text(path.read_text() + "restore:\n  planning: off\n  prefill_tokens_per_s: 9000\n")
+    assert main(["stats", "--config", str(path), "--layers", "2"]) == 0
+    assert (
+        "restore planning off (every stored chunk loads); prefill 9,000 tokens/s (configured)"
+        in (capsys.readouterr().out)
+    )

@@ -31,6 +31,10 @@ and the store. A block that is absent, unreadable or fails its checksum fails it
   (default) and a local tier in the store, a background copy into the first local tier
   starts and the answer is RETRY until it lands (HIT), fails (MISS) or takes longer than
   ``retry_timeout_s`` (MISS); otherwise HIT, loaded straight from the remote tier;
+- held only by a remote tier whose read of the chunk is expected to take longer than
+  recomputing its tokens (restore planning, ``restore:`` in the store config: the
+  tier's live read speed against the engine's declared prefill speed): MISS, and the
+  background copy into the first local tier still starts, so the next request hits;
 - unknown to the index, with a shared tier (a disk directory other processes write,
   S3, a server) and ``discover`` (default): a background existence check starts and the
   answer is RETRY until it ends (HIT or MISS) or ``retry_timeout_s`` passes (MISS). A
@@ -116,6 +120,7 @@ class KVStoreTierMetrics:
     LOAD_FAILURES = "vllm:kv_offload_kvstore_load_failed_blocks"
     STORE_FAILURES = "vllm:kv_offload_kvstore_store_failed_blocks"
     REMOTE_FETCHES = "vllm:kv_offload_kvstore_remote_fetches"
+    PLANNED_MISSES = "vllm:kv_offload_kvstore_planned_misses"
     STORED_BLOCKS = "vllm:kv_offload_kvstore_stored_blocks"
 
     #: counter name -> (attribute of TierCounters, documentation)
@@ -130,6 +135,10 @@ class KVStoreTierMetrics:
         LOAD_FAILURES: ("load_failures", "Chunks a kvstore load job failed to load."),
         STORE_FAILURES: ("store_failures", "Chunks a kvstore store job failed to store."),
         REMOTE_FETCHES: ("fetches", "Chunks fetched from a remote kvstore tier."),
+        PLANNED_MISSES: (
+            "planned_misses",
+            "Chunks on a remote tier answered MISS because recomputing them is faster.",
+        ),
     }
 
 
@@ -216,6 +225,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
             # Always watched: the feed also says which cached HIT answers went stale.
             self._feed = self._manager.watch()
             self._pool = JobPool(settings.io_threads)
+            self._chunk_tokens = _chunk_tokens(offloading_spec)
         except BaseException:
             self._store.close()
             raise
@@ -287,12 +297,12 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if key in self._hit and key not in self._inflight:  # the scheduler asks every step
             self._answers["hits"] += 1
             return LookupResult.HIT
-        result = self._lookup(key)
+        result = self._lookup(key, req_context)
         name = {LookupResult.HIT: "hits", LookupResult.MISS: "misses"}.get(result, "retries")
         self._answers[name] += 1
         return result
 
-    def _lookup(self, key: OffloadKey) -> LookupResult:
+    def _lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         if self._closed:
             return LookupResult.MISS
         if key in self._inflight:
@@ -308,7 +318,13 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
             if self._events:
                 self._names[block] = key
             remote_only = not self._local.intersection(levels)
-            if remote_only and self._settings.fetch_remote and self._first_local is not None:
+            fetch = self._settings.fetch_remote and self._first_local is not None
+            if remote_only and not self._pays(key, levels[0], req_context):
+                if fetch:  # recomputed now; the background fetch warms it for next time
+                    self._probe(key, block, fetch=True)
+                self._counters.add(planned_misses=1)
+                return LookupResult.MISS
+            if remote_only and fetch:
                 return self._probe(key, block, fetch=True)
             self._probes.pop(key, None)
             if not remote_only:
@@ -318,6 +334,16 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self._settings.discover and self._shared:
             return self._probe(key, block, fetch=False)
         return LookupResult.MISS
+
+    def _pays(self, key: OffloadKey, level: int, req_context: ReqContext | None) -> bool:
+        """Whether loading ``key``'s chunk from remote tier ``level`` beats recomputing it
+        (restore planning; true when it cannot tell: its position or the prefill speed
+        unknown, or planning off)."""
+        end = req_context.get_offload_key_position(key) if req_context is not None else None
+        if end is None or self._chunk_tokens is None:
+            return True
+        tokens = (max(0, end - self._chunk_tokens), end)
+        return self._manager.restorer.chunk_pays(level, self.block_size_bytes, tokens) is not False
 
     def _probe(self, key: OffloadKey, block: BlockKey, fetch: bool) -> LookupResult:
         """RETRY while a background check (or fetch) of ``key`` runs, within the timeout;
@@ -479,6 +505,19 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._manager.unwatch(self._feed)
         self._store.close()
         self._blocks = self._blocks.new_empty(0)  # let vLLM unmap its primary memory
+
+
+def _chunk_tokens(spec: Any) -> int | None:
+    """Prompt tokens one offloaded chunk holds (None: the spec does not say)."""
+    per_block = getattr(spec, "tokens_per_block", None)
+    blocks = getattr(spec, "blocks_per_chunk", None)
+    if not isinstance(per_block, (tuple, list)) or not per_block:
+        return None
+    if not all(isinstance(n, int) and n > 0 for n in per_block):
+        return None
+    if not isinstance(blocks, int) or blocks <= 0:
+        return None
+    return max(per_block) * blocks
 
 
 def _settle(probe: _Probe, outcome: JobOutcome) -> None:

@@ -139,7 +139,43 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                     speed_samples.append((speed_labels, float(tier[key])))
     _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples)
     _metric(lines, "kvstore_tier_read_speed", "gauge", speed_samples)
+    _restore_metrics(lines, stores)
     _cluster_metrics(lines, stores)
+
+
+#: Restore planning counters (kvstore/restore.py): stats key, metric name.
+_RESTORE = (
+    ("plans", "kvstore_restore_plans_total"),
+    ("tokens_planned_load", "kvstore_restore_tokens_planned_load_total"),
+    ("tokens_planned_recompute", "kvstore_restore_tokens_planned_recompute_total"),
+    ("chunks_warming", "kvstore_restore_chunks_warmed_total"),
+    ("load_planned_s", "kvstore_restore_load_planned_seconds_total"),
+    ("load_actual_s", "kvstore_restore_load_actual_seconds_total"),
+    ("estimate_error_median", "kvstore_restore_estimate_error_median"),
+)
+
+
+def _restore_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
+    """Tokens each store planned to load vs recompute (per tier: ``tier`` label), and
+    planned vs actual load seconds, so a wrong speed estimate shows."""
+    for key, name in _RESTORE:
+        samples = []
+        for stats in stores:
+            restore = stats.get("restore") or {}
+            labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
+            if isinstance(restore.get(key), (int, float)):
+                samples.append((labels, float(restore[key])))
+        kind = "gauge" if key == "estimate_error_median" else "counter"
+        _metric(lines, name, kind, samples)
+    per_tier = []
+    for stats in stores:
+        restore = stats.get("restore") or {}
+        labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
+        for key, value in restore.items():
+            if key.startswith("tokens_planned_load_tier") and isinstance(value, (int, float)):
+                tier = key.removeprefix("tokens_planned_load_tier")
+                per_tier.append((labels + f',tier="{tier}"', float(value)))
+    _metric(lines, "kvstore_restore_tier_tokens_planned_load_total", "counter", per_tier)
 
 
 def _cluster_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:

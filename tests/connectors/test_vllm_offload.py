@@ -97,3 +97,16 @@ def test_s3_fetch_and_s3_down(findings: dict[str, Any]) -> None:
     assert r["down_lookups"] == ["MISS", "MISS", "MISS"]
     assert r["down_seconds"] < 10
     assert not any(r["down_loads"])
+
+
+def test_a_slow_remote_chunk_is_recomputed_and_warmed(findings: dict[str, Any]) -> None:
+    r = findings["planned"]
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert r["dropped_local"] == 2
+    # S3 declared at 1 KB/s and 5 s a call; 16 tokens recompute in 16 us: MISS at once
+    assert r["planned_lookups"] == ["MISS", "MISS"] and r["planned_seconds"] < 5
+    assert r["warmed"] == [True, True]  # the background fetch landed in host memory
+    assert r["next_lookups"] == ["HIT", "HIT"] and r["next_equal"] == [True, True]
+    assert r["restore"]["chunks_planned_recompute"] >= 1
+    assert r["off_lookups"] == ["HIT"]  # planning off: the slow chunk is loaded

@@ -74,6 +74,7 @@ def make_spec(events: bool = True, model: str = "test-model") -> Any:
         ),
     )
     spec.blocks_per_chunk = 1
+    spec.tokens_per_block = (16,)
     spec.kv_events_config = OffloadingKVEventsConfig(
         enable_kv_cache_events=events, self_describing_kv_events=False
     )
@@ -155,9 +156,15 @@ class Harness:
         self.manager.on_request_finished(ctx)
         self.step()
 
-    def lookups(self, ns: list[int], timeout: float = 20.0) -> list[LookupResult]:
-        """Look up each key of a new request until none answers RETRY / HIT_PENDING."""
+    def lookups(
+        self, ns: list[int], timeout: float = 20.0, positions: bool = False
+    ) -> list[LookupResult]:
+        """Look up each key of a new request until none answers RETRY / HIT_PENDING
+        (``positions``: the request says where each key ends, 16 tokens a chunk)."""
         ctx = self.request()
+        if positions:
+            for i, n in enumerate(ns):
+                ctx.set_offload_key_position(key(n), 16 * (i + 1))
         pending = {LookupResult.RETRY, LookupResult.HIT_PENDING}
         deadline = time.monotonic() + timeout
         while True:
@@ -383,6 +390,53 @@ def scenario_s3(work: Path) -> dict[str, Any]:
     return out
 
 
+def scenario_planned(work: Path) -> dict[str, Any]:
+    """Restore planning: chunks only on an S3 tier declared too slow to beat recomputing
+    them are a MISS at once, and the background fetch warms them for the next request."""
+    if not MOTO_PYTHON:
+        return {"skipped": "no --moto-python given"}
+    server = MotoProcess(MOTO_PYTHON)
+    out: dict[str, Any] = {}
+    try:
+        host = {"kind": "host", "capacity": 16 * CHUNK, "prefault": False}
+        slow = s3_entry(server, read_gbps=1e-6, read_latency_ms=5000.0)
+        entry = {"type": "KVStoreTier", "module_path": MODULE, "retry_timeout_s": 10.0}
+        restore = {"prefill_tokens_per_s": 1e6}
+        h = Harness({**entry, "tiers": [host, slow], "restore": restore})
+        try:
+            h.store([41, 42])
+            store = h.tier.store  # type: ignore[attr-defined]
+            store.flush()
+            blocks = [h.tier.block_key(key(n)) for n in (41, 42)]  # type: ignore[attr-defined]
+            out["dropped_local"] = store.manager.drop_local(blocks)
+            h.manager.reset_cache()
+            start = time.monotonic()
+            out["planned_lookups"] = [r.name for r in h.lookups([41, 42], positions=True)]
+            out["planned_seconds"] = round(time.monotonic() - start, 2)
+            store.manager.mover.drain(10.0)
+            h.step(lambda: all(0 in store.manager.where(b) for b in blocks))
+            out["warmed"] = [0 in store.manager.where(b) for b in blocks]
+            h.manager.reset_cache()
+            out["next_lookups"] = [r.name for r in h.lookups([41, 42], positions=True)]
+            out["next_equal"] = h.loaded_equal([41, 42])
+            out["restore"] = store.stats()["restore"]
+        finally:
+            h.close()
+        h = Harness({**entry, "tiers": [host, slow], "restore": {**restore, "planning": False}})
+        try:
+            h.store([51])
+            store = h.tier.store  # type: ignore[attr-defined]
+            store.flush()
+            store.manager.drop_local([h.tier.block_key(key(51))])  # type: ignore[attr-defined]
+            h.manager.reset_cache()
+            out["off_lookups"] = [r.name for r in h.lookups([51], positions=True)]
+        finally:
+            h.close()
+    finally:
+        server.stop()
+    return out
+
+
 def run(work: Path, names: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
@@ -395,7 +449,7 @@ def run(work: Path, names: list[str]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = ["roundtrip", "eviction", "restart", "corrupt", "s3"]
+SCENARIOS = ["roundtrip", "eviction", "restart", "corrupt", "s3", "planned"]
 
 MOTO_PYTHON = ""
 

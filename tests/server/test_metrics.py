@@ -48,6 +48,9 @@ def test_metrics_and_healthz(kv_server: Start) -> None:
     assert "# TYPE kvstore_tier_read_speed gauge" in text
     assert f'kvstore_tier_read_speed{{{labels},tier="0",kind="host",what="gbps",' in text
     assert 'what="latency_ms",source="configured"}' in text
+    # Restore planning: nothing planned yet, counted from zero.
+    assert f"kvstore_restore_plans_total{{{labels}}} 0" in text
+    assert f"kvstore_restore_tokens_planned_recompute_total{{{labels}}} 0" in text
     assert fetch(base + "/healthz") == (200, "ok\n")
     assert fetch(base + "/nothing")[0] == 404
 
