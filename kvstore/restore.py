@@ -20,6 +20,7 @@ background so the next request finds them fast.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import threading
 from collections import deque
@@ -62,13 +63,16 @@ class RestoreRequest:
     """One prompt's restore: ``levels[i]`` is the fastest tier level holding leading
     stored chunk ``i``; the engine already holds ``computed_tokens`` (its own cache);
     ``prompt_tokens`` is the whole prompt (None: the stored chunks' tokens);
-    ``overlap`` says the load runs layer by layer under compute."""
+    ``overlap`` says the load runs layer by layer under compute; ``chunk_tokens``
+    overrides the tokens a chunk holds (an engine whose pages the store keeps as
+    opaque blocks)."""
 
     levels: Sequence[int]
     prompt_tokens: int | None = None
     computed_tokens: int = 0
     overlap: bool = False
     planning: bool = True
+    chunk_tokens: int | None = None  # an engine's page when blocks are opaque (None: layout)
 
 
 @dataclass(frozen=True)
@@ -307,15 +311,14 @@ class Restorer:
             if not where:  # evicted since the lookup: the prefix ends here
                 break
             levels.append(where[0])
-        request = RestoreRequest(
-            levels,
-            request.prompt_tokens,
-            request.computed_tokens,
-            request.overlap,
-            request.planning and self.planning,
+        request = dataclasses.replace(
+            request, levels=levels, planning=request.planning and self.planning
         )
-        plan = plan_restore(request, self.costs())
-        self.stats.planned(plan, self.chunk_tokens)
+        costs = self.costs()
+        if request.chunk_tokens is not None:
+            costs = dataclasses.replace(costs, chunk_tokens=request.chunk_tokens)
+        plan = plan_restore(request, costs)
+        self.stats.planned(plan, costs.chunk_tokens)
         if plan.warm and self.warming:
             queued = self.parts.warm([keys[i] for i in plan.warm])
             self.stats.add("chunks_warming", queued)

@@ -293,6 +293,7 @@ class KVStore:
         prompt_tokens: int | None = None,
         computed_tokens: int = 0,
         overlap: bool = False,
+        chunk_tokens: int | None = None,
     ) -> RestorePlan:
         """How many leading chunks of ``keys`` are worth loading, and what that costs.
 
@@ -300,14 +301,20 @@ class KVStore:
         prefill speed (``restore.prefill_table`` / ``prefill_tokens_per_s``, or
         learned: :meth:`note_prefill_step`) for a prompt of ``prompt_tokens`` whose
         first ``computed_tokens`` the engine already holds; ``overlap``: the load runs
-        layer by layer under compute. Chunks it leaves on slow tiers are copied up in
-        the background (``restore.warm``). See :mod:`kvstore.restore`.
+        layer by layer under compute; ``chunk_tokens``: the tokens a block holds where
+        the layout does not say (an engine's opaque pages). Chunks it leaves on slow
+        tiers are copied up in the background (``restore.warm``). See
+        :mod:`kvstore.restore`.
         """
         checked = check_keys(keys)
         for name, value in (("prompt_tokens", prompt_tokens), ("computed_tokens", computed_tokens)):
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"plan: {name} must be an int >= 0, got {value!r}")
-        request = RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap))
+        if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens <= 0):
+            raise InvalidInputError(f"plan: chunk_tokens must be an int > 0, got {chunk_tokens!r}")
+        request = RestoreRequest(
+            (), prompt_tokens, computed_tokens, bool(overlap), chunk_tokens=chunk_tokens
+        )
         return self._manager.restorer.plan(checked, request)
 
     def warm(self, keys: Sequence[BlockKey]) -> int:

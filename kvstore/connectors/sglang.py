@@ -190,10 +190,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Number of leading ``keys`` whose pages are stored."""
+        """Number of leading ``keys`` whose pages are stored and worth loading (restore
+        planning: pages only on a tier too slow to beat recomputing them are left out,
+        and copied up in the background for the next request)."""
         if self._store is None or not keys:
             return 0
         try:
+            page = getattr(self.mem_pool_host, "page_size", None)
+            if isinstance(page, int) and page > 0:
+                return self._store.plan(self._keys(keys), chunk_tokens=page).load
             return self._store.lookup(self._keys(keys))
         except Exception:  # a failing store is a miss, never an error in SGLang's thread
             log.exception("kvstore: existence check failed")

@@ -517,7 +517,7 @@ def _chunk_tokens(spec: Any) -> int | None:
         return None
     if not isinstance(blocks, int) or blocks <= 0:
         return None
-    return max(per_block) * blocks
+    return int(max(per_block)) * blocks
 
 
 def _settle(probe: _Probe, outcome: JobOutcome) -> None:

@@ -7,6 +7,7 @@ factory). In a venv without it these tests skip; test_vllm_e2e.py runs them in .
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,27 @@ def test_pages_move_between_two_backends_through_a_server(tmp_path: Path, kv_ser
     assert reader.batch_get_v1(keys, torch.arange(4 * PAGE)) == [True] * 4
     assert torch.equal(dst.buffer[:4], src.buffer[:4])
     reader.close()
+
+
+def test_pages_on_a_tier_too_slow_to_pay_are_left_out_then_warmed(tmp_path: Path) -> None:
+    config = storage_config(tmp_path).extra_config["kvstore_config"]
+    config["tiers"][1].update(read_gbps=1e-6, read_latency_ms=5000)  # declared hopeless
+    config["restore"] = {"prefill_tokens_per_s": 1e6}
+    extra = {**storage_config(tmp_path).extra_config, "kvstore_config": config}
+    writer = backend(tmp_path, extra_config=extra)
+    keys = ["p0", "p1", "p2"]
+    assert writer.batch_set(keys, [page(i) for i in range(3)]) is True
+    writer.close()  # flushes the pages to disk
+    reader = backend(tmp_path, extra_config=extra)  # a new process: host memory empty
+    assert reader.batch_exists(keys) == 0  # loading from that disk loses to recomputing
+    deadline = time.monotonic() + 10  # meanwhile the pages are warmed into host memory
+    while reader.batch_exists(keys) != 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert reader.batch_exists(keys) == 3
+    got = reader.batch_get(keys)
+    assert all(torch.equal(g, page(i)) for i, g in enumerate(got))
+    reader.close()
+    off = {**extra, "kvstore_config": {**config, "restore": {"planning": False}}}
+    again = backend(tmp_path, extra_config=off)
+    assert again.batch_exists(keys) == 3  # planning off: every stored page is a hit
+    again.close()
