@@ -244,12 +244,15 @@ def _cmd_route(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{'node':<20} {'merit':>8} {'prefix chunks':>13} {'memory':>7} {'disk':>6} "
-        f"{'s3':>6} {'load':>8}  address"
+        f"{'s3':>6} {'restore ms':>10} {'ready ms':>10} {'load':>8}  address"
     )
     for r in ranked:
+        restore = "-" if r.restore_ms is None else f"{r.restore_ms:.1f}"
+        ready = "-" if r.ready_ms is None else f"{r.ready_ms:.1f}"
         print(
             f"{r.node_id:<20} {r.merit:>8.1f} {r.prefix_blocks:>13} {r.memory_blocks:>7} "
-            f"{r.disk_blocks:>6} {r.shared_blocks:>6} {r.load:>8.1f}  {r.advertise or '-'}"
+            f"{r.disk_blocks:>6} {r.shared_blocks:>6} {restore:>10} {ready:>10} "
+            f"{r.load:>8.1f}  {r.advertise or '-'}"
         )
     return 0
 

@@ -335,6 +335,25 @@ class KVStore:
         tier id; others ignored)."""
         self._manager.io.observe_reads(dict(reads))
 
+    def restore_speeds(self) -> dict[str, Any]:
+        """What a cluster node publishes for routers: per kind of medium (``memory``,
+        ``disk``, ``shared`` storage such as S3) the live ``[GB/s, ms a call]`` of this
+        store's fastest tier of that kind, and ``prefill_tokens_per_s`` (None: unknown)."""
+        out: dict[str, Any] = {}
+        tiers = self._manager.tiers
+        for tier, speed in zip(tiers, self._manager.io.speeds_now(), strict=True):
+            if tier.device is not None:
+                medium = "memory"
+            elif tier.kind == "disk":
+                medium = "disk"
+            elif not tier.local and tier.kind != "cluster":
+                medium = "shared"
+            else:
+                continue
+            out.setdefault(medium, [speed.gbps, speed.latency_ms])
+        out["prefill_tokens_per_s"] = self._manager.restorer.prefill.estimate().tokens_per_s
+        return out
+
     def note_prefill_step(self, tokens: int, seconds: float) -> None:
         """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
         speed is fitted to (ignored when ``restore`` declares one)."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ClusterIndex", "ClusterNode", "ClusterTier", "NodeInfo", "Router"]
+__all__ = ["ClusterIndex", "ClusterNode", "ClusterTier", "NodeInfo", "NodeSpeeds", "Router"]
 
 _EXPORTS = {
     "ClusterIndex": "kvstore.cluster.index",
     "NodeInfo": "kvstore.cluster.index",
+    "NodeSpeeds": "kvstore.cluster.speeds",
     "ClusterTier": "kvstore.cluster.tier",
     "ClusterNode": "kvstore.cluster.node",
     "Router": "kvstore.cluster.router",
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from kvstore.cluster.index import ClusterIndex, NodeInfo
     from kvstore.cluster.node import ClusterNode
     from kvstore.cluster.router import Router
+    from kvstore.cluster.speeds import NodeSpeeds
     from kvstore.cluster.tier import ClusterTier
 
 

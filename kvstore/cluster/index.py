@@ -2,7 +2,7 @@
 
 Keys (``P`` is the cluster ``name``; ``ns`` a namespace, ``fp`` a layout fingerprint)::
 
-    P:node:<id>              HASH    {advertise, load, blocks}           PEXPIRE lease
+    P:node:<id>              HASH    {advertise, load, blocks, speeds}   PEXPIRE lease
     P:nodes                  ZSET    node id -> last heartbeat (for enumeration)
     P:<ns>:<fp>:held:<id>    HASH    raw 16-byte key -> medium ("m" memory, "d" disk)
                                                                          PEXPIRE lease
@@ -45,6 +45,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstore.cluster.speeds import NodeSpeeds
 from kvstore.config import ClusterConfig
 from kvstore.errors import TierError
 from kvstore.index import Medium
@@ -67,12 +68,14 @@ _CODE_MEDIUM = {b"m": Medium.MEMORY, b"d": Medium.DISK}
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A live node: its id, where its server listens (None: serves nothing), its load."""
+    """A live node: its id, where its server listens (None: serves nothing), its load,
+    and its read and prefill speeds (what routers turn into milliseconds)."""
 
     node_id: str
     advertise: str | None
     load: float = 0.0
     blocks: int = 0
+    speeds: NodeSpeeds = field(default_factory=NodeSpeeds)
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,12 @@ class ClusterIndex:
     # -- a node's own entries ---------------------------------------------------------
     def heartbeat(self, node: NodeInfo) -> None:
         """Say ``node`` is alive (for another lease), with its address and load."""
-        fields = {"advertise": node.advertise or "", "load": node.load, "blocks": node.blocks}
+        fields = {
+            "advertise": node.advertise or "",
+            "load": node.load,
+            "blocks": node.blocks,
+            "speeds": node.speeds.encode(),
+        }
         key = self._node_key(node.node_id)
         self._pipeline(
             [
@@ -317,6 +325,7 @@ class ClusterIndex:
                 fields.get("advertise") or None,
                 float(fields.get("load") or 0.0),
                 int(float(fields.get("blocks") or 0)),
+                NodeSpeeds.decode(fields.get("speeds")),
             )
         if gone:  # leases that ran out: tidy the enumeration (the entries expired already)
             self._pipeline([("ZREM", self._nodes_key, *gone)])

@@ -30,8 +30,10 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.cluster.index import ClusterIndex, NodeInfo
+from kvstore.cluster.speeds import NodeSpeeds
 from kvstore.cluster.tier import ClusterTier
 from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError, TierError
@@ -64,6 +66,16 @@ class _Tracked:
     @property
     def cluster_tier(self) -> ClusterTier | None:
         return next((t for t in self.store.manager.tiers if isinstance(t, ClusterTier)), None)
+
+
+def _speeds(tracked: list[_Tracked]) -> NodeSpeeds:
+    """The node's speeds: each figure from the first store that has it."""
+    report: dict[str, Any] = {}
+    for t in tracked:
+        for name, value in t.store.restore_speeds().items():
+            if report.get(name) is None:
+                report[name] = value
+    return NodeSpeeds.of(report)
 
 
 class ClusterNode:
@@ -102,7 +114,9 @@ class ClusterNode:
             tracked = list(self._tracked)
         try:
             blocks = sum(len(t.store.manager) for t in tracked)
-            info = NodeInfo(self.config.node, self.config.advertise, self._load(), blocks)
+            info = NodeInfo(
+                self.config.node, self.config.advertise, self._load(), blocks, _speeds(tracked)
+            )
             self.index.heartbeat(info)
             for t in tracked:
                 self._register(t)

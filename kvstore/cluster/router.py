@@ -16,6 +16,16 @@ would read it from S3, which ranks above a node that must recompute it.
 ``load_weight`` times the load (requests per second) of its last heartbeat
 (0, the default: load only breaks ties).
 
+**Time, where the nodes publish it.** Each node's heartbeat carries its live
+read speeds (memory, disk, shared storage) and its engine's prefill speed
+(:class:`~kvstore.cluster.speeds.NodeSpeeds`), so each rank also says, in
+milliseconds, how long the node would take to load its share of the prefix
+(``restore_ms``) and to have the prompt ready with the rest recomputed
+(``ready_ms``). When every live node gives a ``ready_ms``, nodes rank by it
+(least first; then load) instead of by merit: a node holding the prefix on a
+disk that is slow today ranks below one that reads it from a fast S3 and below
+one that recomputes it faster.
+
 Lookups read this process's copy of the shared index
 (:class:`~kvstore.cluster.view.IndexView`): no Redis round trip per prompt.
 """
@@ -45,7 +55,9 @@ class NodeRank:
     ``prefix_blocks``: leading chunks the node holds itself (memory or disk);
     ``memory_blocks`` / ``disk_blocks`` / ``shared_blocks``: the chunks of the
     prefix it can load (its own and, past them, S3's) by where it would load
-    them from; ``merit``: their weighted sum (the module docstring).
+    them from; ``merit``: their weighted sum; ``restore_ms`` / ``ready_ms``: the
+    expected milliseconds to load them / to have the prompt's chunks ready with
+    the rest recomputed (None: the node did not publish the speeds it needs).
     """
 
     node_id: str
@@ -56,6 +68,8 @@ class NodeRank:
     disk_blocks: int = 0
     shared_blocks: int = 0
     merit: float = 0.0
+    restore_ms: float | None = None
+    ready_ms: float | None = None
 
 
 class Router:
@@ -93,13 +107,15 @@ class Router:
         bits = _checked_bits(view, keys)
         counts = _prefix_counts(bits, live, len(keys))
         ranks = [
-            self._standing(info, counts.get(slot, _Counts(len(keys))))
+            self._standing(info, counts.get(slot, _Counts(len(keys))), len(keys))
             for slot, info in nodes.items()
         ]
+        if ranks and all(r.ready_ms is not None for r in ranks):
+            return sorted(ranks, key=lambda r: (r.ready_ms or 0.0, r.load, r.node_id))
         weight = self.load_weight
         return sorted(ranks, key=lambda r: (-(r.merit - weight * r.load), r.load, r.node_id))
 
-    def _standing(self, info: NodeInfo, counts: _Counts) -> NodeRank:
+    def _standing(self, info: NodeInfo, counts: _Counts, total: int) -> NodeRank:
         c = self.cluster
         shared = counts.prefix - counts.memory - counts.disk
         merit = (
@@ -107,6 +123,10 @@ class Router:
             + c.route_disk_weight * counts.disk
             + c.route_shared_weight * shared
         )
+        chunks = {"memory": counts.memory, "disk": counts.disk, "shared": shared}
+        nbytes, tokens = self.layout.block_nbytes, self.layout.block_tokens
+        restore = info.speeds.restore_ms(chunks, nbytes)
+        ready = info.speeds.ready_ms(chunks, nbytes, (total - counts.prefix) * tokens)
         return NodeRank(
             info.node_id,
             info.advertise,
@@ -116,6 +136,8 @@ class Router:
             counts.disk,
             shared,
             round(merit, 6),
+            None if restore is None else round(restore, 3),
+            None if ready is None else round(ready, 3),
         )
 
     def rank_tokens(self, token_ids: Any, namespace: Namespace | str) -> list[NodeRank]:

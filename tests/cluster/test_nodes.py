@@ -75,6 +75,9 @@ def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes) -> None:
         ranked = router.rank(keys)
         assert ranked[2].node_id == "b" and ranked[2].prefix_blocks == 0
         assert router.best(make_keys(3, salt=99)) is not None  # nobody holds it: any node
+        # Each node publishes its tiers' read speeds: a's load of the prefix, in ms.
+        assert ranked[0].restore_ms is not None and ranked[0].restore_ms > 0
+        assert ranked[1].ready_ms is None  # c would recompute 4 chunks: no prefill speed
 
 
 def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes, aws_env: None) -> None:
@@ -183,4 +186,5 @@ def test_kvstore_route_on_the_command_line(
 
     assert eventually(lambda: top() == ("b", 3))
     assert main(args[:-1]) == 0
-    assert "prefix chunks" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "prefix chunks" in table and "restore ms" in table

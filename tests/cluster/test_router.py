@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from kvstore.cluster import ClusterIndex, NodeInfo, Router
+from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
 from kvstore.errors import InvalidInputError
 from kvstore.index import Medium
@@ -100,3 +100,67 @@ def test_memory_ranks_above_disk_above_s3_above_nothing(redis_server: RedisServe
     with Router(weights, LAYOUT) as router:  # weights in config: disk now worth little
         assert [r.node_id for r in router.rank(keys)][:2] == ["memory", "half"]
     index.close()
+
+
+def speeds(memory: float, disk: float, shared: float, prefill: float | None) -> NodeSpeeds:
+    """A node's published speeds: GB/s of memory, disk and S3 (1 ms a call on disk, 50 on
+    S3), and its prefill tokens a second."""
+    report = {
+        "memory": [memory, 0.0],
+        "disk": [disk, 1.0],
+        "shared": [shared, 50.0],
+        "prefill_tokens_per_s": prefill,
+    }
+    return NodeSpeeds.of(report)
+
+
+def test_nodes_rank_by_time_when_they_publish_their_speeds(redis_server: RedisServer) -> None:
+    """The same prefix on two nodes' disks, one disk slow today: the node with the fast
+    disk first, then a node that reads the prefix from S3 faster than the slow disk
+    gives it, and the slow-disk node last -- merit alone would rank the disks first."""
+    config, index = cluster(redis_server)
+    keys = make_keys(8)
+    fp, nbytes = LAYOUT.fingerprint_hex, LAYOUT.block_nbytes
+    index.heartbeat(NodeInfo("fast-disk", "127.0.0.1:1", speeds=speeds(10, 1.0, 0.5, 1e4)))
+    index.heartbeat(NodeInfo("slow-disk", "127.0.0.1:2", speeds=speeds(10, 1e-4, 0.5, 1e4)))
+    index.heartbeat(NodeInfo("from-s3", "127.0.0.1:3", speeds=speeds(10, 1.0, 0.5, 1e4)))
+    index.add("default", fp, "fast-disk", keys, Medium.DISK)
+    index.add("default", fp, "slow-disk", keys, Medium.DISK)
+    index.publish("default", fp, "gone", {k: (Medium.DISK, Medium.SHARED) for k in keys})
+    with Router(config, LAYOUT) as router:
+        ranked = router.rank(keys)
+        assert [r.node_id for r in ranked] == ["fast-disk", "from-s3", "slow-disk"]
+        by = {r.node_id: r for r in ranked}
+        assert by["fast-disk"].restore_ms == pytest.approx(1.0 + 8 * nbytes / 1e9 * 1e3, rel=1e-3)
+        assert by["from-s3"].restore_ms == pytest.approx(50 + 8 * nbytes / 0.5e9 * 1e3, rel=1e-3)
+        assert by["slow-disk"].ready_ms == by["slow-disk"].restore_ms  # nothing to recompute
+        half = router.rank(keys[:4] + make_keys(4, salt=9))  # 4 chunks nobody holds
+        recompute_ms = 4 * LAYOUT.block_tokens / 1e4 * 1e3
+        first = half[0]
+        assert first.ready_ms == pytest.approx(first.restore_ms + recompute_ms, rel=1e-3)
+    index.close()
+
+
+def test_a_node_without_figures_keeps_the_merit_ranking(redis_server: RedisServer) -> None:
+    config, index = cluster(redis_server)
+    keys = make_keys(6)
+    fp = LAYOUT.fingerprint_hex
+    index.heartbeat(NodeInfo("timed", "127.0.0.1:1", speeds=speeds(10, 1e-4, 0.5, None)))
+    index.heartbeat(NodeInfo("mute", "127.0.0.1:2"))
+    index.add("default", fp, "timed", keys, Medium.DISK)
+    index.add("default", fp, "mute", keys[:2], Medium.MEMORY)
+    with Router(config, LAYOUT) as router:
+        ranked = router.rank(keys)
+        assert [r.node_id for r in ranked] == ["timed", "mute"]  # merit: 6 * 0.6 > 2
+        by = {r.node_id: r for r in ranked}
+        assert by["mute"].restore_ms is None and by["timed"].restore_ms is not None
+        assert by["timed"].ready_ms is not None  # whole prefix held: no prefill needed
+    index.close()
+
+
+def test_bad_published_speeds_are_ignored() -> None:
+    assert NodeSpeeds.decode("{not json") == NodeSpeeds()
+    assert NodeSpeeds.decode("[1, 2]") == NodeSpeeds()
+    odd = NodeSpeeds.of({"memory": [0, 1], "disk": ["x", 1], "shared": [1.0, 2.0], "x": 3})
+    assert odd == NodeSpeeds((("shared", 1.0, 2.0),), None)
+    assert NodeSpeeds.decode(odd.encode()) == odd
