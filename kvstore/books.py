@@ -42,7 +42,7 @@ from kvstore.keys import BlockKey
 from kvstore.leases import Lease, LeaseTable
 from kvstore.partials import PartialBooks
 from kvstore.policy.placement import Placement
-from kvstore.room import Reservation, RoomBooks, Victims, usage
+from kvstore.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 
 __all__ = ["Books", "Reservation", "Victims"]
 
@@ -55,7 +55,8 @@ class Books:
     ``levels``: one :class:`~kvstore.index.Level` per tier, fastest first.
     ``persistent`` / ``local`` / ``shared``: bitmasks of the tiers that
     outlive the process, that are of this machine, and that other processes
-    write too.
+    write too. ``retained``: a session hint's retention priority of a key (None:
+    not retained), which eviction honours (:func:`~kvstore.room.pick_victims`).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class Books:
         placement: Placement,
         heat: HeatClock,
         clock: Callable[[], float] = time.monotonic,
+        retained: RetainedFn | None = None,
     ) -> None:
         self.persistent, self.local, self.shared = masks
         self.placement = placement
@@ -76,7 +78,15 @@ class Books:
         self._leases = LeaseTable(clock)
         self._guard = Guard()
         #: Room, eviction and write-back in each tier (under the same lock).
-        self.room = RoomBooks(self._guard, self._index, placement, heat, self.counters, self._pins)
+        self.room = RoomBooks(
+            self._guard,
+            self._index,
+            placement,
+            heat,
+            self.counters,
+            self._pins,
+            retained or (lambda key: None),
+        )
         #: The blocks being written layer by layer (under the same lock).
         self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
 

@@ -47,6 +47,7 @@ from kvstore.copies import engine_for
 from kvstore.counters import ManagerCounters
 from kvstore.errors import BlockNotFoundError
 from kvstore.finder import Finder
+from kvstore.hints import Hinter, HinterParts, HintLimits, Retention
 from kvstore.index import ChangeFeed, HeatClock, Level, Medium
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layerwrites import LayerWrites
@@ -61,6 +62,7 @@ from kvstore.prefetch import Prefetcher, PrefetchHandle
 from kvstore.progress import FlushProgress
 from kvstore.reader import Reader
 from kvstore.restore import Restorer, RestorerParts
+from kvstore.room import RetainedFn
 from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.speeds import PrefillSpeed, ReadSpeed
 from kvstore.tierio import TierIO
@@ -94,7 +96,9 @@ class BlockManager:
         self.clock = clock
         rules = [TierRules.of(t.config) for t in tiers]
         self.placement = Placement(rules, self.config.replication)
-        self.books = _books(tiers, self.placement, self.config, clock)
+        #: Blocks session hints retain: eviction takes them last (kvstore/hints.py).
+        self.retention = Retention(1, clock)
+        self.books = _books(tiers, self.placement, self.config, clock, self.retention.priority)
         self.io = TierIO(tiers, layout, self.books, _speeds(tiers, self.config, clock))
         first = tiers[0].device
         self.copies = engine_for(first if first is not None else "cpu")
@@ -119,6 +123,8 @@ class BlockManager:
         )
         #: Restore planning: what a stored prefix is worth loading (``store.plan``).
         self.restorer = _restorer(self, tiers)
+        #: Session hints: retain, demote, prefetch (``store.hint``).
+        self.hinter = _hinter(self)
         #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
         self.close_flush: dict[str, Any] | None = None
         #: Asynchronous saves from GPU tensors, one saver per device (made on first use;
@@ -293,6 +299,22 @@ class BlockManager:
     def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Write ``keys`` to the first persistent tier now; which are there afterwards."""
         return self.migrations.persist(keys)
+
+    def demote(self, keys: Sequence[BlockKey]) -> int:
+        """Copy ``keys`` to the first persistent tier, then free their room in the memory
+        tiers (an idle session's blocks); how many memory copies were given up."""
+        self.settle(keys)
+        self.migrations.persist(keys)
+        follow, moved = FollowUps(), 0
+        for level, tier in enumerate(self.tiers):
+            if tier.device is None or not tier.local:
+                continue
+            victims = self.books.room.take_keys(level, keys)
+            if victims:
+                self.writer.evict(level, victims, follow)
+                moved += len(victims)
+        self.migrations.schedule(follow)
+        return moved
 
     def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
         """Copy ``keys`` into tier ``tier`` now (where they are stored and not there yet);
@@ -478,6 +500,15 @@ def _speeds(
     ]
 
 
+def _hinter(manager: BlockManager) -> Hinter:
+    """The manager's hint service: retention sized to a fraction of all tiers' room."""
+    hints = manager.config.hints
+    capacity = sum(level["capacity_blocks"] for level in manager.books.level_usage())
+    manager.retention.max_blocks = max(1, int(hints.max_retained_fraction * capacity))
+    parts = HinterParts(manager.exists, manager.migrations.warm, manager.demote)
+    return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
+
+
 def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
     """The manager's restore planner over its own lookup, index, speeds and migrations."""
     restore, layout = manager.config.restore, manager.layout
@@ -506,7 +537,11 @@ def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 def _books(
-    tiers: Sequence[Tier], placement: Placement, config: StoreConfig, clock: Callable[[], float]
+    tiers: Sequence[Tier],
+    placement: Placement,
+    config: StoreConfig,
+    clock: Callable[[], float],
+    retained: RetainedFn,
 ) -> Books:
     """The books for ``tiers``: a level per tier, the tier masks, the heat clock."""
     levels = [_level(i, tier, clock) for i, tier in enumerate(tiers)]
@@ -516,7 +551,7 @@ def _books(
     memory = sum(lv.marks.capacity for lv, t in zip(levels, tiers, strict=True) if not t.persistent)
     accesses = config.replication.half_life_accesses or max(1024, 2 * memory)
     heat = HeatClock(config.replication.half_life_s, accesses, clock)
-    return Books(levels, (masks[0], masks[1], masks[2]), placement, heat, clock)
+    return Books(levels, (masks[0], masks[1], masks[2]), placement, heat, clock, retained)
 
 
 _MASKS: tuple[Callable[[Tier], bool], ...] = (

@@ -24,6 +24,7 @@ from kvstore.policy.placement import Placement
 
 __all__ = [
     "Reservation",
+    "RetainedFn",
     "RoomBooks",
     "Victims",
     "claim",
@@ -78,23 +79,42 @@ def claim(level: Level, victims: Victims) -> None:
     level.leaving += len(victims)
 
 
+#: ``retained(key)`` -> the key's retention priority (None: not retained).
+RetainedFn = Callable[[BlockKey], int | None]
+
+
+def _never(key: BlockKey) -> int | None:
+    return None
+
+
 def pick_victims(
-    level: Level, n: int, index: Index, placement: Placement, heat: HeatClock
+    level: Level,
+    n: int,
+    index: Index,
+    placement: Placement,
+    heat: HeatClock,
+    retained: RetainedFn = _never,
 ) -> Victims:
     """Up to ``n`` unpinned readable blocks of ``level`` to evict.
 
     In the policy's order, but cooled extra copies (blocks with a copy
     further down) go first and hot blocks last, looking a bounded distance
-    ahead for the cheaper ones.
+    ahead for the cheaper ones. Blocks a session hint retains come after all
+    of those, lowest priority first (taken only when nothing else is left).
     """
     if n <= 0:
         return []
     below = level.below
     ranked: tuple[Victims, Victims, Victims] = ([], [], [])
+    kept: list[tuple[int, int, BlockKey, Entry]] = []
     horizon = 4 * n + 64
     for seen, key in enumerate(level.policy.candidates()):
         entry = index.get(key)
         if entry is not None and entry.pins == 0 and entry.state == READY:
+            priority = retained(key)
+            if priority is not None:
+                kept.append((priority, seen, key, entry))
+                continue
             hot = placement.is_hot(heat.heat(entry))
             # A replica (copied here from below) is an extra copy; a block written
             # back from here is not: it keeps its place in the policy's order.
@@ -103,7 +123,11 @@ def pick_victims(
         found = sum(len(r) for r in ranked)
         if len(ranked[0]) >= n or (seen >= horizon and found >= n):
             break
-    return (ranked[0] + ranked[1] + ranked[2])[:n]
+    victims = (ranked[0] + ranked[1] + ranked[2])[:n]
+    if len(victims) < n and kept:
+        kept.sort(key=lambda k: (k[0], k[1]))
+        victims += [(key, entry) for _, _, key, entry in kept[: n - len(victims)]]
+    return victims
 
 
 def pick_dirty(
@@ -174,8 +198,10 @@ class RoomBooks:
         heat: HeatClock,
         counters: ManagerCounters,
         pins: Callable[[Entry | None, int], None],
+        retained: RetainedFn = _never,
     ) -> None:
         self._guard = guard
+        self._retained = retained
         self._index = index
         self._levels = index.levels
         self._placement = placement
@@ -249,7 +275,9 @@ class RoomBooks:
     # -- eviction -----------------------------------------------------------------
     def _victim_finder(self, level: int) -> Callable[[int], Victims]:
         lv = self._levels[level]
-        return lambda n: pick_victims(lv, n, self._index, self._placement, self._heat)
+        return lambda n: pick_victims(
+            lv, n, self._index, self._placement, self._heat, self._retained
+        )
 
     def take_victims(self, level: int, n: int) -> Victims:
         """Exactly ``n`` unpinned blocks of tier ``level``, pinned and counted as
@@ -258,12 +286,30 @@ class RoomBooks:
         with self._guard.locked():
             self._guard.check_open()
             self._pins(None, 0)
-            victims = pick_victims(lv, n, self._index, self._placement, self._heat)
+            victims = pick_victims(lv, n, self._index, self._placement, self._heat, self._retained)
             if len(victims) < n:
                 raise CapacityError(
                     f"cannot evict {n} blocks from tier {level} ({lv.kind}): "
                     f"only {len(victims)} are unpinned"
                 )
+            claim(lv, victims)
+            return victims
+
+    def take_keys(self, level: int, keys: Sequence[BlockKey]) -> Victims:
+        """Those of ``keys`` that tier ``level`` holds readable, pinned and counted as
+        leaving (the victims of a demotion a session hint asked for). Copies and reads
+        in flight are waited for, as a delete waits for them."""
+        lv, bit = self._levels[level], 1 << level
+        with self._guard.locked():
+            self._guard.check_open()
+            victims = []
+            for key in dict.fromkeys(keys):
+                entry = self._index.get(key)
+                if entry is None or entry.state != READY or not entry.tiers & bit:
+                    continue
+                self._pins(entry, 0)
+                if entry.state == READY and entry.tiers & bit:  # still, after the wait
+                    victims.append((key, entry))
             claim(lv, victims)
             return victims
 
@@ -277,7 +323,12 @@ class RoomBooks:
                 return []
             self._pins(None, 0)
             victims = pick_victims(
-                lv, min(most, staying - lv.marks.low), self._index, self._placement, self._heat
+                lv,
+                min(most, staying - lv.marks.low),
+                self._index,
+                self._placement,
+                self._heat,
+                self._retained,
             )
             claim(lv, victims)
             return victims

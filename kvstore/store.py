@@ -23,6 +23,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
+from kvstore.hints import Hint, HintAnswer
 from kvstore.keys import (
     BlockKey,
     ChunkTokens,
@@ -354,6 +355,38 @@ class KVStore:
         out["prefill_tokens_per_s"] = self._manager.restorer.prefill.estimate().tokens_per_s
         return out
 
+    # -- session hints -------------------------------------------------------
+    def hint(
+        self,
+        keys: Sequence[BlockKey] | None = None,
+        *,
+        session: str | None = None,
+        retain_s: float | None = None,
+        priority: int = 0,
+        prefetch: bool = False,
+        demote: bool = False,
+    ) -> HintAnswer:
+        """Tell the store what a session's next turn needs (see :mod:`kvstore.hints`).
+
+        ``keys`` (or, alone, ``session``: the keys of that session's last hint):
+        ``retain_s`` keeps their blocks that long, eviction in every tier taking
+        them last (lowest ``priority``, 0-100, first); ``demote`` copies them down to
+        the first persistent tier and frees their room in memory (the session went
+        idle); ``prefetch`` copies them into the fastest tier in the background (its
+        next turn is near). Returns the answer: accepted, clipped or rejected, and
+        why. Malformed arguments raise :class:`InvalidInputError`, changing nothing.
+        """
+        checked = check_keys(keys) if keys is not None else None
+        if checked is None and session is None:
+            raise InvalidInputError("hint: give keys, a session, or both")
+        if session is not None and (not isinstance(session, str) or not session):
+            raise InvalidInputError(f"hint: session must be a non-empty string, got {session!r}")
+        hint = Hint(retain_s, priority, prefetch, demote)
+        problem = hint.problem()
+        if problem is not None:
+            raise InvalidInputError(f"hint: {problem}")
+        return self._manager.hinter.apply(checked, session, hint)
+
     def note_prefill_step(self, tokens: int, seconds: float) -> None:
         """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
         speed is fitted to (ignored when ``restore`` declares one)."""
@@ -529,6 +562,7 @@ class KVStore:
             **counters,
             "tiers": tiers,
             "restore": self._manager.restorer.snapshot(),
+            "hints": self._manager.hinter.snapshot(),
             **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 

@@ -76,6 +76,7 @@ __all__ = [
     "DeviceTierConfig",
     "DiskTierConfig",
     "EventsConfig",
+    "HintsConfig",
     "HostTierConfig",
     "PrefetchConfig",
     "RestoreConfig",
@@ -246,6 +247,30 @@ class RestoreConfig:
         return out
 
 
+@dataclass(frozen=True)
+class HintsConfig:
+    """Session hints (``store.hint``, the connector's ``kv_transfer_params``, the server).
+
+    ``max_retain_s``: the longest retention a hint is granted (longer ones are clipped).
+    ``max_retained_fraction``: at most this fraction of all tiers' capacity (in
+    blocks) is retained at once (a hint past it is clipped).
+    ``max_sessions``: sessions whose keys are remembered, so a hint may name a
+    session alone (the least recently hinted are forgotten first).
+    """
+
+    max_retain_s: float = _opt(3600.0, parse_float)
+    max_retained_fraction: float = _opt(0.5, parse_float)
+    max_sessions: int = _opt(10_000, parse_int)
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for impossible values."""
+        _check_positive(self, path, "max_retain_s", "max_retained_fraction", "max_sessions")
+        if self.max_retained_fraction > 1:
+            raise ConfigError(
+                f"{path}.max_retained_fraction: must be <= 1, got {self.max_retained_fraction}"
+            )
+
+
 SAVE_MODES = ("async", "sync")
 
 
@@ -281,6 +306,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "prefetch": PrefetchConfig,
     "saves": SavesConfig,
     "restore": RestoreConfig,
+    "hints": HintsConfig,
     "server": ServerConfig,
     "cluster": ClusterConfig,
     "events": EventsConfig,
@@ -305,6 +331,7 @@ class StoreConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     saves: SavesConfig = field(default_factory=SavesConfig)
     restore: RestoreConfig = field(default_factory=RestoreConfig)
+    hints: HintsConfig = field(default_factory=HintsConfig)
     #: ``kvstore-server``'s own settings (the library ignores them).
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
@@ -328,6 +355,7 @@ class StoreConfig:
         self.prefetch.validate("prefetch")
         self.saves.validate("saves")
         self.restore.validate("restore")
+        self.hints.validate("hints")
         self.server.validate("server")
         self.cluster.validate("cluster")
         self.events.validate("events")
@@ -424,6 +452,7 @@ class StoreConfig:
             "prefetch": dataclasses.asdict(self.prefetch),
             "saves": dataclasses.asdict(self.saves),
             "restore": self.restore.to_dict(),
+            "hints": dataclasses.asdict(self.hints),
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
             "events": self.events.to_dict(),

@@ -33,12 +33,17 @@ CORRUPT_CHUNK = 5  # of group 0's shared prefix: claimed by the lookup, fails ve
 DELETED_CHUNK = 3  # of group 1's shared prefix: a plain miss from there on
 
 
-def drive(work: Path, name: str, prompts: str, store: Path | None) -> dict[str, Any]:
-    """Run the driver in a new process; return its JSON result (with its counters)."""
+def drive(
+    work: Path, name: str, prompts: str, store: Path | None, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run the driver in a new process; return its JSON result (with its counters).
+    ``config``: the connector's store config instead of the driver's host + disk."""
     out, log = work / f"{name}.json", work / f"{name}.log"
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--prompts", prompts]
     cmd += ["--out", str(out)]
-    if store is not None:
+    if config is not None:
+        cmd += ["--store-config", json.dumps(config), "--stats-dir", str(work / f"{name}-stats")]
+    elif store is not None:
         cmd += ["--store", str(store), "--stats-dir", str(work / f"{name}-stats")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="random")
@@ -48,7 +53,7 @@ def drive(work: Path, name: str, prompts: str, store: Path | None) -> dict[str, 
     if proc.returncode != 0:
         tail = log.read_text()[-6000:]
         pytest.fail(f"{name}: the vLLM run failed (rc {proc.returncode}):\n{tail}")
-    result: dict[str, Any] = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())  # with "stats" when a store ran
     result["wall_s"] = time.perf_counter() - start
     return result
 
@@ -92,12 +97,27 @@ def runs(
     out = {"baseline": drive(work, "baseline", "second", None)}
     out["store"] = drive(work, "store", "first", store)
     out["hits"] = drive(work, "hits", "second", store)
+    out["planned"] = drive(work, "planned", "second", store, slow_disk(store))
     damage(store)
     out["damaged"] = drive(work, "damaged", "second", store)
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the numbers belong in every test log
         report(out)
     return out
+
+
+def slow_disk(store: Path) -> dict[str, Any]:
+    """The driver's store, its disk declared far too slow to beat recomputing (1 KB/s, 5 s
+    a read) against a declared prefill of a million tokens a second: restore planning
+    must then offer vLLM no hit at all."""
+    disk = {"kind": "disk", "path": str(store), "capacity": "4GiB"}
+    return {
+        "tiers": [
+            {"kind": "host", "capacity": "512MiB"},
+            {**disk, "read_gbps": 1e-6, "read_latency_ms": 5000},
+        ],
+        "restore": {"prefill_tokens_per_s": 1e6},
+    }
 
 
 def report(runs: dict[str, dict[str, Any]]) -> None:
@@ -152,6 +172,20 @@ def test_hits_skip_the_prefill_they_load(runs: dict[str, dict[str, Any]]) -> Non
     assert worker["load_tokens"] == scheduler["lookup_hit_tokens"] == sum(cached)
     assert worker.get("load_failed_blocks", 0) == 0
     assert all(r["num_cached_tokens"] == 0 for r in runs["baseline"]["results"])
+
+
+def test_matched_tokens_follow_the_restore_plan(runs: dict[str, dict[str, Any]]) -> None:
+    """The same stored prefixes as the hits run, on a disk declared too slow to pay: vLLM
+    is offered nothing, computes every prompt itself and gives the same output."""
+    planned = runs["planned"]
+    assert all(r["num_cached_tokens"] == 0 for r in planned["results"])
+    assert outputs(planned) == outputs(runs["baseline"])
+    scheduler = planned["stats"]["scheduler"]
+    hit_tokens = sum(r["num_cached_tokens"] for r in runs["hits"]["results"])
+    # every token the hits run loaded (but the last of a whole-prompt hit) was planned away
+    assert scheduler["plan_recompute_tokens"] >= hit_tokens
+    assert scheduler.get("lookup_hit_tokens", 0) == 0
+    assert planned["stats"]["worker"].get("load_tokens", 0) == 0
 
 
 def test_first_run_stored_its_prefixes(runs: dict[str, dict[str, Any]]) -> None:
