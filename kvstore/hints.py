@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "HinterParts",
     "Retention",
     "SessionKeys",
+    "checked_hint",
     "parse_hint",
 ]
 
@@ -70,6 +72,19 @@ class Hint:
         if not isinstance(self.prefetch, bool) or not isinstance(self.demote, bool):
             return "prefetch and demote must be true or false"
         return None
+
+
+def checked_hint(has_keys: bool, session: str | None, hint: Hint) -> Hint:
+    """``hint`` if it is well formed for keys (``has_keys``) and/or ``session``, else
+    :class:`InvalidInputError` saying why."""
+    if not has_keys and session is None:
+        raise InvalidInputError("hint: give keys, a session, or both")
+    if session is not None and (not isinstance(session, str) or not session):
+        raise InvalidInputError(f"hint: session must be a non-empty string, got {session!r}")
+    problem = hint.problem()
+    if problem is not None:
+        raise InvalidInputError(f"hint: {problem}")
+    return hint
 
 
 def parse_hint(data: Any) -> tuple[Hint | None, str | None, str | None]:

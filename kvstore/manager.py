@@ -509,6 +509,16 @@ def _hinter(manager: BlockManager) -> Hinter:
     return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
 
 
+def _medium(tier: Tier) -> str | None:
+    """The kind of medium a router tells apart: this process's memory, a local disk,
+    or storage every node shares (None: a peer cluster, say)."""
+    if tier.device is not None:
+        return "memory"
+    if tier.kind == "disk":
+        return "disk"
+    return "shared" if not tier.local and tier.kind != "cluster" else None
+
+
 def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
     """The manager's restore planner over its own lookup, index, speeds and migrations."""
     restore, layout = manager.config.restore, manager.layout
@@ -518,6 +528,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         speeds=manager.io.speeds_now,
         fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
         warm=manager.migrations.warm,
+        media=tuple(_medium(t) for t in tiers),
     )
     prefill = PrefillSpeed(
         restore.prefill_table,

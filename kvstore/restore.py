@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey
 from kvstore.speeds import PrefillSpeed, SpeedEstimate
 
@@ -39,6 +40,7 @@ __all__ = [
     "Restorer",
     "RestorerParts",
     "plan_restore",
+    "restore_request",
 ]
 
 #: Relative slack within which a longer load counts as no slower (ties go to loading).
@@ -119,6 +121,19 @@ class RestorePlan:
             "tier_chunks": dict(self.tier_chunks),
             "warm": len(self.warm),
         }
+
+
+def restore_request(
+    prompt_tokens: int | None, computed_tokens: int, overlap: bool, chunk_tokens: int | None
+) -> RestoreRequest:
+    """A :class:`RestoreRequest` (levels filled in by the store) from a caller's
+    arguments, or :class:`InvalidInputError` naming the bad one."""
+    for name, value in (("prompt_tokens", prompt_tokens), ("computed_tokens", computed_tokens)):
+        if value is not None and (type(value) is not int or value < 0):
+            raise InvalidInputError(f"plan: {name} must be an int >= 0, got {value!r}")
+    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens <= 0):
+        raise InvalidInputError(f"plan: chunk_tokens must be an int > 0, got {chunk_tokens!r}")
+    return RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap), True, chunk_tokens)
 
 
 def _load_seconds(per_level: dict[int, int], costs: RestoreCosts) -> float:
@@ -269,6 +284,8 @@ class RestorerParts:
     speeds: Callable[[], list[SpeedEstimate]]
     fast: frozenset[int]
     warm: Callable[[Sequence[BlockKey]], int]
+    #: Per tier level, the medium routers tell apart: memory, disk, shared (None: other).
+    media: tuple[str | None, ...] = ()
 
 
 class Restorer:
@@ -342,6 +359,16 @@ class Restorer:
             self.stats.add("chunks_planned_recompute")
             self.stats.add("tokens_planned_recompute", tokens[1] - tokens[0])
         return pays
+
+    def published_speeds(self) -> dict[str, Any]:
+        """Per medium, the live ``[GB/s, ms a call]`` of the fastest tier of that medium,
+        and the prefill speed (what a cluster node publishes for routers)."""
+        out: dict[str, Any] = {}
+        for medium, speed in zip(self.parts.media, self.parts.speeds(), strict=False):
+            if medium is not None:
+                out.setdefault(medium, [speed.gbps, speed.latency_ms])
+        out["prefill_tokens_per_s"] = self.prefill.estimate().tokens_per_s
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """Counters, estimate error and the prefill speed, as ``stats()`` shows them."""

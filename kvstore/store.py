@@ -23,7 +23,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
-from kvstore.hints import Hint, HintAnswer
+from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
     BlockKey,
     ChunkTokens,
@@ -39,7 +39,7 @@ from kvstore.lending import Loan, PendingPut
 from kvstore.manager import BlockManager
 from kvstore.memory import cuda_available
 from kvstore.prefetch import PrefetchHandle
-from kvstore.restore import RestorePlan, RestoreRequest
+from kvstore.restore import RestorePlan, restore_request
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 
@@ -308,14 +308,7 @@ class KVStore:
         :mod:`kvstore.restore`.
         """
         checked = check_keys(keys)
-        for name, value in (("prompt_tokens", prompt_tokens), ("computed_tokens", computed_tokens)):
-            if value is not None and (type(value) is not int or value < 0):
-                raise InvalidInputError(f"plan: {name} must be an int >= 0, got {value!r}")
-        if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens <= 0):
-            raise InvalidInputError(f"plan: chunk_tokens must be an int > 0, got {chunk_tokens!r}")
-        request = RestoreRequest(
-            (), prompt_tokens, computed_tokens, bool(overlap), chunk_tokens=chunk_tokens
-        )
+        request = restore_request(prompt_tokens, computed_tokens, overlap, chunk_tokens)
         return self._manager.restorer.plan(checked, request)
 
     def warm(self, keys: Sequence[BlockKey]) -> int:
@@ -327,33 +320,18 @@ class KVStore:
         return self._manager.migrations.warm(stored) if stored else 0
 
     def read_totals(self) -> dict[str, tuple[float, float, int]]:
-        """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``; what a
-        process that reads ships to one that plans (:meth:`observe_reads`)."""
+        """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``."""
         return self._manager.io.read_totals()
 
     def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
-        """Feed reads another process made into this store's tier speeds (matched by
-        tier id; others ignored)."""
+        """Feed another process's :meth:`read_totals` into this store's tier speeds."""
         self._manager.io.observe_reads(dict(reads))
 
     def restore_speeds(self) -> dict[str, Any]:
         """What a cluster node publishes for routers: per kind of medium (``memory``,
         ``disk``, ``shared`` storage such as S3) the live ``[GB/s, ms a call]`` of this
         store's fastest tier of that kind, and ``prefill_tokens_per_s`` (None: unknown)."""
-        out: dict[str, Any] = {}
-        tiers = self._manager.tiers
-        for tier, speed in zip(tiers, self._manager.io.speeds_now(), strict=True):
-            if tier.device is not None:
-                medium = "memory"
-            elif tier.kind == "disk":
-                medium = "disk"
-            elif not tier.local and tier.kind != "cluster":
-                medium = "shared"
-            else:
-                continue
-            out.setdefault(medium, [speed.gbps, speed.latency_ms])
-        out["prefill_tokens_per_s"] = self._manager.restorer.prefill.estimate().tokens_per_s
-        return out
+        return self._manager.restorer.published_speeds()
 
     # -- session hints -------------------------------------------------------
     def hint(
@@ -377,14 +355,9 @@ class KVStore:
         why. Malformed arguments raise :class:`InvalidInputError`, changing nothing.
         """
         checked = check_keys(keys) if keys is not None else None
-        if checked is None and session is None:
-            raise InvalidInputError("hint: give keys, a session, or both")
-        if session is not None and (not isinstance(session, str) or not session):
-            raise InvalidInputError(f"hint: session must be a non-empty string, got {session!r}")
-        hint = Hint(retain_s, priority, prefetch, demote)
-        problem = hint.problem()
-        if problem is not None:
-            raise InvalidInputError(f"hint: {problem}")
+        hint = checked_hint(
+            checked is not None, session, Hint(retain_s, priority, prefetch, demote)
+        )
         return self._manager.hinter.apply(checked, session, hint)
 
     def note_prefill_step(self, tokens: int, seconds: float) -> None:

@@ -16,9 +16,10 @@ bytes). All integers are little-endian::
 
 Control ops (HELLO, AUTH's reply, OPEN, SHM_ATTACH, STATS) carry a small JSON
 object as meta; data ops carry packed binary (key lists are ``u32 count`` then
-``count`` raw 16-byte keys). An error reply carries a UTF-8 message as meta.
-Block bytes on the wire are a block header of :mod:`kvstore.codec` (raw
-codec) followed by the payload, so both ends verify what they receive.
+``count`` raw 16-byte keys); HINT carries both (its fields as JSON, then keys).
+An error reply carries a UTF-8 message as meta. Block bytes on the wire are a
+block header of :mod:`kvstore.codec` (raw codec) followed by the payload, so
+both ends verify what they receive.
 
 Nothing read off the wire is unpickled or evaluated: every decoder checks
 lengths and ranges and raises :class:`~kvstore.errors.ProtocolError`.
@@ -50,6 +51,7 @@ __all__ = [
     "decode_tokens",
     "decode_get_reply",
     "decode_get_request",
+    "decode_hint_request",
     "decode_json",
     "decode_keys",
     "decode_put_reply",
@@ -60,6 +62,7 @@ __all__ = [
     "encode_tokens",
     "encode_get_reply",
     "encode_get_request",
+    "encode_hint_request",
     "encode_json",
     "encode_keys",
     "encode_put_reply",
@@ -99,6 +102,7 @@ class Op(enum.IntEnum):
     DELETE = 50  # keys -> u32 deleted
     LIST = 51  # u32 limit -> payload: keys
     TOKENS = 52  # u32 block_tokens, parent flag + key, keys; payload: int32 tokens -> u32
+    HINT = 53  # u32 len + JSON hint fields, keys flag (+ keys) -> JSON answer
 
 
 class Flag(enum.IntFlag):
@@ -249,6 +253,35 @@ def decode_tokens(
         parent = BlockKey(bytes(view[at : at + KEY_BYTES]))
         at += KEY_BYTES
     return block_tokens, parent, decode_keys(view, at, max_keys)
+
+
+def encode_hint_request(fields: dict[str, Any], keys: Sequence[bytes] | None) -> bytes:
+    """HINT's meta: ``u32`` length and a JSON object of the hint's fields (``retain_s``,
+    ``priority``, ``prefetch``, ``demote``, ``session``), then a keys byte (0: no keys --
+    the session's last hint's; 1: :func:`encode_keys` follows)."""
+    body = encode_json(fields)
+    tail = b"\x00" if keys is None else b"\x01" + encode_keys(keys)
+    return _COUNT.pack(len(body)) + body + tail
+
+
+def decode_hint_request(
+    meta: bytes | memoryview, max_keys: int
+) -> tuple[dict[str, Any], list[BlockKey] | None]:
+    """``(fields, keys)`` of a HINT meta (keys None: none given). The fields are only
+    decoded here; whether they make a hint is :func:`kvstore.hints.parse_hint`'s call."""
+    view = memoryview(meta)
+    if len(view) < _COUNT.size:
+        raise ProtocolError("HINT meta truncated")
+    (size,) = _COUNT.unpack_from(view)
+    at = _COUNT.size + size
+    if len(view) < at + 1 or view[at] not in (0, 1):
+        raise ProtocolError("HINT meta truncated or with a bad keys flag")
+    fields = decode_json(view[_COUNT.size : at])
+    if view[at] == 0:
+        if len(view) != at + 1:
+            raise ProtocolError("HINT meta has bytes after its fields")
+        return fields, None
+    return fields, decode_keys(view, at + 1, max_keys)
 
 
 def encode_keys(keys: Sequence[bytes]) -> bytes:
