@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+from kvstore.hints import Hint
 from kvstore.keys import BlockKey
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "StepPlan",
     "TransferSpec",
     "Found",
+    "HintSpec",
     "chunk_tokens_for",
     "matched_tokens",
 ]
@@ -118,15 +120,26 @@ class TransferSpec:
         return ids[first - self.block_offset : last - self.block_offset + 1]
 
 
+@dataclass(frozen=True)
+class HintSpec:
+    """A session hint for a finished request's chunks (shipped scheduler -> workers):
+    each worker applies ``hint`` to its rank's ``keys`` (``store.hint``)."""
+
+    keys: dict[int, list[BlockKey]]
+    hint: Hint
+    session: str | None = None
+
+
 @dataclass
 class StepPlan:
     """Everything the workers move in one engine step."""
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    hints: list[HintSpec] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.hints)
 
 
 @dataclass
@@ -183,6 +196,7 @@ class Planner:
         self._lookup = lookup
         self.requests: dict[str, RequestState] = {}
         self._whole_loads: list[TransferSpec] = []
+        self._hints: list[HintSpec] = []
 
     def _state(
         self, req_id: str, tokens: Sequence[int], adapter: str | None, salt: str | None
@@ -248,9 +262,12 @@ class Planner:
         state.saved_chunks = 0  # what is still stored is skipped when saving
         state.expected_computed = 0
 
-    def finished(self, req_id: str) -> None:
-        """Forget a finished request."""
-        self.requests.pop(req_id, None)
+    def finished(self, req_id: str, hint: tuple[Hint, str | None] | None = None) -> None:
+        """Forget a finished request; with a ``(hint, session)``, the next step's workers
+        apply it to the request's chunks (its saves are done by now)."""
+        state = self.requests.pop(req_id, None)
+        if state is not None and hint is not None and state.keys:
+            self._hints.append(HintSpec(state.keys, hint[0], hint[1]))
 
     def step(self, scheduled: Sequence[Scheduled]) -> StepPlan:
         """The loads and saves of one step, from what the engine scheduled.
@@ -258,8 +275,8 @@ class Planner:
         Requests never seen by :meth:`match` are left alone: their keys would
         lack the request's salt and adapter, so nothing of theirs is stored.
         """
-        plan = StepPlan(loads=self._whole_loads)
-        self._whole_loads = []
+        plan = StepPlan(loads=self._whole_loads, hints=self._hints)
+        self._whole_loads, self._hints = [], []
         for req in scheduled:
             state = self.requests.get(req.req_id)
             if state is None:

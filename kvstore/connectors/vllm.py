@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore.config import EventsConfig, StoreConfig
+from kvstore.connectors.hints import apply_hints, finish_with_hint
 from kvstore.connectors.paged import PagedKV, PageMap
 from kvstore.connectors.plan import Found, Planner, Scheduled, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
@@ -408,8 +409,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVStoreConnectorMetadata(plan)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        """Forget the request; saves are synchronous, so its blocks can be freed now."""
-        self._planner.finished(request.request_id)
+        """Forget the request (its session hint, if any, goes to the stores); saves are
+        synchronous, so its blocks can be freed now."""
+        finish_with_hint(self._planner, request, self._lookup_store, self.counters)
         self._prompts.pop(request.request_id, None)
         return False, None
 
@@ -487,7 +489,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start loading this step's planned chunks (before the forward pass)."""
         assert self._worker is not None
-        self._worker.start_load(self._plan().loads)
+        plan = self._plan()
+        self._worker.start_load(plan.loads)
+        apply_hints(self._worker.store, self._worker.rank, plan.hints, self.counters)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The layer is about to run: put its loaded KV in the paged cache."""
