@@ -61,7 +61,7 @@ from kvstore.policy.placement import Placement, TierRules
 from kvstore.prefetch import Prefetcher, PrefetchHandle
 from kvstore.progress import FlushProgress
 from kvstore.reader import Reader
-from kvstore.restore import Restorer, RestorerParts
+from kvstore.restore import Restorer, RestorerParts, medium_of
 from kvstore.room import RetainedFn
 from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.speeds import PrefillSpeed, ReadSpeed
@@ -316,6 +316,17 @@ class BlockManager:
         self.migrations.schedule(follow)
         return moved
 
+    def probe(self, key: BlockKey) -> bool:
+        """Read ``key`` into scratch memory in the background (its tier's read speed is
+        refreshed by the read); False if a probe of it is queued already."""
+        layout = self.layout
+
+        def job() -> None:
+            out = torch.empty(layout.block_shape, dtype=layout.dtype)
+            self.reader.load([key], [out], None, True)
+
+        return self.mover.submit(job, key=("probe", key))
+
     def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
         """Copy ``keys`` into tier ``tier`` now (where they are stored and not there yet);
         how many were copied."""
@@ -509,16 +520,6 @@ def _hinter(manager: BlockManager) -> Hinter:
     return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
 
 
-def _medium(tier: Tier) -> str | None:
-    """The kind of medium a router tells apart: this process's memory, a local disk,
-    or storage every node shares (None: a peer cluster, say)."""
-    if tier.device is not None:
-        return "memory"
-    if tier.kind == "disk":
-        return "disk"
-    return "shared" if not tier.local and tier.kind != "cluster" else None
-
-
 def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
     """The manager's restore planner over its own lookup, index, speeds and migrations."""
     restore, layout = manager.config.restore, manager.layout
@@ -528,7 +529,8 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         speeds=manager.io.speeds_now,
         fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
         warm=manager.migrations.warm,
-        media=tuple(_medium(t) for t in tiers),
+        media=tuple(medium_of(t) for t in tiers),
+        probe=manager.probe,
     )
     prefill = PrefillSpeed(
         restore.prefill_table,

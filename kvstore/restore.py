@@ -31,6 +31,7 @@ from typing import Any
 from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey
 from kvstore.speeds import PrefillSpeed, SpeedEstimate
+from kvstore.tiers.base import Tier
 
 __all__ = [
     "RestoreCosts",
@@ -39,6 +40,7 @@ __all__ = [
     "RestoreStats",
     "Restorer",
     "RestorerParts",
+    "medium_of",
     "plan_restore",
     "restore_request",
 ]
@@ -121,6 +123,16 @@ class RestorePlan:
             "tier_chunks": dict(self.tier_chunks),
             "warm": len(self.warm),
         }
+
+
+def medium_of(tier: Tier) -> str | None:
+    """The kind of medium a router tells apart: this process's ``memory``, a local
+    ``disk``, or ``shared`` storage every node reads (None: a peer cluster, say)."""
+    if tier.device is not None:
+        return "memory"
+    if tier.kind == "disk":
+        return "disk"
+    return "shared" if not tier.local and tier.kind != "cluster" else None
 
 
 def restore_request(
@@ -286,6 +298,8 @@ class RestorerParts:
     warm: Callable[[Sequence[BlockKey]], int]
     #: Per tier level, the medium routers tell apart: memory, disk, shared (None: other).
     media: tuple[str | None, ...] = ()
+    #: Read one block in the background (refreshes a stale estimate of its tier).
+    probe: Callable[[BlockKey], bool] = lambda key: False
 
 
 class Restorer:
@@ -339,7 +353,22 @@ class Restorer:
         if plan.warm and self.warming:
             queued = self.parts.warm([keys[i] for i in plan.warm])
             self.stats.add("chunks_warming", queued)
+        self._probe_stale(keys, levels, plan, costs)
         return plan
+
+    def _probe_stale(
+        self, keys: Sequence[BlockKey], levels: list[int], plan: RestorePlan, costs: RestoreCosts
+    ) -> None:
+        """A tier the plan skipped on an estimate nobody refreshed for ``speed_stale_s``
+        (no read since): read one of its chunks in the background, so the next plan
+        weighs what the tier does now, not what it did then."""
+        probed: set[int] = set()
+        for i in range(plan.load, len(levels)):
+            level = levels[i]
+            if level not in probed and costs.speeds[level].source == "stale":
+                probed.add(level)
+                if self.parts.probe(keys[i]):
+                    self.stats.add("stale_probes")
 
     def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
         """Whether reading one chunk of ``nbytes`` from tier ``level`` beats recomputing

@@ -18,10 +18,12 @@ from kvstore.errors import (
     ProtocolError,
     TierError,
 )
+from kvstore.hints import Hint, HintAnswer, checked_hint
+from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.wire import auth
 from kvstore.wire.blocks import wire_nbytes
-from kvstore.wire.protocol import Frame, Op, Status, encode_json
+from kvstore.wire.protocol import Frame, Op, Status, decode_json, encode_hint_request, encode_json
 
 __all__ = [
     "FATAL_STATUSES",
@@ -32,6 +34,8 @@ __all__ = [
     "same_length",
     "batches",
     "check_reply",
+    "hint_answer",
+    "hint_request",
     "hello_meta",
     "open_meta",
     "auth_meta",
@@ -197,3 +201,58 @@ def same_length(keys: Sequence[Any], others: Sequence[Any], what: str) -> None:
     """InvalidInputError unless there is one ``what`` per key."""
     if len(keys) != len(others):
         raise InvalidInputError(f"{len(keys)} keys but {len(others)} {what}")
+
+
+def hint_request(
+    keys: Sequence[BlockKey] | None,
+    session: str | None,
+    hint: Hint,
+    limits: dict[str, Any],
+) -> bytes:
+    """HINT's meta, after the checks ``store.hint`` makes (InvalidInputError, before
+    anything is sent). One hint is one request, never split (a session's keys are
+    those of its latest hint), so it names at most the server's ``max_batch_blocks``
+    keys (checked here once the server's ``limits`` are known, else by the server)."""
+    checked = check_keys(keys) if keys is not None else None
+    checked_hint(checked is not None, session, hint)
+    most = limits.get("max_batch_blocks")
+    if checked is not None and isinstance(most, int) and len(checked) > most:
+        raise InvalidInputError(
+            f"hint: {len(checked)} keys; the server takes at most {most} in one hint "
+            "(server.max_batch_blocks)"
+        )
+    fields = {
+        "retain_s": hint.retain_s,
+        "priority": hint.priority,
+        "prefetch": hint.prefetch,
+        "demote": hint.demote,
+        "session": session,
+    }
+    return encode_hint_request(fields, checked)
+
+
+_ANSWER_STATUSES = frozenset({"accepted", "clipped", "rejected"})
+
+
+def hint_answer(meta: bytes) -> HintAnswer:
+    """The :class:`HintAnswer` a HINT reply carries (fields it does not know are
+    ignored); ProtocolError if it is not one."""
+    body = decode_json(meta)
+    counts = [body.get(k, 0) for k in ("blocks", "prefetching", "demoted")]
+    retain_s = body.get("retain_s")
+    if (
+        body.get("status") not in _ANSWER_STATUSES
+        or not isinstance(body.get("reason", ""), str)
+        or any(type(n) is not int or n < 0 for n in counts)
+        or not (retain_s is None or (type(retain_s) in (int, float) and retain_s >= 0))
+    ):
+        raise ProtocolError(f"the server's HINT reply is not a hint answer: {body!r:.200}")
+    blocks, prefetching, demoted = counts
+    return HintAnswer(
+        str(body["status"]),
+        str(body.get("reason", "")),
+        blocks,
+        None if retain_s is None else float(retain_s),
+        prefetching,
+        demoted,
+    )

@@ -31,6 +31,8 @@ from kvstore.client._common import (
     check_layers,
     check_reply,
     hello_meta,
+    hint_answer,
+    hint_request,
     open_meta,
     same_length,
 )
@@ -44,6 +46,7 @@ from kvstore.errors import (
     ProtocolError,
     TierError,
 )
+from kvstore.hints import Hint, HintAnswer
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_async
@@ -327,6 +330,22 @@ class AsyncClient:
         async for _, meta in self._key_calls(Op.DELETE, check_keys(keys)):
             total += decode_count(meta)
         return total
+
+    async def hint(
+        self,
+        keys: Sequence[BlockKey] | None = None,
+        *,
+        session: str | None = None,
+        retain_s: float | None = None,
+        priority: int = 0,
+        prefetch: bool = False,
+        demote: bool = False,
+    ) -> HintAnswer:
+        """:meth:`KVStore.hint <kvstore.KVStore.hint>` on the server's store: retain,
+        demote or prefetch ``keys`` (or, alone, ``session``'s keys); the server's answer.
+        Malformed arguments raise :class:`InvalidInputError` before anything is sent."""
+        meta = hint_request(keys, session, Hint(retain_s, priority, prefetch, demote), self._limits)
+        return hint_answer(await self._run(lambda c: c.call(Op.HINT, meta)))
 
     async def list_keys(self, limit: int = 1 << 24) -> list[BlockKey]:
         """Up to ``limit`` stored keys of this namespace and layout."""

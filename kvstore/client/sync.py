@@ -32,6 +32,8 @@ from kvstore.client._common import (
     ClientOptions,
     batches,
     check_layers,
+    hint_answer,
+    hint_request,
     same_length,
 )
 from kvstore.client.connection import Connection, Dead
@@ -46,6 +48,7 @@ from kvstore.errors import (
     ProtocolError,
     TierError,
 )
+from kvstore.hints import Hint, HintAnswer
 from kvstore.keys import BlockKey, ChunkTokens, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_call
@@ -418,6 +421,23 @@ class Client:
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys``; how many were stored."""
         return sum(decode_count(m) for _, m in self._key_calls(Op.DELETE, check_keys(keys)))
+
+    def hint(
+        self,
+        keys: Sequence[BlockKey] | None = None,
+        *,
+        session: str | None = None,
+        retain_s: float | None = None,
+        priority: int = 0,
+        prefetch: bool = False,
+        demote: bool = False,
+    ) -> HintAnswer:
+        """:meth:`KVStore.hint <kvstore.KVStore.hint>` on the server's store of this
+        namespace and layout: retain, demote or prefetch ``keys`` (or, alone,
+        ``session``'s keys); the server's answer. Malformed arguments raise
+        :class:`InvalidInputError` before anything is sent."""
+        meta = hint_request(keys, session, Hint(retain_s, priority, prefetch, demote), self._limits)
+        return hint_answer(self._run(lambda c: c.call(Op.HINT, meta)[1]))
 
     def list_keys(self, limit: int = 1 << 24) -> list[BlockKey]:
         """Up to ``limit`` keys the server stores in this namespace and layout."""

@@ -1,4 +1,5 @@
-"""The data requests of kvstore-server: PUT, RESERVE/COMMIT, GET/RELEASE, and the key queries.
+"""The data requests of kvstore-server: PUT, RESERVE/COMMIT, GET/RELEASE, the key queries
+and HINT.
 
 Bytes never take a detour through a buffer of the server's own where a tier
 can hold them directly:
@@ -30,8 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import CorruptBlockError, LayoutMismatchError, ProtocolError
-from kvstore.keys import ChunkTokens
+from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError, ProtocolError
+from kvstore.hints import HintAnswer, parse_hint
+from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.lending import Loan, PendingPut
 from kvstore.server.channel import Buffer
 from kvstore.server.session import Refused, Reservation, Session
@@ -47,16 +49,19 @@ from kvstore.wire.protocol import (
     decode_commit_request,
     decode_count,
     decode_get_request,
+    decode_hint_request,
     decode_keys,
     decode_tokens,
     decode_u64,
     encode_count,
     encode_get_reply,
+    encode_json,
     encode_put_reply,
     encode_reserve_reply,
 )
 
 if TYPE_CHECKING:
+    from kvstore.store import KVStore
     from kvstore.tiers.slab import SharedSegment
 
 __all__ = ["CONCURRENT", "commit", "note_tokens", "expire_reservations", "put", "release"]
@@ -421,6 +426,37 @@ async def list_keys(conn: Session, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_count(min(limit, len(keys))), [b"".join(keys[:limit])])
 
 
+async def hint(conn: Session, frame: Frame, meta: bytes) -> None:
+    """A session hint (retain, demote, prefetch) for this namespace's store, answered
+    with its :class:`~kvstore.hints.HintAnswer`. A hint whose fields do not make one is
+    answered ``rejected`` with why and changes nothing; a meta that does not decode is
+    a BAD_REQUEST like any other."""
+    fields, keys = decode_hint_request(meta, conn.ctx.server.max_batch_blocks)
+    answer = await conn.run(_apply_hint, conn.store.store, fields, keys)
+    conn.ctx.metrics.add(f"hints_{answer.status}")
+    await conn.reply(frame, encode_json(answer.as_dict()))
+
+
+def _apply_hint(
+    store: KVStore, fields: dict[str, object], keys: list[BlockKey] | None
+) -> HintAnswer:
+    """On a worker thread: parse the hint's fields, then hand it to the store."""
+    parsed, session, problem = parse_hint(fields)
+    if parsed is None:
+        return HintAnswer("rejected", f"malformed hint: {problem}")
+    try:
+        return store.hint(
+            keys,
+            session=session,
+            retain_s=parsed.retain_s,
+            priority=parsed.priority,
+            prefetch=parsed.prefetch,
+            demote=parsed.demote,
+        )
+    except InvalidInputError as exc:  # no keys and no session, say
+        return HintAnswer("rejected", f"malformed {exc}")
+
+
 Handler = Callable[[Session, Frame, bytes], Awaitable[None]]
 #: Requests served beside the reader, several at once per connection.
 CONCURRENT: dict[int, Handler] = {
@@ -430,4 +466,5 @@ CONCURRENT: dict[int, Handler] = {
     Op.LOOKUP: lookup,
     Op.DELETE: delete,
     Op.LIST: list_keys,
+    Op.HINT: hint,
 }

@@ -1,0 +1,104 @@
+"""Restore planning against a real S3 endpoint (moto) behind a real slow link: the plan
+follows the tier's measured speed as the link slows and recovers, a stale estimate is
+probed, and a tier that stalls mid-load ends the load within its deadline."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore import KVLayout, KVStore
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.proxy import FaultProxy
+from kvstore.testing.servers import S3Server
+from kvstore.testing.throttle import ThrottlingProxy
+
+LAYOUT: KVLayout = small_layout(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=32)
+N = 4  # chunks of 512 KiB
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def s3_config(server: S3Server, url: str, **tier: Any) -> dict[str, Any]:
+    s3 = {
+        "kind": "s3",
+        "bucket": server.bucket,
+        "prefix": f"restore-{uuid.uuid4().hex[:12]}",
+        "endpoint_url": url,
+        "region": "us-east-1",
+        "codec": "raw",
+        "read_gbps": 1.0,  # what an operator would declare for a fast bucket
+        "read_latency_ms": 1.0,
+        **tier,
+    }
+    # 32 tokens a chunk at 200 tokens/s: 160 ms of prefill, against a 512 KiB read from
+    # moto (~40-100 MB/s here, 5-13 ms; slower on a loaded machine) or through a 2 MB/s
+    # link (262 ms)
+    restore = {"prefill_tokens_per_s": 200, "speed_half_life_s": 1.0, "speed_stale_s": 60}
+    return {"tiers": [s3], "restore": restore}
+
+
+@pytest.fixture
+def throttle(s3_server: S3Server, aws_env: None) -> Iterator[ThrottlingProxy]:
+    with ThrottlingProxy(f"127.0.0.1:{s3_server.port}") as proxy:
+        yield proxy
+
+
+def test_the_plan_follows_a_link_that_slows_and_a_stale_estimate_is_probed(
+    s3_server: S3Server, throttle: ThrottlingProxy
+) -> None:
+    clock = Clock()
+    kv = random_blocks(LAYOUT, N, seed=5)
+    out = torch.empty(LAYOUT.tensor_shape(N), dtype=LAYOUT.dtype)
+    with KVStore(LAYOUT, s3_config(s3_server, throttle.url), clock=clock) as store:
+        keys = store.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
+        assert store.put(keys, kv) == N
+        assert store.get_prefix(keys, out) == N and torch.equal(out, kv)  # loads pay
+        throttle.set(gbps=0.002, latency_ms=50)  # the link slows to 2 MB/s
+        clock.now += 0.1
+        assert store.get_prefix(keys, out) == N  # planned on the old figures: it loads ...
+        slow = store.stats()["tiers"][0]
+        assert slow["read_gbps_estimate"] < 0.004  # ... and measures the slow link
+        clock.now += 0.1
+        plan = store.plan(keys)
+        assert (plan.load, plan.reason) == (0, "pays")  # now the prompt is recomputed
+        assert store.get_prefix(keys, out) == 0
+        throttle.set(gbps=None, latency_ms=0)  # the link recovers; nothing reads it ...
+        clock.now += 61  # ... until the estimate goes stale: the plan probes the tier
+        assert store.plan(keys).load == 0
+        assert store.stats()["restore"]["stale_probes"] == 1
+        store.manager.mover.drain(10.0)
+        clock.now += 5  # the probe's fast read outweighs the old slow ones
+        assert store.plan(keys).load == N
+        restore = store.stats()["restore"]
+        assert restore["restores_timed"] >= 2 and restore["estimate_error_median"] is not None
+
+
+def test_a_tier_that_stalls_mid_load_ends_the_load_within_its_deadline(
+    s3_server: S3Server, aws_env: None
+) -> None:
+    kv = random_blocks(LAYOUT, N, seed=6)
+    out = torch.empty(LAYOUT.tensor_shape(N), dtype=LAYOUT.dtype)
+    with FaultProxy(s3_server.port) as proxy:
+        config = s3_config(s3_server, proxy.url, read_timeout=1.0, deadline=2.0)
+        with KVStore(LAYOUT, config) as store:
+            keys = store.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
+            assert store.put(keys, kv) == N
+            assert store.plan(keys).load == N  # the plan says load: the tier looks fast
+            proxy.stall_next(10_000, 10.0)  # then every request hangs
+            start = time.monotonic()
+            loaded = store.get_prefix(keys, out)
+            elapsed = time.monotonic() - start
+            assert loaded == 0  # a miss: the engine recomputes, nothing wrong is served
+            assert elapsed < 2.0 + 1.0 + 2.0  # the deadline, a read timeout, slack: no hang
