@@ -99,6 +99,10 @@ class PrefetchHandle:
         self._steps: list[Step] = []
         #: Per layer, the copy event after which it is in place (set once it is queued).
         self._layer_events: list[Event | None] = [None] * num_layers
+        self._started = time.perf_counter()
+        #: Seconds from the start to the loader's end (None: not ended): what a restore
+        #: plan's expected load time is compared with.
+        self.load_s: float | None = None
 
     # -- progress (called by the loader and the copy lane) ----------------------------
     def _progress(self, step: Step, failed_at: int | None, whole_blocks: bool) -> None:
@@ -137,6 +141,7 @@ class PrefetchHandle:
                 self._layers_done = self.num_layers
                 self._blocks_done = max(self._blocks_done, self._valid)
             self._done = True
+            self.load_s = time.perf_counter() - self._started
             self._cond.notify_all()
             self._end.notify_all()
 

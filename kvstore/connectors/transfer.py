@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -233,7 +234,9 @@ class TransferWorker:
                         handle = self.store.prefetch(keys, out=self._load_buffer(len(keys)))
                         self._loads.append(_Load(spec, handle))
                     else:
+                        start = time.perf_counter()
                         self._load_sync(spec, keys)
+                        self._timed(spec, time.perf_counter() - start)
             except Exception:  # never break generation: the engine recomputes
                 log.exception("kvstore: loading request %s failed", spec.req_id)
                 self._fail(spec, spec.token_start)
@@ -305,11 +308,20 @@ class TransferWorker:
             for layer in range(self.layout.num_layers):
                 end = min(end, load.scattered.get(layer, spec.token_start))
             c = self.layout.block_tokens
+            self._timed(spec, load.handle.load_s)
             self.counters.add("load_tokens", max(0, end - spec.token_start))
             self.counters.add("load_chunks", max(0, -(-(end - spec.first_chunk * c) // c)))
             if end < spec.token_end:
                 self._fail(spec, end)
         self._loads = []
+
+    def _timed(self, spec: TransferSpec, actual_s: float | None) -> None:
+        """A planned load's expected seconds against what it took (the counters show a
+        wrong estimate: ``restore_planned_s`` / ``restore_actual_s``)."""
+        if spec.planned_s is not None and actual_s is not None:
+            self.counters.add("restores_timed")
+            self.counters.add("restore_planned_s", spec.planned_s)
+            self.counters.add("restore_actual_s", actual_s)
 
     def _fail(self, spec: TransferSpec, from_token: int) -> None:
         """Tokens ``[from_token, token_end)`` of ``spec`` did not load: report their blocks

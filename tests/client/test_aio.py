@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.client import AsyncClient, ClientOptions
-from kvstore.errors import AccessDeniedError, TierError
+from kvstore.errors import AccessDeniedError, InvalidInputError, TierError
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
@@ -46,6 +46,29 @@ def test_round_trip(kv_server: Start, transport: str) -> None:
             assert await c.delete(keys) == 3
             await c.ping()
             assert (await c.server_stats())["stores"][0]["blocks"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_hints(kv_server: Start) -> None:
+    server = kv_server()
+
+    async def scenario() -> None:
+        keys = make_keys(3)
+        async with AsyncClient(LAYOUT, ClientOptions(server.address)) as c:
+            assert await c.put(keys, blocks(3, seed=3)) == [True] * 3
+            answer = await c.hint(keys, session="agent", retain_s=30, priority=1)
+            assert (answer.status, answer.blocks, answer.retain_s) == ("accepted", 3, 30.0)
+            answer = await c.hint(session="agent", demote=True)
+            assert (answer.status, answer.demoted) == ("accepted", 3)
+            answer = await c.hint(session="agent", prefetch=True)
+            assert (answer.status, answer.prefetching) == ("accepted", 3)
+            assert "unknown session" in (await c.hint(session="other", prefetch=True)).reason
+            with pytest.raises(InvalidInputError, match="priority"):
+                await c.hint(keys, priority=101)
+            with pytest.raises(InvalidInputError, match="keys, a session"):
+                await c.hint()
+            assert (await c.server_stats())["server"]["requests"]["hint"] == 4
 
     asyncio.run(scenario())
 

@@ -21,6 +21,7 @@ from kvstore.wire.protocol import (
     decode_count,
     decode_get_reply,
     decode_get_request,
+    decode_hint_request,
     decode_json,
     decode_keys,
     decode_put_reply,
@@ -30,6 +31,7 @@ from kvstore.wire.protocol import (
     encode_count,
     encode_get_reply,
     encode_get_request,
+    encode_hint_request,
     encode_json,
     encode_keys,
     encode_put_reply,
@@ -99,6 +101,25 @@ def test_put_reply_and_commit_round_trip() -> None:
         decode_commit_request(encode_commit_request(5, [True] * 9), 8)
 
 
+def test_hint_request_round_trip_and_checks() -> None:
+    keys = make_keys(3)
+    fields = {"retain_s": 60.0, "priority": 5, "prefetch": False, "demote": True, "session": "s"}
+    assert decode_hint_request(encode_hint_request(fields, keys), 8) == (fields, keys)
+    assert decode_hint_request(encode_hint_request(fields, []), 8) == (fields, [])
+    assert decode_hint_request(encode_hint_request(fields, None), 8) == (fields, None)
+    meta = encode_hint_request(fields, keys)
+    with pytest.raises(ProtocolError, match="at most 2"):
+        decode_hint_request(meta, 2)
+    for bad in (b"", meta[:3], meta[:-1], encode_hint_request(fields, None) + b"x", b"\xff" * 8):
+        with pytest.raises(ProtocolError):
+            decode_hint_request(bad, 8)
+    flag_at = len(encode_hint_request(fields, None)) - 1
+    with pytest.raises(ProtocolError, match="keys flag"):
+        decode_hint_request(meta[:flag_at] + b"\x02" + meta[flag_at + 1 :], 8)
+    with pytest.raises(ProtocolError, match="JSON object"):
+        decode_hint_request(b"\x02\x00\x00\x00[]\x00", 8)
+
+
 def test_scalars_and_json() -> None:
     assert decode_u64(encode_u64(2**63)) == 2**63
     assert decode_count(encode_count(77)) == 77
@@ -118,6 +139,7 @@ _DECODERS = [
     lambda b: decode_reserve_reply(b, 2),
     lambda b: decode_put_reply(b, 3),
     lambda b: decode_commit_request(b, 64),
+    lambda b: decode_hint_request(b, 64),
     decode_u64,
     decode_count,
     decode_json,
