@@ -220,6 +220,8 @@ class HinterParts:
     exists: Callable[[Sequence[BlockKey]], list[bool]]
     warm: Callable[[Sequence[BlockKey]], int]
     demote: Callable[[Sequence[BlockKey]], int]
+    #: Pass the hint to tiers outside the process that hold the keys (a kvstore-server).
+    forward: Callable[[Sequence[BlockKey], Hint], int] = lambda keys, hint: 0
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,7 @@ class Hinter:
                 )
         prefetching = self.parts.warm(stored) if hint.prefetch else 0
         demoted = self.parts.demote(stored) if hint.demote else 0
+        self.parts.forward(stored, hint)
         status = "clipped" if clipped else "accepted"
         answer = HintAnswer(status, "; ".join(clipped), len(stored), retain_s, prefetching, demoted)
         return self._count(answer)

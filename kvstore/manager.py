@@ -47,7 +47,7 @@ from kvstore.copies import engine_for
 from kvstore.counters import ManagerCounters
 from kvstore.errors import BlockNotFoundError
 from kvstore.finder import Finder
-from kvstore.hints import Hinter, HinterParts, HintLimits, Retention
+from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
 from kvstore.index import ChangeFeed, HeatClock, Level, Medium
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layerwrites import LayerWrites
@@ -316,16 +316,23 @@ class BlockManager:
         self.migrations.schedule(follow)
         return moved
 
+    def forward_hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
+        """Pass a hint to the tiers outside this process that hold some of ``keys`` (a
+        kvstore-server honours it in its own tiers); how many tiers were told."""
+        remote = [level for level, tier in enumerate(self.tiers) if not tier.local]
+        held = {level: [k for k in keys if level in self.books.where(k)] for level in remote}
+        for level, some in held.items():
+            self.io.hint(level, some, hint)
+        return sum(1 for some in held.values() if some)
+
     def probe(self, key: BlockKey) -> bool:
-        """Read ``key`` into scratch memory in the background (its tier's read speed is
-        refreshed by the read); False if a probe of it is queued already."""
-        layout = self.layout
-
-        def job() -> None:
-            out = torch.empty(layout.block_shape, dtype=layout.dtype)
-            self.reader.load([key], [out], None, True)
-
-        return self.mover.submit(job, key=("probe", key))
+        """Read ``key`` into scratch memory in the background (refreshing its tier's read
+        speed); False if a probe of it is queued already."""
+        shape, dtype = self.layout.block_shape, self.layout.dtype
+        return self.mover.submit(
+            lambda: self.reader.load([key], [torch.empty(shape, dtype=dtype)], None, True),
+            key=("probe", key),
+        )
 
     def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
         """Copy ``keys`` into tier ``tier`` now (where they are stored and not there yet);
@@ -516,7 +523,9 @@ def _hinter(manager: BlockManager) -> Hinter:
     hints = manager.config.hints
     capacity = sum(level["capacity_blocks"] for level in manager.books.level_usage())
     manager.retention.max_blocks = max(1, int(hints.max_retained_fraction * capacity))
-    parts = HinterParts(manager.exists, manager.migrations.warm, manager.demote)
+    parts = HinterParts(
+        manager.exists, manager.migrations.warm, manager.demote, manager.forward_hint
+    )
     return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from kvstore.errors import TierError
+from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.speeds import ReadSpeed, SpeedEstimate
@@ -188,6 +189,11 @@ class TierIO:
     def note_tokens(self, level: int, tokens: ChunkTokens) -> None:
         """Tell tier ``level`` which tokens some chunks hold (a failure is counted)."""
         self._call(level, "note tokens", len(tokens.keys), lambda t: t.note_tokens(tokens))
+
+    def hint(self, level: int, keys: Sequence[BlockKey], hint: Hint) -> None:
+        """Pass a session hint to tier ``level`` (a failure is counted and logged)."""
+        if keys:
+            self._call(level, "hint", len(keys), lambda t: t.hint(keys, hint))
 
     def contains(self, level: int, keys: Sequence[BlockKey]) -> list[bool]:
         """Which ``keys`` tier ``level`` holds (none, when it is unavailable)."""

@@ -30,6 +30,7 @@ from kvstore.client._common import ClientOptions
 from kvstore.client.sync import Client
 from kvstore.config import RemoteTierConfig, TierConfig
 from kvstore.errors import ClosedError, ConfigError, TierError
+from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import LayerRange, Tier
@@ -91,6 +92,18 @@ class RemoteTier(Tier):
         """The server's KV events carry these chunks' tokens."""
         self._check_open()
         self._client.note_tokens(tokens)
+
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> None:
+        """Pass a session hint on to the server, for these keys (never a session name:
+        the two sessions tables would drift apart)."""
+        self._check_open()
+        self._client.hint(
+            list(keys),
+            retain_s=hint.retain_s,
+            priority=hint.priority,
+            prefetch=hint.prefetch,
+            demote=hint.demote,
+        )
 
     def stored_keys(self) -> Iterator[BlockKey]:
         self._check_open()

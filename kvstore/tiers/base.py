@@ -27,6 +27,7 @@ import torch
 
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
+from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 
@@ -143,6 +144,11 @@ class Tier(ABC):
         """Which tokens the chunks ``tokens.keys`` hold, told before they are put, for
         the KV events of whatever stands behind the tier (a kvstore-server publishes
         them). Nothing to do by default: the tier stores bytes, not tokens."""
+
+    def hint(self, keys: Sequence[BlockKey], hint: Hint) -> None:
+        """A session hint for ``keys``, which this tier holds, passed on to whatever
+        stands behind it (a kvstore-server retains, demotes or prefetches them in its
+        own tiers). Nothing to do by default: the store's own eviction honours it."""
 
     def stats(self) -> dict[str, Any]:
         """Tier-specific counters (I/O errors, bytes on disk, ...)."""

@@ -195,3 +195,20 @@ def test_the_client_checks_hints_before_sending(kv_server: Start) -> None:
             c.hint(make_keys(9), retain_s=5)  # the limit, now known: not sent
         assert c.server_stats()["server"]["requests"].get("hint", 0) == sent == 1
         assert c.hint(keys, retain_s=5).status == "rejected"  # well formed, nothing stored
+
+
+def test_a_store_passes_its_hints_to_the_server_behind_it(kv_server: Start) -> None:
+    """A store over a remote tier: its hint retains the blocks in the server's store too
+    (the server evicts by its own rules, so the client's retention alone would not hold
+    them there)."""
+    from kvstore import KVStore
+
+    server = kv_server()
+    keys = make_keys(3, salt=7)
+    config = {"tiers": [{"kind": "remote", "address": server.address, "shared_memory": False}]}
+    with KVStore(LAYOUT, config) as store:
+        kv = random_blocks(LAYOUT, 3, seed=7)
+        assert store.put(keys, kv) == 3
+        answer = store.hint(keys, retain_s=60, priority=4)
+        assert (answer.status, answer.blocks) == ("accepted", 3)
+        assert len(hosted_store(server).manager.retention) == 3
