@@ -6,12 +6,13 @@ that the session will be back, roughly when, and how much it matters. A
 :class:`Hint` says so for a session's blocks (its keys, or a session id that names
 the keys of its earlier hints):
 
-- ``retain_s`` / ``priority``: keep the blocks for that long. Eviction in every
+- ``retain_s`` / ``priority``: keep the blocks for that long (0: no longer). Eviction in every
   tier -- memory, disk, down to a bucket with a capacity -- takes retained blocks
   only when nothing else is left, lowest priority first (:class:`Retention`); a
   retention is soft, so a flood of hints never makes a put fail.
 - ``demote``: the session went idle: copy its blocks down to the first persistent
-  tier and free their room in the memory tiers.
+  tier and free their room in the memory tiers, in the background (hot blocks, which
+  other sessions read too, stay).
 - ``prefetch``: its next turn is near: copy its blocks into the fastest tier in
   the background, before the request arrives.
 
@@ -263,7 +264,10 @@ class Hinter:
         if len(stored) < len(keys):
             clipped.append(f"{len(keys) - len(stored)} of {len(keys)} blocks are not stored")
         retain_s = None
-        if hint.retain_s is not None and hint.retain_s > 0:
+        if hint.retain_s == 0:  # the session is over: end its retention now
+            self.retention.release(stored)
+            retain_s = 0.0
+        elif hint.retain_s is not None:
             retain_s = min(float(hint.retain_s), self.limits.max_retain_s)
             if retain_s < hint.retain_s:
                 clipped.append(f"retention capped at {self.limits.max_retain_s:g} s")

@@ -301,20 +301,23 @@ class BlockManager:
         return self.migrations.persist(keys)
 
     def demote(self, keys: Sequence[BlockKey]) -> int:
-        """Copy ``keys`` to the first persistent tier, then free their room in the memory
-        tiers (an idle session's blocks); how many memory copies were given up."""
+        """In the background, copy ``keys`` to the first persistent tier and give up their
+        memory copies (an idle session's blocks); hot blocks, which other sessions read
+        too (a shared system prompt), stay. How many blocks were queued."""
         self.settle(keys)
-        self.migrations.persist(keys)
-        follow, moved = FollowUps(), 0
-        for level, tier in enumerate(self.tiers):
-            if tier.device is None or not tier.local:
-                continue
-            victims = self.books.room.take_keys(level, keys)
-            if victims:
-                self.writer.evict(level, victims, follow)
-                moved += len(victims)
-        self.migrations.schedule(follow)
-        return moved
+        memory = [lv for lv, t in enumerate(self.tiers) if t.device is not None and t.local]
+        hot = self.placement.is_hot
+        chosen = [
+            k
+            for k in keys
+            if set(memory) & set(self.books.where(k)) and not hot(self.books.heat_of(k))
+        ]
+        return self.migrations.demote_later(chosen, memory)
+
+    def warm(self, keys: Sequence[BlockKey]) -> int:
+        """Copy those of ``keys`` the fastest tier lacks into it, in the background; how
+        many copies were queued."""
+        return self.migrations.warm([k for k in keys if 0 not in self.books.where(k)])
 
     def forward_hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Pass a hint to the tiers outside this process that hold some of ``keys`` (a
@@ -523,9 +526,7 @@ def _hinter(manager: BlockManager) -> Hinter:
     hints = manager.config.hints
     capacity = sum(level["capacity_blocks"] for level in manager.books.level_usage())
     manager.retention.max_blocks = max(1, int(hints.max_retained_fraction * capacity))
-    parts = HinterParts(
-        manager.exists, manager.migrations.warm, manager.demote, manager.forward_hint
-    )
+    parts = HinterParts(manager.exists, manager.warm, manager.demote, manager.forward_hint)
     return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
 
 
@@ -537,7 +538,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         where=manager.where,
         speeds=manager.io.speeds_now,
         fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
-        warm=manager.migrations.warm,
+        warm=manager.warm,
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probe,
     )

@@ -67,6 +67,23 @@ class Migrations:
             for key in keys
         )
 
+    def demote_later(self, keys: Sequence[BlockKey], levels: Sequence[int]) -> int:
+        """In the background: copy ``keys`` to the first persistent tier, then give up
+        their copies in tiers ``levels`` (memory); how many blocks were queued."""
+        if not keys or not levels:
+            return 0
+        job = functools.partial(self._demote, list(keys), list(levels))
+        return len(keys) if self.mover.submit(job) else 0
+
+    def _demote(self, keys: list[BlockKey], levels: list[int]) -> None:
+        self.persist(keys)
+        follow = FollowUps()
+        for level in levels:
+            victims = self.books.room.take_keys(level, keys)
+            if victims:
+                self.writer.evict(level, victims, follow)
+        self.schedule(follow)
+
     def promote_now(self, keys: Sequence[BlockKey], target: int) -> int:
         """Copy ``keys`` into tier ``target`` on the caller's thread; how many landed."""
         return sum(self._copy_up(key, target) for key in keys)

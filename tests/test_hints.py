@@ -77,7 +77,8 @@ def test_demote_frees_memory_and_keeps_the_blocks_on_disk(tmp_path: Path) -> Non
     with KVStore(LAYOUT, config(tmp_path)) as store:
         keys = session(store, 3, seed=1)
         answer = store.hint(keys, session="agent-1", demote=True)
-        assert (answer.status, answer.demoted) == ("accepted", 3)
+        assert (answer.status, answer.demoted) == ("accepted", 3)  # queued
+        store.manager.mover.drain(5.0)
         assert in_memory(store, keys) == 0
         assert all(1 in store.manager.where(k) for k in keys)  # on disk
         # the next turn is near: name the session alone
@@ -88,6 +89,28 @@ def test_demote_frees_memory_and_keeps_the_blocks_on_disk(tmp_path: Path) -> Non
         assert store.get(keys).shape == LAYOUT.tensor_shape(3)
         hints = store.stats()["hints"]
         assert hints["hint_blocks_demoted"] == 3 and hints["hint_blocks_prefetched"] == 3
+        # blocks in memory already are not counted as prefetched again
+        assert store.hint(session="agent-1", prefetch=True).prefetching == 0
+
+
+def test_demote_leaves_hot_blocks_other_sessions_read(tmp_path: Path) -> None:
+    with KVStore(LAYOUT, config(tmp_path)) as store:
+        keys = session(store, 3, seed=1)
+        for _ in range(40):  # chunk 0 is a system prompt every session reads
+            store.get(keys[:1])
+        answer = store.hint(keys, demote=True)
+        assert answer.demoted == 2
+        store.manager.mover.drain(5.0)
+        assert [0 in store.manager.where(k) for k in keys] == [True, False, False]
+
+
+def test_retain_zero_ends_a_retention(tmp_path: Path) -> None:
+    with KVStore(LAYOUT, config(tmp_path)) as store:
+        keys = session(store, 2, seed=1)
+        store.hint(keys, session="s", retain_s=600)
+        assert store.stats()["hints"]["blocks_retained"] == 2
+        assert store.hint(session="s", retain_s=0).retain_s == 0.0
+        assert store.stats()["hints"]["blocks_retained"] == 0
 
 
 def test_hints_are_clipped_and_rejected_with_reasons(tmp_path: Path) -> None:
