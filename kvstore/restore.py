@@ -3,8 +3,8 @@
 A lookup says which leading chunks of a prompt are stored and where; a
 :class:`RestorePlan` says how many of them to load. Loading chunks
 ``[first, n)`` from their tiers costs ``load(n)`` (each tier's live read speed:
-one call per tier, its latency plus its bytes over its bandwidth, tiers one
-after another); recomputing what is not loaded costs the engine's prefill of
+its latency a call plus its bytes over its bandwidth, tiers one after another; one
+call per tier, or one a layer for a load that runs layer by layer); recomputing what is not loaded costs the engine's prefill of
 tokens ``[n * chunk_tokens, prompt_tokens)`` (:class:`~kvstore.speeds.PrefillSpeed`).
 The plan picks the ``n`` with the least time to a ready prompt:
 
@@ -148,10 +148,12 @@ def restore_request(
     return RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap), True, chunk_tokens)
 
 
-def _load_seconds(per_level: dict[int, int], costs: RestoreCosts) -> float:
-    """Seconds to read ``per_level[level]`` chunks from each level, one call per level."""
+def _load_seconds(per_level: dict[int, int], costs: RestoreCosts, calls: int) -> float:
+    """Seconds to read ``per_level[level]`` chunks from each level: ``calls`` calls per
+    level (one for a whole read; one a layer for a load that runs layer by layer)."""
     return sum(
-        costs.speeds[level].seconds_for(n * costs.chunk_bytes) for level, n in per_level.items()
+        costs.speeds[level].seconds_for(n * costs.chunk_bytes, calls)
+        for level, n in per_level.items()
     )
 
 
@@ -165,9 +167,11 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
     while floor < stored and request.levels[floor] in costs.fast:
         floor += 1
     loads, per_level = [0.0], dict[int, int]()
+    # A load under compute reads each tier a layer at a time: a call, and its latency, a layer.
+    calls = max(1, costs.num_layers) if request.overlap else 1
     for i in range(first, stored):
         per_level[request.levels[i]] = per_level.get(request.levels[i], 0) + 1
-        loads.append(_load_seconds(per_level, costs))
+        loads.append(_load_seconds(per_level, costs, calls))
     prefill = costs.prefill
 
     def ready(n: int) -> float | None:

@@ -204,7 +204,8 @@ class RestoreConfig:
     (``KVSTORE_RESTORE_PLANNING=off``).
 
     ``prefill_table``: the engine's prefill time by prompt length, as
-    ``[[tokens, seconds], ...]`` (``kvstore calibrate`` measures it); or
+    ``[[tokens, seconds], ...]`` (``benchmarks/bench_restore.py --calibrate-only``
+    measures it with vLLM); or
     ``prefill_tokens_per_s``, one flat rate. With neither, the vLLM connector learns
     a rate from the engine's own step times (``learn_prefill``); until it has one,
     every stored chunk is loaded.
