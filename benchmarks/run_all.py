@@ -267,6 +267,36 @@ REGISTRY: tuple[Bench, ...] = (
         ),
     ),
     Bench(
+        "agentic",
+        "bench_agentic.py",
+        (
+            _ratio(
+                "turn_ttft_p99_hinted_vs_plain",
+                "no hints, same schedule (TTFT p99)",
+                "<= 0.7",
+                "ttft_ms.plain.p99",
+                "ms",
+            ),
+            _ratio(
+                "turn_ttft_p50_hinted_vs_plain",
+                "no hints, same schedule (TTFT p50)",
+                "",
+                "ttft_ms.plain.p50",
+                "ms",
+            ),
+            _ratio(
+                "restore_p99_hinted_vs_plain",
+                "no hints (the restore alone, p99)",
+                "",
+                "restore_ms.plain.p99",
+                "ms",
+            ),
+            Figure("fast_tier_hit_rate_hinted", "no hints", "", "", "fast_tier_hit_rate_plain"),
+        ),
+        timeout_s=600,
+        quick_timeout_s=120,
+    ),
+    Bench(
         "vllm_tier",
         "bench_vllm_tier.py",
         (
@@ -389,6 +419,38 @@ REGISTRY: tuple[Bench, ...] = (
         timeout_s=2400,
         note="not part of --quick: its own --quick takes 2-4 minutes here, more than half "
         "the quick budget; run it with `--only vllm --quick`",
+    ),
+    Bench(
+        "restore",
+        "bench_restore.py",
+        (
+            _ratio(
+                "slow_planned_vs_nocache",
+                "no connector (TTFT); S3 over a 20 MB/s, 50 ms link, planning on",
+                "<= 1.05",
+                "ttft_nocache_ms",
+                "ms",
+            ),
+            _ratio(
+                "slow_unplanned_vs_nocache",
+                "no connector (TTFT); the same link, planning off (expected > 1)",
+                "> 1",
+            ),
+            _ratio(
+                "slow_second_request_vs_nocache",
+                "no connector (TTFT); the same prompts again after the warming",
+            ),
+            _ratio(
+                "fast_planned_vs_unplanned", "planning off (TTFT), chunks on host + disk", "<= 1.02"
+            ),
+            _ratio("fast_planned_vs_nocache", "no connector (TTFT), chunks on host + disk"),
+            Figure("estimate_error_median", "planned / actual S3 load time - 1 (vLLM loads)"),
+            Figure("estimate_error_get_prefix_median", "the same, store.get_prefix loads"),
+        ),
+        quick_args=None,
+        timeout_s=1200,
+        note="not part of --quick: nine vLLM processes (~9.5 minutes here; its own --quick, "
+        "three processes, ~3); run `python benchmarks/bench_restore.py --quick`",
     ),
 )
 
