@@ -140,9 +140,21 @@ class Finder:
         block left with none, or None."""
         if not keys:
             return None
-        verdicts = {level: self.io.contains(level, keys) for level in self._shared}
         known = [e for e in entries if e is not None]
         assert len(known) == len(keys)
+        masks = self.books.tiers_of(known)
+        confirmed = [False] * len(keys)
+        verdicts: dict[int, list[bool]] = {}
+        # Fastest shared tier first; a key one of them still holds is not asked about
+        # again further down (a slow bucket is probed only for what faster tiers lost).
+        for level in self._shared:
+            ask = [i for i, m in enumerate(masks) if m >> level & 1 and not confirmed[i]]
+            found = self.io.contains(level, [keys[i] for i in ask]) if ask else []
+            verdict = [bool(m >> level & 1) for m in masks]  # not asked: the claim stands
+            for i, present in zip(ask, found, strict=True):
+                verdict[i] = present
+                confirmed[i] = confirmed[i] or present
+            verdicts[level] = verdict
         return self.books.forget_gone(keys, known, verdicts)
 
     def adopt_persistent(self) -> None:

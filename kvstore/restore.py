@@ -4,8 +4,9 @@ A lookup says which leading chunks of a prompt are stored and where; a
 :class:`RestorePlan` says how many of them to load. Loading chunks
 ``[first, n)`` from their tiers costs ``load(n)`` (each tier's live read speed:
 its latency a call plus its bytes over its bandwidth, tiers one after another; one
-call per tier, or one a layer for a load that runs layer by layer); recomputing what is not loaded costs the engine's prefill of
-tokens ``[n * chunk_tokens, prompt_tokens)`` (:class:`~kvstore.speeds.PrefillSpeed`).
+call per tier, or one a layer for a load that runs layer by layer); recomputing what
+is not loaded costs the engine's prefill of tokens ``[n * chunk_tokens, prompt_tokens)``
+(:class:`~kvstore.speeds.PrefillSpeed`).
 The plan picks the ``n`` with the least time to a ready prompt:
 
     load(n) + prefill(n)                                   loads before compute

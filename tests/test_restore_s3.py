@@ -102,3 +102,22 @@ def test_a_tier_that_stalls_mid_load_ends_the_load_within_its_deadline(
             elapsed = time.monotonic() - start
             assert loaded == 0  # a miss: the engine recomputes, nothing wrong is served
             assert elapsed < 2.0 + 1.0 + 2.0  # the deadline, a read timeout, slack: no hang
+
+
+def test_a_lookup_asks_a_slow_shared_tier_only_about_what_faster_ones_lost(
+    s3_server: S3Server, aws_env: None, tmp_path: Any
+) -> None:
+    """Every scheduler lookup rechecks the shared tiers; a chunk the shared disk still
+    holds is not asked about again on S3 (a round trip over the slow link each)."""
+    kv = random_blocks(LAYOUT, N, seed=7)
+    config = s3_config(s3_server, f"http://127.0.0.1:{s3_server.port}")
+    config["tiers"].insert(0, {"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"})
+    with KVStore(LAYOUT, config) as store:
+        keys = store.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
+        assert store.put(keys, kv) == N
+        assert store.evict(N, tier=0)  # demoted to S3
+        assert store.manager.promote(keys[:2], tier=0) == 2  # two back on disk: on both
+        requests = store.stats()["tiers"][1]["requests"]
+        assert store.lookup(keys, recheck=True) == N
+        asked = store.stats()["tiers"][1]["requests"] - requests
+        assert asked == 2  # only the two chunks no faster shared tier holds
