@@ -62,6 +62,8 @@ class _Link:
     upstream: socket.socket
     answered: bool = True  # set by the down pump, cleared by the up pump (GIL-atomic)
     pumps_left: int = 2
+    #: Why a pump ended early (a side closed or reset the connection; None: a clean end).
+    error: OSError | None = None
 
 
 class ThrottlingProxy:
@@ -197,8 +199,8 @@ class ThrottlingProxy:
                 link.upstream.sendall(data)
                 with self._cond:
                     self.bytes_up += len(data)
-        except OSError:  # either side went away (closed, reset): the pump ends
-            pass
+        except OSError as exc:  # either side went away (closed, reset): the pump ends
+            link.error = exc
         finally:
             self._finish(link, link.upstream)
 
@@ -214,8 +216,8 @@ class ThrottlingProxy:
                 link.client.sendall(data)
                 with self._cond:
                     self.bytes_down += len(data)
-        except OSError:
-            pass
+        except OSError as exc:  # either side went away: the pump ends
+            link.error = exc
         finally:
             self._finish(link, link.client)
 
