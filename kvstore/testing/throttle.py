@@ -87,7 +87,8 @@ class ThrottlingProxy:
         self._next_free = 0.0  # monotonic time the link is free for the next chunk
         self._epoch = 0  # bumped by set(): chunks waiting on the old rate go at once
         self.set(gbps=gbps, latency_ms=latency_ms)
-        #: Bytes forwarded server-to-client, client-to-server; connections accepted.
+        #: Bytes forwarded (or being handed on) server-to-client, client-to-server; connections
+        #: accepted. A count is never behind what the receiving side already holds.
         self.bytes_down = 0
         self.bytes_up = 0
         self.connections = 0
@@ -196,9 +197,9 @@ class ThrottlingProxy:
                     latency_s = self._latency_ms / 1e3
                     if latency_s > 0 and self._stop.wait(latency_s):
                         break
-                link.upstream.sendall(data)
-                with self._cond:
+                with self._cond:  # counted before it is handed on: never behind the peer
                     self.bytes_up += len(data)
+                link.upstream.sendall(data)
         except OSError as exc:  # either side went away (closed, reset): the pump ends
             link.error = exc
         finally:
@@ -213,9 +214,9 @@ class ThrottlingProxy:
                     break
                 self._pace(len(data))
                 link.answered = True  # before the client can see it and send again
-                link.client.sendall(data)
-                with self._cond:
+                with self._cond:  # counted before the client can hold it
                     self.bytes_down += len(data)
+                link.client.sendall(data)
         except OSError as exc:  # either side went away: the pump ends
             link.error = exc
         finally:
