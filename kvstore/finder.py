@@ -37,17 +37,20 @@ class Finder:
         persistent = io.mask(lambda tier: tier.persistent)
         self._peers = [lv for lv in self._shared if not persistent >> lv & 1]
 
-    def lookup(self, keys: Sequence[BlockKey], recheck: bool = False) -> int:
+    def lookup(self, keys: Sequence[BlockKey], recheck: bool = False, skip: int = 0) -> int:
         """Number of leading ``keys`` that are stored and readable.
 
         With ``recheck``, blocks held only in shared tiers are confirmed with
-        those tiers first (another process may have evicted them).
+        those tiers first (another process may have evicted them). Tiers in the
+        bit mask ``skip`` are not asked (a restore plan knows no load from them can
+        pay): what the index says of them stands.
         """
-        n = self.books.leading(keys)
-        if n < len(keys) and self.discover(keys[n:]):
+        known = n = self.books.leading(keys)
+        if n < len(keys) and self.discover(keys[n:], skip=skip):
             n = self.books.leading(keys)
-        if recheck and n:
-            n = self.recheck(keys[:n])
+        # What discovery just found is confirmed; only what the index knew before is asked.
+        if recheck and known:
+            n = min(n, self.recheck(keys[:known], skip=skip))
         self.books.count(lookups=1, lookup_blocks_hit=n, lookup_blocks_missed=len(keys) - n)
         return n
 
@@ -58,7 +61,7 @@ class Finder:
             self.discover(keys[n:])
         return self.books.readable(keys)
 
-    def discover(self, keys: Sequence[BlockKey], batch: int = 16) -> int:
+    def discover(self, keys: Sequence[BlockKey], batch: int = 16, skip: int = 0) -> int:
         """Index the leading ``keys`` that shared tiers hold but the index lacks.
 
         Skips the leading keys a local tier of this machine holds (nothing
@@ -67,10 +70,11 @@ class Finder:
         held). Probes in batches that start small and double while every key
         is found, and stops at the first key no shared tier has: a miss costs
         one small batch of existence checks, a long hit a few round trips (a
-        512-chunk prompt: 6 with ``batch=16``, not 32). Returns how many keys
-        were adopted or found.
+        512-chunk prompt: 6 with ``batch=16``, not 32). Tiers in the bit mask
+        ``skip`` are not asked. Returns how many keys were adopted or found.
         """
-        if not self._shared:
+        shared = [level for level in self._shared if not skip >> level & 1]
+        if not shared:
             return 0
         keys = keys[self.books.leading(keys, local=True) :]
         adopted = 0
@@ -80,7 +84,7 @@ class Finder:
             start += len(chunk)
             batch *= 2
             found = [0] * len(chunk)
-            for level in self._shared:
+            for level in shared:
                 for i, present in enumerate(self.io.contains(level, chunk)):
                     found[i] |= (1 << level) if present else 0
             run = next((i for i, bits in enumerate(found) if not bits), len(chunk))
@@ -115,14 +119,15 @@ class Finder:
         self.books.adopt(adopted)
         return len(adopted)
 
-    def recheck(self, keys: Sequence[BlockKey], batch: int = 16) -> int:
+    def recheck(self, keys: Sequence[BlockKey], batch: int = 16, skip: int = 0) -> int:
         """Of the leading indexed ``keys``, how many shared tiers still hold; forget the rest.
 
         Another process sharing a tier (a worker evicting from the disk this
         process reads) may have removed blocks this index remembers. Blocks
         with a copy in a tier of this process's own are trusted; the others are
         probed, in batches, up to the first one that is gone. Nothing is
-        deleted: the index just stops claiming what is no longer there.
+        deleted: the index just stops claiming what is no longer there. Tiers in
+        the bit mask ``skip`` are not asked: their claims stand.
         """
         for start in range(0, len(keys), batch):
             chunk = list(keys[start : start + batch])
@@ -130,12 +135,12 @@ class Finder:
             known = [i for i, e in enumerate(entries) if e is not None]
             masks = self.books.tiers_of([e for e in entries if e is not None])
             probe = [i for i, tiers in zip(known, masks, strict=True) if not tiers & self._own]
-            gone = self._gone([chunk[i] for i in probe], [entries[i] for i in probe])
+            gone = self._gone([chunk[i] for i in probe], [entries[i] for i in probe], skip)
             if gone is not None:
                 return start + probe[gone]
         return len(keys)
 
-    def _gone(self, keys: list[BlockKey], entries: list[Entry | None]) -> int | None:
+    def _gone(self, keys: list[BlockKey], entries: list[Entry | None], skip: int) -> int | None:
         """Forget copies the shared tiers no longer hold; the position of the first
         block left with none, or None."""
         if not keys:
@@ -148,6 +153,9 @@ class Finder:
         # Fastest shared tier first; a key one of them still holds is not asked about
         # again further down (a slow bucket is probed only for what faster tiers lost).
         for level in self._shared:
+            if skip >> level & 1:
+                verdicts[level] = [bool(m >> level & 1) for m in masks]
+                continue
             ask = [i for i, m in enumerate(masks) if m >> level & 1 and not confirmed[i]]
             found = self.io.contains(level, [keys[i] for i in ask]) if ask else []
             verdict = [bool(m >> level & 1) for m in masks]  # not asked: the claim stands

@@ -32,6 +32,7 @@ docs/architecture.md draws the pieces and the path of each operation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -175,10 +176,11 @@ class BlockManager:
         return counters, usage
 
     # -- queries --------------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey], recheck: bool = False) -> int:
-        """Number of leading ``keys`` that are stored and readable (see Finder.lookup)."""
+    def lookup(self, keys: Sequence[BlockKey], recheck: bool = False, skip: int = 0) -> int:
+        """Number of leading ``keys`` that are stored and readable, not asking the tiers
+        in the bit mask ``skip`` (see Finder.lookup)."""
         self.settle(keys)
-        return self.finder.lookup(keys, recheck)
+        return self.finder.lookup(keys, recheck, skip)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and readable."""
@@ -327,6 +329,20 @@ class BlockManager:
         for level, some in held.items():
             self.io.hint(level, some, hint)
         return sum(1 for some in held.values() if some)
+
+    def find_later(self, keys: Sequence[BlockKey], levels: int) -> bool:
+        """In the background, ask the tiers in the bit mask ``levels`` which leading
+        ``keys`` they hold, and warm those (what a plan did not ask slow tiers about);
+        False if a search from the same first key is queued already."""
+        if not keys:
+            return False
+        others = (1 << len(self.tiers)) - 1 & ~levels
+        job = functools.partial(self._find_and_warm, list(keys), others)
+        return self.mover.submit(job, key=("find", keys[0]))
+
+    def _find_and_warm(self, keys: list[BlockKey], skip: int) -> None:
+        self.finder.discover(keys, skip=skip)
+        self.warm(keys[: self.books.leading(keys)])
 
     def probe(self, key: BlockKey) -> bool:
         """Read ``key`` into scratch memory in the background (refreshing its tier's read
@@ -541,6 +557,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         warm=manager.warm,
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probe,
+        find_later=manager.find_later,
     )
     prefill = PrefillSpeed(
         restore.prefill_table,

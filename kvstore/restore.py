@@ -17,6 +17,11 @@ a plan never loads less than the leading chunks in the store's fast (memory) tie
 with planning off, or no known prefill speed, every stored chunk is loaded.
 Stored chunks a plan leaves behind on slow tiers are *warmed*: copied up in the
 background so the next request finds them fast.
+
+A shared tier so slow that even a prompt stored whole on it would be recomputed
+(its estimate fresh, not stale) is not asked during the plan at all: asking costs a
+round trip over the same slow link, and the answer could not change the plan. It is
+asked in the background instead, and what it holds is warmed (``lookups_deferred``).
 """
 
 from __future__ import annotations
@@ -245,6 +250,7 @@ class RestoreStats:
         "tokens_planned_load",
         "tokens_planned_recompute",
         "chunks_warming",
+        "lookups_deferred",
         "restores_timed",
         "load_planned_s",
         "load_actual_s",
@@ -296,7 +302,9 @@ class RestoreStats:
 class RestorerParts:
     """The narrow view of the data path a :class:`Restorer` needs."""
 
-    lookup: Callable[[Sequence[BlockKey], bool], int]
+    #: ``lookup(keys, recheck, skip)``: leading stored keys, not asking the tiers in the
+    #: bit mask ``skip``.
+    lookup: Callable[[Sequence[BlockKey], bool, int], int]
     where: Callable[[BlockKey], list[int]]
     speeds: Callable[[], list[SpeedEstimate]]
     fast: frozenset[int]
@@ -305,6 +313,9 @@ class RestorerParts:
     media: tuple[str | None, ...] = ()
     #: Read one block in the background (refreshes a stale estimate of its tier).
     probe: Callable[[BlockKey], bool] = lambda key: False
+    #: ``find_later(keys, levels)``: in the background, ask the tiers in the bit mask
+    #: ``levels`` which of ``keys`` they hold and warm those; False if not queued.
+    find_later: Callable[[Sequence[BlockKey], int], bool] = lambda keys, levels: False
 
 
 class Restorer:
@@ -340,7 +351,11 @@ class Restorer:
     def plan(self, keys: Sequence[BlockKey], request: RestoreRequest) -> RestorePlan:
         """Plan ``keys``' restore (``request.levels`` is filled in from the store) and
         warm what it leaves on slow tiers."""
-        stored = self.parts.lookup(keys, True)
+        costs = self.costs()
+        if request.chunk_tokens is not None:
+            costs = dataclasses.replace(costs, chunk_tokens=request.chunk_tokens)
+        hopeless = self._hopeless(len(keys), request, costs) if self.planning else 0
+        stored = self.parts.lookup(keys, True, hopeless)
         levels = []
         for key in keys[:stored]:
             where = self.parts.where(key)
@@ -350,16 +365,31 @@ class Restorer:
         request = dataclasses.replace(
             request, levels=levels, planning=request.planning and self.planning
         )
-        costs = self.costs()
-        if request.chunk_tokens is not None:
-            costs = dataclasses.replace(costs, chunk_tokens=request.chunk_tokens)
         plan = plan_restore(request, costs)
         self.stats.planned(plan, costs.chunk_tokens)
         if plan.warm and self.warming:
             queued = self.parts.warm([keys[i] for i in plan.warm])
             self.stats.add("chunks_warming", queued)
+        if hopeless and self.warming and self.parts.find_later(keys, hopeless):
+            self.stats.add("lookups_deferred")
         self._probe_stale(keys, levels, plan, costs)
         return plan
+
+    def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
+        """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a
+        plan with all ``n`` stored there would recompute them all. Only fresh estimates
+        count (a stale one is asked, so that its probe can refresh it)."""
+        mask = 0
+        if not request.planning or n == 0:
+            return 0
+        for level, speed in enumerate(costs.speeds):
+            if level in costs.fast or speed.source == "stale":
+                continue
+            whole = dataclasses.replace(request, levels=(level,) * n)
+            plan = plan_restore(whole, costs)
+            if plan.reason == "pays" and plan.load == plan.first:
+                mask |= 1 << level
+        return mask
 
     def _probe_stale(
         self, keys: Sequence[BlockKey], levels: list[int], plan: RestorePlan, costs: RestoreCosts

@@ -121,3 +121,32 @@ def test_a_lookup_asks_a_slow_shared_tier_only_about_what_faster_ones_lost(
         assert store.lookup(keys, recheck=True) == N
         asked = store.stats()["tiers"][1]["requests"] - requests
         assert asked == 2  # only the two chunks no faster shared tier holds
+
+
+def test_a_plan_does_not_ask_a_tier_too_slow_to_pay_and_warms_what_it_holds_behind(
+    s3_server: S3Server, throttle: ThrottlingProxy, tmp_path: Any
+) -> None:
+    """A bucket behind a 1.5 MB/s, 50 ms link, declared so: even a prompt stored whole
+    there would be recomputed, so the plan spends no round trip asking it about chunks
+    another process wrote there; a background search finds them and warms them to disk."""
+    kv = random_blocks(LAYOUT, N, seed=8)
+    slow = s3_config(s3_server, throttle.url, read_gbps=0.0015, read_latency_ms=50)
+    slow["tiers"].insert(0, {"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"})
+    fast = s3_config(s3_server, f"http://127.0.0.1:{s3_server.port}")
+    fast["tiers"][0]["prefix"] = slow["tiers"][1]["prefix"]
+    out = torch.empty(LAYOUT.tensor_shape(N), dtype=LAYOUT.dtype)
+    with KVStore(LAYOUT, slow) as store:
+        with KVStore(LAYOUT, fast) as writer:  # another process writes the bucket
+            keys = writer.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
+            assert writer.put(keys, kv) == N
+        throttle.set(gbps=0.0015, latency_ms=50)
+        requests = store.stats()["tiers"][1]["requests"]
+        plan = store.plan(keys)
+        assert (plan.stored, plan.load) == (0, 0)  # the bucket was not asked: a miss
+        assert store.stats()["tiers"][1]["requests"] == requests
+        assert store.stats()["restore"]["lookups_deferred"] == 1
+        store.manager.mover.drain(30.0)  # the search and the warming, in the background
+        assert store.stats()["tiers"][1]["requests"] > requests
+        plan = store.plan(keys)
+        assert (plan.load, plan.tier_chunks) == (N, {0: N})  # now on disk: loaded
+        assert store.get_prefix(keys, out, plan=False) == N and torch.equal(out, kv)
