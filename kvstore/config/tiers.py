@@ -36,10 +36,13 @@ __all__ = [
     "RemoteTierConfig",
     "S3TierConfig",
     "TierConfig",
+    "KIND_PATTERN",
     "build_tier",
     "check_address",
+    "check_kind_name",
     "check_namespace",
     "default_tiers",
+    "register_tier_config",
     "tier_config_class",
     "tier_kinds",
 ]
@@ -554,13 +557,85 @@ _TIER_CONFIGS: dict[str, type[TierConfig]] = {
 }
 
 
+#: What a registered kind may be called: lowercase letters and digits, so that
+#: ``KVSTORE_<KIND>_<FIELD>`` overrides (split at the first ``_``) can name it.
+KIND_PATTERN = r"[a-z][a-z0-9]{0,31}"
+
+
+def register_tier_config(
+    kind: str, options: type[TierConfig] | None = None, *, replace: bool = False
+) -> type[TierConfig]:
+    """Make tier ``kind`` known to configs, with the settings of ``options``; return
+    the config class that configs of ``kind`` build.
+
+    ``options``: a frozen dataclass subclassing :class:`TierConfig` that declares the
+    kind's own settings (fields with defaults; its ``validate`` may check them). Its
+    ``kind`` need not be set: a class whose ``kind`` differs is subclassed with
+    ``kind`` set, so ``register_tier_config("mem2", HostTierConfig)`` gives ``mem2``
+    the host tier's settings. None: the settings every tier has, or, when ``kind``
+    is registered already (``replace=True``), the ones it has.
+
+    A kind registered already raises :class:`ConfigError` unless ``replace``.
+    :func:`kvstore.tiers.register_tier` calls this; call it directly only to check.
+    """
+    check_kind_name(kind)
+    if kind == ClusterTierConfig.kind:
+        raise ConfigError(
+            f"tier kind {kind!r} is reserved: the store makes it from the cluster: section"
+        )
+    known = _TIER_CONFIGS.get(kind)
+    if known is not None and not replace:
+        raise ConfigError(
+            f"tier kind {kind!r} is registered already ({known.__name__}); "
+            "pass replace=True to replace it"
+        )
+    cls = _options_class(kind, options if options is not None else known or TierConfig)
+    _TIER_CONFIGS[kind] = cls
+    return cls
+
+
+def check_kind_name(kind: object) -> str:
+    """``kind`` if it can name a registered tier kind, else :class:`ConfigError`."""
+    if not isinstance(kind, str) or not re.fullmatch(KIND_PATTERN, kind):
+        raise ConfigError(
+            f"tier kind {kind!r}: use 1-32 lowercase letters and digits, starting with a "
+            "letter (environment overrides name it as KVSTORE_<KIND>_<FIELD>)"
+        )
+    return kind
+
+
+def _options_class(kind: str, options: object) -> type[TierConfig]:
+    """``options`` as the config class of ``kind`` (subclassed when its kind differs)."""
+    if not (
+        isinstance(options, type)
+        and issubclass(options, TierConfig)
+        and dataclasses.is_dataclass(options)
+    ):
+        raise ConfigError(
+            f"tier kind {kind!r}: options must be a dataclass subclassing TierConfig, "
+            f"got {options!r}"
+        )
+    if options.kind == kind:
+        return options
+    # A plain subclass is still a frozen dataclass with the same fields and checks;
+    # only the kind (a ClassVar, so no field) differs.
+    name = f"{kind.capitalize()}TierConfig"
+    derived: type[TierConfig] = type(
+        name, (options,), {"kind": kind, "__doc__": options.__doc__, "__module__": __name__}
+    )
+    return derived
+
+
 def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
     """The config dataclass of tier ``kind``."""
     try:
         return _TIER_CONFIGS[kind]
     except KeyError:
         known = ", ".join(sorted(_TIER_CONFIGS))
-        raise ConfigError(f"{path}: unknown tier kind {kind!r}; known kinds: {known}") from None
+        raise ConfigError(
+            f"{path}: unknown tier kind {kind!r}; known kinds: {known} (a kind of your own: "
+            "kvstore.tiers.register_tier before the config is read)"
+        ) from None
 
 
 def tier_kinds() -> list[str]:

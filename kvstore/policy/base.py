@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from kvstore.errors import ConfigError
 
@@ -70,10 +70,41 @@ class EvictionPolicy(ABC):
 _POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
-def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
-    """Class decorator: make ``cls`` available by ``cls.name`` in configs."""
-    _POLICIES[cls.name] = cls
-    return cls
+_P = TypeVar("_P", bound="type[EvictionPolicy]")
+
+
+@overload
+def register_policy(cls: _P, *, replace: bool = False) -> _P: ...
+
+
+@overload
+def register_policy(cls: None = None, *, replace: bool = False) -> Callable[[_P], _P]: ...
+
+
+def register_policy(cls: _P | None = None, *, replace: bool = False) -> _P | Callable[[_P], _P]:
+    """Class decorator: make ``cls`` available by ``cls.name`` in configs (``policy:``).
+
+    ``@register_policy`` or ``@register_policy(replace=True)``. A name registered
+    already (``lru``, ``s3fifo``, ``arc`` included) raises :class:`ConfigError`
+    unless ``replace=True``: two policies of one name would silently shadow each other.
+    """
+
+    def register(policy: _P) -> _P:
+        if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+            raise ConfigError(f"register_policy: {policy!r} is not an EvictionPolicy subclass")
+        name = policy.name
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"register_policy: {policy.__name__} needs a name (name = ...)")
+        known = _POLICIES.get(name)
+        if known is not None and known is not policy and not replace:
+            raise ConfigError(
+                f"eviction policy {name!r} is registered already "
+                f"({known.__module__}.{known.__qualname__}); pass replace=True to replace it"
+            )
+        _POLICIES[name] = policy
+        return policy
+
+    return register if cls is None else register(cls)
 
 
 def policy_names() -> list[str]:

@@ -4,6 +4,14 @@
 dependencies, such as boto3 for ``s3``) is imported when a store that uses it
 is opened. A missing optional dependency gives a :class:`ConfigError` that
 says what to install.
+
+A tier of your own: subclass :class:`~kvstore.tiers.base.Tier` (pass
+:class:`kvstore.testing.conformance.TierConformance`), declare its settings as a
+frozen dataclass subclassing :class:`~kvstore.config.TierConfig`, and register
+both before the config is read::
+
+    register_tier("mem2", "mypkg.tiers:Mem2Tier", options=Mem2Config)
+    KVStore(layout, {"tiers": [{"kind": "mem2", "capacity": "1GiB", "my_setting": 3}]})
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from kvstore.config.tiers import register_tier_config
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -34,11 +43,46 @@ _INSTALL_HINTS: dict[str, str] = {
 }
 
 
-def register_tier(kind: str, target: str, install_hint: str | None = None) -> None:
-    """Register tier ``kind`` as ``"package.module:ClassName"`` (imported lazily)."""
+def register_tier(
+    kind: str,
+    target: str,
+    install_hint: str | None = None,
+    *,
+    options: type[TierConfig] | None = None,
+    replace: bool = False,
+) -> None:
+    """Register tier ``kind`` as ``"package.module:ClassName"`` (imported lazily, when
+    a store with such a tier opens), so configs may name it in ``tiers``.
+
+    ``options``: the kind's settings, a frozen dataclass subclassing
+    :class:`~kvstore.config.TierConfig` (whose fields every tier has); a config of
+    ``kind`` accepts its fields (a field whose ``metadata`` has ``"parse"``, a
+    function ``(value, key path) -> value``, reads strings such as ``"1GiB"`` and
+    ``KVSTORE_<KIND>_<FIELD>`` overrides: :func:`kvstore.config.parse_size`) and the
+    tier is handed an instance. None: only the common settings (see
+    :func:`kvstore.config.tiers.register_tier_config`). ``install_hint``: what the
+    error says when the module's import fails.
+
+    A kind registered already (the built-in ones included) raises
+    :class:`ConfigError` unless ``replace=True``; ``options=None`` with ``replace``
+    keeps the kind's settings and swaps only its implementation.
+    """
+    module, sep, name = target.partition(":") if isinstance(target, str) else ("", "", "")
+    if not (module and sep and name.isidentifier()):
+        raise ConfigError(
+            f"tier kind {kind!r}: target must be 'package.module:ClassName', got {target!r}"
+        )
+    if kind in _REGISTRY and not replace:
+        raise ConfigError(
+            f"tier kind {kind!r} is registered already ({_REGISTRY[kind]}); "
+            "pass replace=True to replace it"
+        )
+    register_tier_config(kind, options, replace=replace)
     _REGISTRY[kind] = target
     if install_hint:
         _INSTALL_HINTS[kind] = install_hint
+    else:
+        _INSTALL_HINTS.pop(kind, None)
 
 
 def registered_kinds() -> list[str]:
@@ -62,7 +106,9 @@ def tier_class(kind: str) -> type[Tier]:
         raise ConfigError(
             f"tier kind {kind!r} needs a missing dependency ({exc.name}); {hint}".rstrip("; ")
         ) from exc
-    cls: type[Tier] = getattr(module, class_name)
+    cls: type[Tier] | None = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"tier kind {kind!r}: module {module_name} has no {class_name}")
     return cls
 
 

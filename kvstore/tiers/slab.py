@@ -104,9 +104,16 @@ class SlabTier(Tier):
         done = [True] * len(keys)
         for i in new[len(slots) :]:
             done[i] = False
-        with self._slab.writing(slots):  # the prefault thread waits meanwhile if need be
-            pairs = [(self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)]
-            engine_for_pairs(pairs).copy_all(pairs)
+        try:
+            with self._slab.writing(slots):  # the prefault thread waits meanwhile if need be
+                pairs = [
+                    (self._blocks[slot], blocks[i]) for i, slot in zip(new, slots, strict=False)
+                ]
+                engine_for_pairs(pairs).copy_all(pairs)
+        except BaseException:
+            with self._lock:  # no key points at them yet: give the slots back
+                self._slab.free(slots)
+            raise
         with self._lock:
             dupes = []
             for i, slot in zip(new, slots, strict=False):
