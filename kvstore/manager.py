@@ -252,19 +252,23 @@ class BlockManager:
         outs: Sequence[torch.Tensor],
         layers: LayerRange = None,
         prefix: bool = False,
+        partial: bool = False,
     ) -> int:
         """Copy blocks into ``outs``; return how many leading blocks were loaded.
 
         With ``prefix=False`` every key must be stored, else
         :class:`BlockNotFoundError` is raised. With ``prefix=True`` the
         longest loadable prefix is loaded and its length returned; ``outs``
-        past it hold unspecified data.
+        past it hold unspecified data. ``partial`` (without ``prefix``): every key
+        must still be stored when the call starts, but a block that then fails to
+        load from every tier (damaged, or gone: forgotten and counted) ends the
+        loaded prefix instead of raising.
         """
         self.settle(keys)
         loaded = self.reader.load(keys, outs, layers, prefix)
         self.migrations.promote_later(loaded.keys, loaded.entries)
         n = loaded.count
-        if not prefix and n < len(keys):
+        if not prefix and not partial and n < len(keys):
             raise BlockNotFoundError(
                 f"block {n} (key {keys[n].hex()}) failed to load from every tier"
             )

@@ -5,7 +5,7 @@
 ...     keys = store.hash_tokens(token_ids, namespace="llama-3-8b@rev")
 ...     n = store.lookup(keys)                          # leading chunks stored
 ...     store.put(keys, kv)                             # kv: layout.tensor_shape(len(keys))
-...     out = store.get(keys[:n])                       # layout.tensor_shape(n)
+...     out = store.get(keys[:n])                       # tensor_shape(n); less past a bad block
 
 Every argument is checked before anything changes: bad input raises an
 :class:`~kvstore.errors.InvalidInputError` (or a subclass) and leaves the
@@ -239,20 +239,27 @@ class KVStore:
         *,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        """The KV of ``keys`` as one tensor of ``layout.tensor_shape(len(keys))``.
+        """The KV of ``keys``: a new tensor of ``layout.tensor_shape(m)`` on ``device``
+        (default: the CPU, pinned where CUDA exists, so its ``.cuda()`` runs at link
+        speed). ``m`` is ``len(keys)`` unless a block fails to load (damaged or gone:
+        then forgotten and counted in ``copies_lost``; or its tier is down): the result
+        ends before it (``m = layout.tokens_to_blocks(result.shape[2])``), a miss.
 
-        Fills ``out`` when given (cpu or cuda), else returns a new tensor on
-        ``device`` (default: the CPU, in pinned memory where CUDA exists, so a
-        ``.cuda()`` of the result runs at link speed). Raises
-        :class:`~kvstore.errors.BlockNotFoundError` if any key is not stored
-        (or every copy of it failed verification).
+        With ``out`` (cpu or cuda): fills and returns it, all or nothing (a buffer
+        cannot shrink; :meth:`get_prefix` fills what loads and says how much). Raises
+        :class:`~kvstore.errors.BlockNotFoundError` for a key not stored when the call
+        starts, and with ``out`` for a block that fails to load.
         """
         checked = check_keys(keys)
         if out is not None and device is not None:
             raise InvalidInputError("get: give out or device, not both")
         target = self._target(out, len(checked), device)
-        self._manager.get(checked, self._chunks(target, len(checked)))
-        return target
+        n = self._manager.get(checked, self._chunks(target, len(checked)), partial=out is None)
+        if n == len(checked):
+            return target
+        # Copy out what loaded: a view would keep the failed block's bytes reachable.
+        loaded = self._target(None, n, device)
+        return loaded.copy_(target[:, :, : n * self.layout.block_tokens])
 
     def get_prefix(
         self,

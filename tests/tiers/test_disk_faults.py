@@ -120,8 +120,9 @@ def test_injected_eio_on_read_is_a_counted_miss(tmp_path: Path) -> None:
     ops.fail["preadv"] = errno.EIO
     out = torch.zeros_like(kv)
     assert store.get_prefix(keys, out) == 0
+    assert store.get(keys).shape == LAYOUT.tensor_shape(0)  # a miss: nothing loaded
     with pytest.raises(BlockNotFoundError):
-        store.get(keys)
+        store.get(keys, out=out)  # into a buffer: all or nothing
     assert disk_stats(store)["read_errors"] >= 1
     assert store.stats()["copies_lost"] >= 1
     del ops.fail["preadv"]
