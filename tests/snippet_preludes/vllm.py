@@ -1,0 +1,2 @@
+# What the docs' vLLM fragments take as imported.
+from vllm import SamplingParams
