@@ -53,7 +53,8 @@ class Reader:
     ) -> Loaded:
         """A get: pin, read, unpin, count. Raises :class:`BlockNotFoundError` (loading
         nothing) without ``prefix`` when a key is not stored; a key that fails to load
-        from every tier ends the loaded prefix (the caller decides what that means)."""
+        from every tier ends the loaded prefix (the caller decides what that means),
+        except that without ``prefix`` a server refusing the token is named at once."""
         entries = self._pin(keys, prefix)
         try:
             done = self.read(keys[: len(entries)], entries, outs, layers)
@@ -61,7 +62,16 @@ class Reader:
             self.books.unpin(entries)
         n = next((i for i, ok in enumerate(done) if not ok), len(done))
         self.books.count(blocks_read=n, blocks_missed=len(keys) - n)
+        if not prefix and n < len(keys):
+            self._raise_if_refused(keys, n)
         return Loaded(n, keys[:n], entries[:n])
+
+    def _raise_if_refused(self, keys: Sequence[BlockKey], n: int) -> None:
+        """Block ``n`` could not be had while a tier's server refuses this store's token:
+        say that (the block may well be stored there), never "not stored"."""
+        refusal = self.io.refusal()
+        if refusal is not None:
+            raise BlockNotFoundError(f"block {n} (key {keys[n].hex()}) cannot be read: {refusal}")
 
     def _pin(self, keys: Sequence[BlockKey], prefix: bool) -> list[Entry]:
         """Pin the leading readable entries (asking shared tiers about missing ones)."""
@@ -71,6 +81,7 @@ class Reader:
         if not prefix and len(entries) < len(keys):
             self.books.unpin(entries)
             self.books.count(blocks_missed=len(keys) - len(entries))
+            self._raise_if_refused(keys, len(entries))
             missing = keys[len(entries)]
             raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
         return entries

@@ -2,8 +2,10 @@
 
 One place to time and count tier I/O (bytes and seconds read and written), to
 turn a failing medium into a miss (a tier that raises reads as "not there",
-writes as "not stored", and is marked down until a call succeeds again, said
-once in the log per outage rather than once per call), and to check the rule
+writes as "not stored", and is marked down until a call that reaches the medium
+succeeds again, said once in the log per outage rather than once per call; a
+server that refuses the tier's token is said to refuse it, not to be away), and
+to check the rule
 that tier I/O never runs under the books' lock. The owners of the data path
 (:mod:`kvstore.finder`, :mod:`kvstore.reader`, :mod:`kvstore.writer`, ...)
 address tiers by their index, fastest first.
@@ -20,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvstore.errors import TierError
+from kvstore.errors import AccessDeniedError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -46,11 +48,13 @@ class Counting(Protocol):
 
 @dataclass
 class Health:
-    """Whether a tier answers: ``down`` from a call that raised until one succeeds."""
+    """Whether a tier answers: ``down`` from a call that raised until one that reaches the
+    medium succeeds; ``refused``: why, when its server refuses the tier's token."""
 
     down: bool = False
     errors: int = 0
     last_error: str = ""
+    refused: str = ""
 
 
 class TierIO:
@@ -109,7 +113,7 @@ class TierIO:
     def put(self, level: int, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> list[bool]:
         """Store blocks in tier ``level``; False for each one not stored."""
         start = time.perf_counter()
-        done = self._call(level, "store", len(keys), lambda t: t.put(keys, srcs))
+        done = self._call(level, "store", len(keys), lambda t: t.put(keys, srcs), answers=True)
         if done is None:
             return [False] * len(keys)
         elapsed = time.perf_counter() - start
@@ -125,7 +129,7 @@ class TierIO:
     ) -> list[bool] | None:
         """Read from tier ``level``; None when the medium is unavailable (it raised)."""
         start = time.perf_counter()
-        ok = self._call(level, "read", len(keys), lambda t: t.get(keys, outs, layers))
+        ok = self._call(level, "read", len(keys), lambda t: t.get(keys, outs, layers), answers=True)
         if ok is None:
             return None
         elapsed = time.perf_counter() - start
@@ -197,12 +201,12 @@ class TierIO:
 
     def contains(self, level: int, keys: Sequence[BlockKey]) -> list[bool]:
         """Which ``keys`` tier ``level`` holds (none, when it is unavailable)."""
-        found = self._call(level, "check", len(keys), lambda t: t.contains(keys))
+        found = self._call(level, "check", len(keys), lambda t: t.contains(keys), answers=True)
         return [False] * len(keys) if found is None else found
 
     def stored_keys(self, level: int) -> list[BlockKey]:
         """Every key tier ``level`` holds (none, when it is unavailable)."""
-        keys = self._call(level, "list", 0, lambda t: list(t.stored_keys()))
+        keys = self._call(level, "list", 0, lambda t: list(t.stored_keys()), answers=True)
         return [] if keys is None else keys
 
     def view(self, level: int, key: BlockKey) -> torch.Tensor | None:
@@ -255,8 +259,32 @@ class TierIO:
         for level in range(len(self.tiers)):
             self._call(level, "close", 0, lambda t: t.close())
 
-    def _call(self, level: int, what: str, count: int, call: Callable[[Tier], T]) -> T | None:
-        """``call(tier)``; None (counted, logged, the tier marked down) if it raised."""
+    def refusal(self) -> str | None:
+        """Why a tier cannot be read now because its server refuses this store's token
+        (the first such tier's refusal, one line); None when none is refused. A get
+        that fails says this rather than "not stored"."""
+        with self._lock:
+            refused = [health.refused for health in self._health]
+        for level, why in enumerate(refused):
+            why = why or self.tiers[level].refusal() or ""
+            if why:
+                return why
+        return None
+
+    def _call(
+        self,
+        level: int,
+        what: str,
+        count: int,
+        call: Callable[[Tier], T],
+        answers: bool = False,
+    ) -> T | None:
+        """``call(tier)``; None (counted, logged, the tier marked down) if it raised.
+
+        ``answers``: the call reaches the medium (a put, get, check or listing), so
+        its success ends an outage. Other calls (stats, a view, a hint a tier may
+        drop) succeed whether the medium answers or not: they prove nothing.
+        """
         assert not self._books.held_by_me(), "tier I/O under the books' lock"
         tier = self.tiers[level]
         try:
@@ -264,18 +292,34 @@ class TierIO:
         except Exception as exc:  # a failing tier is a miss, never a crash
             self._failed(level, what, count, exc)
             return None
-        if self._health[level].down:
+        if answers and self._health[level].down:
             self._recovered(level)
         return result
 
     def _failed(self, level: int, what: str, count: int, exc: Exception) -> None:
         kind = self.tiers[level].kind
+        refused = isinstance(exc, AccessDeniedError)
         with self._lock:
             health = self._health[level]
-            first = not health.down
+            # Said once per outage, and again when its cause changes (a server that
+            # was away comes back refusing the token, or the other way round).
+            first = not health.down or bool(health.refused) != refused
             health.down, health.errors, health.last_error = True, health.errors + 1, str(exc)
+            health.refused = str(exc) if refused else ""
         self._books.count(tier_errors=1)
-        if not isinstance(exc, TierError):  # a bug, not a dead medium: always say so
+        if refused:  # a configuration matter, not a bug: one line, no traceback
+            if first:
+                log.warning(
+                    "tier %s refused access (%s of %d blocks): %s; its blocks are misses "
+                    "until the server accepts the token",
+                    kind,
+                    what,
+                    count,
+                    exc,
+                )
+            else:
+                log.debug("tier %s still refuses access (%s): %s", kind, what, exc)
+        elif not isinstance(exc, TierError):  # a bug, not a dead medium: always say so
             log.error("tier %s failed to %s %d blocks", kind, what, count, exc_info=exc)
         elif first:
             log.warning("tier %s unavailable (%s of %d blocks): %s", kind, what, count, exc)
@@ -286,5 +330,7 @@ class TierIO:
         with self._lock:
             health = self._health[level]
             was_down, health.down = health.down, False
+            was_refused, health.refused = bool(health.refused), ""
         if was_down:
-            log.warning("tier %s answers again", self.tiers[level].kind)
+            again = "accepts the token again" if was_refused else "answers again"
+            log.warning("tier %s %s", self.tiers[level].kind, again)

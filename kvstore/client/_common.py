@@ -39,6 +39,7 @@ __all__ = [
     "hello_meta",
     "open_meta",
     "auth_meta",
+    "refused",
 ]
 
 #: Requests carry at most this many payload bytes (bigger batches are split).
@@ -139,6 +140,22 @@ def auth_meta(hello: dict[str, Any], token: bytes | None) -> bytes | None:
     if len(nonce) != auth.NONCE_BYTES:
         raise ProtocolError("the server's nonce has the wrong size")
     return auth.answer(token, nonce)
+
+
+def refused(options: ClientOptions, exc: AccessDeniedError) -> AccessDeniedError:
+    """A refusal of the handshake (AUTH or OPEN) as one line that names the server, the
+    namespace and that the token was refused, so that whoever reads it -- a log, an
+    error at open, a failed get -- knows the token is the problem."""
+    detail = str(exc).removeprefix("kvstore-server: ")
+    if options.token is None:
+        return AccessDeniedError(
+            f"kvstore-server at {options.address} refused a client without a token "
+            f"(namespace {options.namespace!r}): {detail}"
+        )
+    return AccessDeniedError(
+        f"kvstore-server at {options.address} refused the token for namespace "
+        f"{options.namespace!r}: {detail}; use a token this server accepts for it"
+    )
 
 
 def open_meta(namespace: str, layout: KVLayout) -> bytes:

@@ -34,11 +34,13 @@ from kvstore.client._common import (
     hint_answer,
     hint_request,
     open_meta,
+    refused,
     same_length,
 )
 from kvstore.codec import Codec, encode_block
 from kvstore.copies import engine_for
 from kvstore.errors import (
+    AccessDeniedError,
     ClosedError,
     CorruptBlockError,
     KVStoreError,
@@ -161,6 +163,9 @@ class AsyncClient:
             if answer is not None:
                 await conn.call(Op.AUTH, answer)
             await conn.call(Op.OPEN, open_meta(opts.namespace, self.layout))
+        except AccessDeniedError as exc:  # say which server refused what, in one line
+            conn.close()
+            raise refused(opts, exc) from None
         except BaseException:
             conn.close()
             raise

@@ -21,8 +21,9 @@ from kvstore.client._common import (
     check_reply,
     hello_meta,
     open_meta,
+    refused,
 )
-from kvstore.errors import KVStoreError, ProtocolError, TierError
+from kvstore.errors import AccessDeniedError, KVStoreError, ProtocolError, TierError
 from kvstore.layout import KVLayout
 from kvstore.wire import shm
 from kvstore.wire.protocol import FRAME, Frame, Op, decode_json
@@ -51,6 +52,9 @@ class Connection:
         try:
             self.hello = self._handshake()
             self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
+        except AccessDeniedError as exc:  # say which server refused what, in one line
+            self.close()
+            raise refused(options, exc) from None
         except BaseException:
             self.close()
             raise

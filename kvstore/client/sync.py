@@ -12,9 +12,13 @@ slots itself. A server that is down or restarting costs a bounded wait and a
 :class:`~kvstore.errors.TierError` (the store turns it into a miss); after an
 outage the client probes once per ``retry_interval`` and reconnects by itself.
 
-Lock ownership: ``_lock`` guards the idle-connection list; ``_slots`` bounds
-the connections in use to ``pool_size``. A connection is used by one thread
-at a time.
+A server that refuses the token raises :class:`~kvstore.errors.AccessDeniedError`,
+one line naming the server and namespace; like an outage, the refusal is then
+answered from memory and probed once per ``retry_interval``.
+
+Lock ownership: ``_lock`` guards the idle-connection list and the latest
+refusal; ``_slots`` bounds the connections in use to ``pool_size``. A
+connection is used by one thread at a time.
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class Client:
         # server restart brings a new segment; connections to it use the new mapping.
         self._mappings: dict[str, shm.Mapping | None] = {}
         self._limits: dict[str, Any] = {}
+        # The server's latest refusal of this client's token (None: it accepted it, or
+        # it was not reached): what calls raise while the breaker holds them back.
+        self._refusal: AccessDeniedError | None = None
         self._closed = False
         self.stats: dict[str, int] = {
             "reconnects": 0,
@@ -142,6 +149,10 @@ class Client:
     def _run(self, fn: Callable[[Connection], T]) -> T:
         """``fn(conn)``; a dead pooled connection is replaced once; outages trip the breaker."""
         if not self._breaker.allow():
+            with self._lock:
+                refusal = self._refusal
+            if refusal is not None:  # still refused, as far as this client knows
+                raise AccessDeniedError(str(refusal))
             raise TierError(f"kvstore-server at {self.options.address} is unavailable")
 
         def attempt() -> T:
@@ -152,10 +163,22 @@ class Client:
             result = retry_call(
                 attempt, lambda e: isinstance(e, Dead), _STALE, on_retry=self._retry
             )
+        except AccessDeniedError as exc:
+            # A refused token is not retried on every call (each try is an AUTH the
+            # server logs): one probe per retry_interval, like an outage. Whoever
+            # called says so (the store's tier I/O logs it once).
+            with self._lock:
+                self._refusal = exc
+            self._breaker.failed()
+            raise
         except (TierError, OSError) as exc:
-            if not isinstance(exc, AccessDeniedError) and self._breaker.failed():
+            with self._lock:
+                self._refusal = None
+            if self._breaker.failed():
                 log.warning("kvstore-server at %s unavailable: %s", self.options.address, exc)
             raise TierError(str(exc)) from None
+        with self._lock:
+            self._refusal = None
         if self._breaker.succeeded():
             log.info("kvstore-server at %s is reachable again", self.options.address)
         return result

@@ -16,11 +16,18 @@ A server that is down or restarting makes calls raise
 :class:`~kvstore.errors.TierError` within the timeouts (the manager serves a
 miss and keeps its books); the client probes once per ``retry_interval`` and
 reconnects by itself.
+
+A token the server refuses -- wrong, missing, or not opening the namespace --
+is a configuration mistake: the tier asks the server when it opens and raises
+:class:`~kvstore.errors.AccessDeniedError` (one line naming the server); a
+store opened while the server is down opens (nothing answered yet). A token
+refused later (the server restarted with other tokens) makes calls raise
+``AccessDeniedError``, which the store turns into misses, logged once, and
+names in the error of a get that needed the blocks.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,7 +36,7 @@ import torch
 from kvstore.client._common import ClientOptions
 from kvstore.client.sync import Client
 from kvstore.config import RemoteTierConfig, TierConfig
-from kvstore.errors import ClosedError, ConfigError, TierError
+from kvstore.errors import AccessDeniedError, ClosedError, ConfigError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -37,8 +44,6 @@ from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.remote_common import check_get_args, check_put_args
 
 __all__ = ["RemoteTier"]
-
-log = logging.getLogger(__name__)
 
 
 class RemoteTier(Tier):
@@ -58,6 +63,13 @@ class RemoteTier(Tier):
         self._capacity = self.blocks_in(config.capacity)
         self._client = Client(layout, ClientOptions.from_config(config))
         self._closed = False
+        try:
+            self._client.ping()
+        except AccessDeniedError:  # the one-line refusal, naming the server and namespace
+            self.close()
+            raise
+        except TierError:
+            pass  # down or restarting: the store opens, and reads miss until it answers
 
     @property
     def capacity_blocks(self) -> int:
@@ -106,12 +118,11 @@ class RemoteTier(Tier):
         )
 
     def stored_keys(self) -> Iterator[BlockKey]:
+        # A server down at open raises here: the store's tier I/O logs it once, marks
+        # the tier down and adopts nothing yet (a listing that hid the failure would
+        # read as the server answering).
         self._check_open()
-        try:
-            return iter(self._client.list_keys(self._capacity))
-        except TierError as exc:  # a server down at open: nothing to adopt yet, no crash
-            log.warning("remote tier %s: cannot list blocks: %s", self.cfg.address, exc)
-            return iter([])
+        return iter(self._client.list_keys(self._capacity))
 
     def stats(self) -> dict[str, Any]:
         return {

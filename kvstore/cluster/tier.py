@@ -12,7 +12,9 @@ it was listed with is removed from the index (the hint is repaired). Fetches
 count towards the block's cluster-wide heat; keys that get hot are offered to
 the node's replicator (:attr:`ClusterTier.hot`). A peer that cannot be reached
 (down, or refusing this node's token) is logged once until it answers again,
-and counted (``peer_errors``, ``peer_auth_failures``, ``unreachable_peers``).
+and counted (``peer_errors``, ``peer_auth_failures``, ``unreachable_peers``); a
+refusal is also what a get that found no other copy says
+(:meth:`ClusterTier.refusal`), never "not stored".
 
 The tier never stores or deletes anything on a peer: ``put`` stores nothing
 (the store keeps new blocks in its own tiers, and in S3), ``delete`` only
@@ -84,7 +86,8 @@ class ClusterTier(Tier):
         self._peers: dict[str, Client] = {}
         self._view: IndexView | None = None
         self._failing: set[str] = set()  # peers that failed since they last answered
-        self._lock = threading.Lock()  # guards _peers, _view, _failing and hot
+        self._refusals: dict[str, str] = {}  # of those, the ones refusing the token: why
+        self._lock = threading.Lock()  # guards _peers, _view, _failing, _refusals and hot
         self._counters = Counters(_COUNTERS)
         #: Keys fetched that are hot cluster-wide (drained by the node's replicator).
         self.hot: set[BlockKey] = set()
@@ -234,10 +237,14 @@ class ClusterTier(Tier):
         with self._lock:
             first = node.node_id not in self._failing
             self._failing.add(node.node_id)
+            if denied:
+                self._refusals[node.node_id] = f"cluster peer {node.node_id}: {exc}"
+            else:
+                self._refusals.pop(node.node_id, None)
         if first:
             why = (
-                "refused this node's token (give every node the same server token, or "
-                "cluster.token)"
+                "refused this node's token (give every node the same server token, or set "
+                f"cluster.token to one that opens namespace {self.namespace!r} on every node)"
                 if denied
                 else "cannot be reached"
             )
@@ -254,7 +261,13 @@ class ClusterTier(Tier):
             if node.node_id not in self._failing:
                 return
             self._failing.discard(node.node_id)
+            self._refusals.pop(node.node_id, None)
         log.info("cluster: peer %s (%s) answers again", node.node_id, node.advertise)
+
+    def refusal(self) -> str | None:
+        """A peer that refuses this node's token, and why (one line); None if none does."""
+        with self._lock:
+            return next(iter(self._refusals.values()), None)
 
     def _note_heat(self, keys: list[BlockKey]) -> None:
         if not keys:

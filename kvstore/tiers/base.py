@@ -154,6 +154,13 @@ class Tier(ABC):
         """Tier-specific counters (I/O errors, bytes on disk, ...)."""
         return {}
 
+    def refusal(self) -> str | None:
+        """Why some of this tier's blocks cannot be read now because a server refuses
+        the token (one line naming it), for a tier that turns such refusals into misses
+        itself instead of raising :class:`~kvstore.errors.AccessDeniedError` (the
+        cluster tier, whose peers each answer for themselves); None otherwise."""
+        return None
+
     def prepare_close(self) -> None:
         """The store is closing: what it writes from now on (the flush of blocks only
         memory holds) is not read back by this process. Nothing to do by default."""
