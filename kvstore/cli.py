@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,13 +18,34 @@ from kvstore import __version__
 __all__ = ["main"]
 
 
-def _layout_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("KV layout (default: Llama-3-8B)")
-    group.add_argument("--layers", type=int, default=32, help="attention layers")
-    group.add_argument("--kv-heads", type=int, default=8, help="KV heads per rank")
-    group.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    group.add_argument("--block-tokens", type=int, default=256, help="tokens per chunk")
-    group.add_argument("--dtype", default="bfloat16", help="KV dtype")
+#: The layout flags' values when none is given: Llama-3-8B.
+_LAYOUT_DEFAULTS: dict[str, Any] = {
+    "layers": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "block_tokens": 256,
+    "dtype": "bfloat16",
+}
+
+
+def _layout_args(parser: argparse.ArgumentParser, found_where: str) -> None:
+    """The layout flags (left None, so that a command tells given from default), and
+    ``--layout FINGERPRINT`` for a layout found ``found_where``."""
+    d = _LAYOUT_DEFAULTS
+    group = parser.add_argument_group(
+        f"KV layout (a flag not given: Llama-3-8B's {d['layers']} layers x {d['kv_heads']} "
+        f"KV heads x {d['head_dim']}, {d['block_tokens']} tokens, {d['dtype']})"
+    )
+    group.add_argument("--layers", type=int, help="attention layers")
+    group.add_argument("--kv-heads", type=int, help="KV heads per rank")
+    group.add_argument("--head-dim", type=int, help="head dimension")
+    group.add_argument("--block-tokens", type=int, help="tokens per chunk")
+    group.add_argument("--dtype", help="KV dtype")
+    group.add_argument(
+        "--layout",
+        metavar="FINGERPRINT",
+        help=f"a layout by its fingerprint (or a unique start of it), as found {found_where}",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,10 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    stats = sub.add_parser("stats", help="open the configured store and print its contents")
+    stats = sub.add_parser(
+        "stats",
+        help="what the config's disk tiers hold, per layout found there (reads only)",
+        description="Every layout (and server namespace) the config's disk tiers hold, its "
+        "blocks, and each tier's capacity in blocks; with layout flags, that layout too. "
+        "Reads only: no store is opened, nothing is written.",
+    )
     stats.add_argument("--config", help="store config YAML (default: $KVSTORE_CONFIG / embedded)")
-    stats.add_argument("--json", action="store_true")
-    _layout_args(stats)
+    stats.add_argument("--json", action="store_true", help="print the report as JSON")
+    _layout_args(stats, "on disk (kvstore stats lists them)")
 
     config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
     config.add_argument("--config", help="store config YAML to check")
@@ -62,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--keys", help="file of chunk keys, one hex key per line ('-': stdin)")
     what.add_argument("--tokens", help="file of token ids (whitespace-separated; '-': stdin)")
     route.add_argument("--model", help="with --tokens: the model id the engines hash under")
-    route.add_argument("--json", action="store_true")
-    _layout_args(route)
+    route.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    _layout_args(route, "in the cluster's index (left out: the one layout it holds)")
 
     from kvstore.server.cli import add_arguments
 
@@ -145,35 +173,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from kvstore.store import KVStore
+    """Report what the disk tiers hold without opening a store (kvstore/survey.py):
+    opening one would create directories, sweep files and join a cluster."""
+    from kvstore.config import StoreConfig
+    from kvstore.survey import format_survey, survey
 
-    layout = _layout(args)
-    with KVStore(layout, args.config) as store:
-        stats = store.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return 0
-    print(f"layout {layout.fingerprint_hex}: {stats['blocks']} blocks stored")
-    for tier in stats["tiers"]:
-        speed = ""
-        if "read_gbps_estimate" in tier:
-            speed = (
-                f"  reads {tier['read_gbps_estimate']:.2f} GB/s, "
-                f"{tier['read_latency_ms_estimate']:.2f} ms a call ({tier['read_speed_source']})"
-            )
-        print(f"  {tier['kind']:<7} {tier['blocks']:>8} / {tier['capacity_blocks']} blocks{speed}")
-    _print_restore(stats.get("restore") or {})
+    config = StoreConfig.load(args.config)
+    report = survey(config, _given_layout(args), args.layout)
+    print(json.dumps(report, indent=2) if args.json else format_survey(report))
     return 0
-
-
-def _print_restore(restore: dict[str, Any]) -> None:
-    """Restore planning: on or off, the prefill speed it weighs loads against."""
-    if not restore:
-        return
-    rate = restore.get("prefill_tokens_per_s")
-    speed = f"{rate:,.0f} tokens/s" if rate else "not known yet (every stored chunk loads)"
-    state = "on" if restore.get("planning") else "off (every stored chunk loads)"
-    print(f"restore planning {state}; prefill {speed} ({restore.get('prefill_source')})")
 
 
 def _redact(value: Any) -> Any:
@@ -214,31 +222,25 @@ def _read_text(path: str, option: str) -> str:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
+    from kvstore.cluster.index import ClusterIndex
     from kvstore.cluster.router import Router
     from kvstore.config import StoreConfig
-    from kvstore.errors import ConfigError, InvalidInputError
-    from kvstore.keys import Namespace, check_keys
+    from kvstore.errors import ConfigError
+    from kvstore.keys import Namespace
 
     config = StoreConfig.load(args.config)
     if not config.cluster.enabled:
         raise ConfigError("cluster.redis_url: not set; `kvstore route` needs a cluster config")
-    layout = _layout(args)
-    with Router(config.cluster, layout, args.namespace) as router:
-        if args.keys is not None:
-            lines = [x.strip() for x in _read_text(args.keys, "--keys").split() if x.strip()]
-            try:
-                keys = check_keys([bytes.fromhex(x) for x in lines])
-            except ValueError:
-                raise InvalidInputError("--keys: expected one hex key per line") from None
-            ranked = router.rank(keys)
-        else:
-            if not args.model:
-                raise InvalidInputError("--tokens needs --model (the id the engines hash under)")
-            try:
-                tokens = [int(x) for x in _read_text(args.tokens, "--tokens").split()]
-            except ValueError:
-                raise InvalidInputError("--tokens: expected integer token ids") from None
-            ranked = router.rank_tokens(tokens, Namespace(model=args.model, layout=layout))
+    keys, tokens = _route_input(args)
+    namespace = args.namespace or config.cluster.namespace
+    index = ClusterIndex(config.cluster)
+    with contextlib.closing(index):
+        layout = _route_layout(args, index, namespace)
+        with Router(config.cluster, layout, namespace, index) as router:
+            if keys is not None:
+                ranked = router.rank(keys)
+            else:
+                ranked = router.rank_tokens(tokens, Namespace(model=args.model, layout=layout))
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in ranked], indent=2))
         return 0
@@ -258,15 +260,57 @@ def _cmd_route(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace) -> Any:
+    """The layout the flags name (Llama-3-8B's values for those not given); it must be
+    ``--layout``'s when both are given."""
+    from kvstore.errors import InvalidInputError
     from kvstore.layout import KVLayout
 
-    return KVLayout(
-        num_layers=args.layers,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        block_tokens=args.block_tokens,
-        dtype=args.dtype,
-    )
+    v = {
+        k: d if getattr(args, k) is None else getattr(args, k) for k, d in _LAYOUT_DEFAULTS.items()
+    }
+    layout = KVLayout(v["layers"], v["kv_heads"], v["head_dim"], v["block_tokens"], v["dtype"])
+    if args.layout is not None and not layout.fingerprint_hex.startswith(args.layout.lower()):
+        raise InvalidInputError(
+            f"--layout {args.layout}: the layout flags name layout {layout.fingerprint_hex}; "
+            "give the flags or --layout"
+        )
+    return layout
+
+
+def _route_input(args: argparse.Namespace) -> tuple[Any, list[int]]:
+    """``(keys, [])`` read from ``--keys``, or ``(None, token ids)`` from ``--tokens``."""
+    from kvstore.errors import InvalidInputError
+    from kvstore.keys import check_keys
+
+    if args.keys is not None:
+        lines = [x.strip() for x in _read_text(args.keys, "--keys").split() if x.strip()]
+        try:
+            return check_keys([bytes.fromhex(x) for x in lines]), []
+        except ValueError:
+            raise InvalidInputError("--keys: expected one hex key per line") from None
+    if not args.model:
+        raise InvalidInputError("--tokens needs --model (the id the engines hash under)")
+    try:
+        return None, [int(x) for x in _read_text(args.tokens, "--tokens").split()]
+    except ValueError:
+        raise InvalidInputError("--tokens: expected integer token ids") from None
+
+
+def _route_layout(args: argparse.Namespace, index: Any, namespace: str) -> Any:
+    """The layout to rank in: the flags', else the one the index holds in ``namespace``
+    (kvstore/cluster/catalog.py); says on stderr when the index holds none of it."""
+    from kvstore.cluster.catalog import route_layout
+
+    fallback = _layout(argparse.Namespace(**{**vars(args), "layout": None}))
+    layout, notes = route_layout(index, namespace, _given_layout(args), args.layout, fallback)
+    for note in notes:
+        print(f"kvstore: note: {note}", file=sys.stderr)
+    return layout
+
+
+def _given_layout(args: argparse.Namespace) -> Any:
+    """The flags' layout when any layout flag is given, else None."""
+    return _layout(args) if any(getattr(args, k) is not None for k in _LAYOUT_DEFAULTS) else None
 
 
 def _cmd_server(args: argparse.Namespace) -> int:

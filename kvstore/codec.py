@@ -62,6 +62,7 @@ __all__ = [
     "header_size",
     "layer_pieces",
     "parse_header",
+    "read_header",
     "verify_layers",
 ]
 
@@ -173,6 +174,17 @@ def parse_header(
     ``data`` must hold at least the header (``header_size(layout.num_layers)``
     bytes); extra bytes are ignored.
     """
+    header = read_header(data)
+    _check_header(header, layout, key)
+    return header
+
+
+def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
+    """Parse a header and verify it is whole (magic, version, checksum), whatever
+    layout it was written for: what a block says about itself (its layout's
+    fingerprint, layer count and size), for tools that find blocks of layouts they
+    do not know (``kvstore stats``). :func:`parse_header` also checks the layout.
+    """
     view = memoryview(data).cast("B")
     if len(view) < _FIXED.size:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes is shorter than a header")
@@ -201,7 +213,6 @@ def parse_header(
         layer_nbytes=tuple(n for n, _ in layers),
         layer_checksums=tuple(c for _, c in layers),
     )
-    _check_header(header, layout, key)
     return header
 
 

@@ -89,10 +89,11 @@ def test_stats_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path.write_text("tiers:\n  - kind: host\n    capacity: 64MiB\n")
     assert main(["stats", "--config", str(path), "--layers", "2", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["blocks"] == 0
-    assert stats["tiers"][0]["capacity_blocks"] == 64 // 2  # 2 MiB blocks at 2 layers
-    assert stats["tiers"][0]["read_speed_source"] == "configured"
-    assert stats["restore"]["planning"] is True and stats["restore"]["plans"] == 0
+    [store] = stats["stores"]
+    assert store["blocks"] == 0
+    assert store["tiers"][0]["capacity_blocks"] == 64 // 2  # 2 MiB blocks at 2 layers
+    assert store["tiers"][0]["read_speed_source"] == "configured"
+    assert stats["restore"]["planning"] is True and stats["restore"]["prefill_source"] == "unknown"
     assert main(["stats", "--config", str(path), "--layers", "2"]) == 0
     out = capsys.readouterr().out
     assert "reads 10.00 GB/s, 0.01 ms a call (configured)" in out

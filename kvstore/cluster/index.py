@@ -9,6 +9,11 @@ Keys (``P`` is the cluster ``name``; ``ns`` a namespace, ``fp`` a layout fingerp
     P:<ns>:<fp>:shared       SET     keys some node found in shared storage (S3)
     P:<ns>:<fp>:changes      STREAM  every change of the two above, in order (trimmed)
     P:<ns>:<fp>:heat         ZSET    key -> fetches by other nodes (halved periodically)
+    P:<ns>:<fp>:layout       STRING  the layout's description (``KVLayout.describe()``, JSON)
+
+The layout's description is written with a node's full list and never expires (a few
+hundred bytes per layout ever used): with it, a reader that knows only what the index
+holds -- ``kvstore route`` -- learns each layout's geometry (:meth:`ClusterIndex.stores`).
 
 A node refreshes its hash and its sets every heartbeat; when it dies they
 expire ``lease`` seconds later (Redis's own clock: node clocks may differ), so
@@ -32,9 +37,11 @@ unreachable; callers degrade to their own tiers.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +58,7 @@ from kvstore.errors import TierError
 from kvstore.index import Medium
 from kvstore.keys import BlockKey
 
-__all__ = ["Change", "ClusterIndex", "NodeInfo", "Snapshot", "decode_change"]
+__all__ = ["Change", "ClusterIndex", "IndexedStore", "NodeInfo", "Snapshot", "decode_change"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,18 @@ class Snapshot:
     shared: set[BlockKey] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class IndexedStore:
+    """A (namespace, layout) whose blocks live nodes list in the index: per node, how
+    many; ``layout``: its description as the nodes wrote it (None: not written, by a
+    node older than this field)."""
+
+    namespace: str
+    fingerprint: str
+    blocks: dict[str, int]
+    layout: dict[str, Any] | None = None
+
+
 def decode_change(fields: Mapping[bytes, bytes]) -> Change:
     """A :class:`Change` from a stream entry's fields (as :meth:`ClusterIndex.publish`
     wrote them)."""
@@ -123,6 +142,7 @@ class ClusterIndex:
         self._lease_ms = max(1, round(config.lease_s * 1000))
         self._lock = threading.Lock()  # guards _client
         self._client: Any = None
+        self._check_credentials()
 
     # -- names ------------------------------------------------------------------
     def _node_key(self, node: str) -> str:
@@ -136,6 +156,9 @@ class ClusterIndex:
 
     def _shared_key(self, namespace: str, fp: str) -> str:
         return f"{self._prefix}:{namespace}:{fp}:shared"
+
+    def _layout_key(self, namespace: str, fp: str) -> str:
+        return f"{self._prefix}:{namespace}:{fp}:layout"
 
     def stream_key(self, namespace: str, fp: str) -> str:
         """The name of a store's change stream (readers follow it)."""
@@ -162,6 +185,25 @@ class ClusterIndex:
         if self.config.redis_cluster:
             return redis.cluster.RedisCluster.from_url(url, **opts)
         return redis.Redis.from_url(url, **opts)
+
+    def _check_credentials(self) -> None:
+        """One PING at open. A Redis that answers and refuses the user or password is a
+        :class:`TierError` now (a misconfiguration is loud); one that does not answer is
+        not: the nodes serve from their own tiers until it is back (the calls that fail
+        then say so)."""
+        try:
+            self._connection().ping()
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            self.close()
+            parts = urllib.parse.urlsplit(self.config.redis_url or "")
+            why = "wants a password and the url has none" if parts.password is None else exc
+            raise TierError(
+                f"cluster.redis_url: Redis at {parts.hostname}:{parts.port or 6379} refused "
+                f"the credentials ({why}); put the right user / password in the url "
+                "(redis://:PASSWORD@host:port/db)"
+            ) from None
+        except (redis.exceptions.RedisError, OSError) as exc:
+            log.info("cluster: Redis unavailable at open (%s); serving from this node", exc)
 
     def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``commands`` in one pipeline (TierError when Redis is unreachable)."""
@@ -275,14 +317,19 @@ class ClusterIndex:
         fp: str,
         node: str,
         keys: Sequence[BlockKey] | Sequence[tuple[BlockKey, Medium]],
+        layout: Mapping[str, Any] | None = None,
     ) -> None:
         """``node`` holds exactly ``keys`` (each a key, held in memory, or a ``(key,
-        medium)`` pair): written again after Redis came back or lost the node's hash."""
+        medium)`` pair): written again after Redis came back or lost the node's hash.
+        ``layout``: the layout's description, written beside them (for readers that
+        find layouts in the index)."""
         media = [k if isinstance(k, tuple) else (k, Medium.MEMORY) for k in keys]
         commands: list[tuple[Any, ...]] = [
             ("DEL", self._held_key(namespace, fp, node)),
             self._xadd(namespace, fp, {"n": node, "r": "1"}),
         ]
+        if layout is not None:
+            commands.append(("SET", self._layout_key(namespace, fp), json.dumps(dict(layout))))
         changes = [(BlockKey(k), (Medium.NONE, m)) for k, m in media]
         for start in range(0, len(changes), _BATCH):
             commands += self._publish_chunk(namespace, fp, node, changes[start : start + _BATCH])
@@ -330,6 +377,29 @@ class ClusterIndex:
         if gone:  # leases that ran out: tidy the enumeration (the entries expired already)
             self._pipeline([("ZREM", self._nodes_key, *gone)])
         return live
+
+    def stores(self) -> list[IndexedStore]:
+        """Every (namespace, layout) some node lists blocks of, with its blocks per node
+        and its layout's description; read-only (``SCAN``, ``HLEN``, ``GET``)."""
+        pattern = f"{_glob_escape(self._prefix)}:*:held:*"
+        try:
+            names = list(self._connection().scan_iter(match=pattern, count=_BATCH))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise TierError(f"cluster index (Redis) unavailable: {exc}") from None
+        held: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        for raw in names:
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            parts = name[len(self._prefix) + 1 :].split(":", 3)  # ns, fp, "held", node
+            if len(parts) == 4 and parts[2] == "held":
+                held.setdefault((parts[0], parts[1]), []).append((name, parts[3]))
+        order = sorted(held)
+        lengths = iter(self._pipeline([("HLEN", name) for k in order for name, _ in held[k]]))
+        layouts = self._pipeline([("GET", self._layout_key(ns, fp)) for ns, fp in order])
+        out = []
+        for (ns, fp), layout in zip(order, layouts, strict=True):
+            blocks = {node: int(next(lengths)) for _, node in held[(ns, fp)]}
+            out.append(IndexedStore(ns, fp, blocks, _description(layout)))
+        return out
 
     def locate(
         self, namespace: str, fp: str, keys: Sequence[BlockKey], nodes: Sequence[str]
@@ -475,6 +545,23 @@ class ClusterIndex:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a ``SCAN MATCH`` pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _description(raw: Any) -> dict[str, Any] | None:
+    """A layout description written by :meth:`ClusterIndex.replace` (None: absent or
+    unreadable: a reader then asks for the layout's flags)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _chunks(keys: Sequence[BlockKey]) -> Iterator[list[BlockKey]]:

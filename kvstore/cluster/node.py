@@ -138,7 +138,7 @@ class ClusterNode:
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
             media = t.store.manager.stored_media()
-            self.index.replace(t.namespace, t.fp, node, media)
+            self.index.replace(t.namespace, t.fp, node, media, t.store.layout.describe())
             t.full_sync = False
             t.registered = sum(1 for _, m in media if m in _HELD)
             return
