@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run kvstore-server in the foreground")
     add_arguments(server)
 
+    local = sub.add_parser(
+        "local-cluster",
+        help="start Redis, an S3 endpoint and kvstore-server nodes on this machine, "
+        "to try a cluster (Ctrl-C stops all)",
+    )
+    local.add_argument("--nodes", type=int, default=2, help="kvstore-server nodes (default: 2)")
+
     # main() hands its arguments to benchmarks/run_all.py as they are: --quick, --only, --out.
     bench_help = "run every benchmark into docs/benchmarks/ (source checkout only; --help)"
     sub.add_parser("bench", add_help=False, help=bench_help)
@@ -313,6 +320,12 @@ def _given_layout(args: argparse.Namespace) -> Any:
     return _layout(args) if any(getattr(args, k) is not None for k in _LAYOUT_DEFAULTS) else None
 
 
+def _cmd_local_cluster(args: argparse.Namespace) -> int:
+    from kvstore.cluster.local import LocalClusterSettings, run
+
+    return run(LocalClusterSettings(nodes=args.nodes))
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from kvstore.server.cli import run
 
@@ -352,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": _cmd_config,
         "server": _cmd_server,
         "route": _cmd_route,
+        "local-cluster": _cmd_local_cluster,
     }
     try:
         return handlers[args.command](args)
