@@ -4,9 +4,6 @@ refused unless ``replace=True`` (for eviction policies too, ``register_policy``)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,26 +206,3 @@ def test_a_store_evicts_with_a_registered_policy() -> None:
         store.put(keys[:2], random_blocks(layout, 2))
         store.evict(1)
         assert store.exists(keys[:2]) == [True, False]
-
-
-def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
-    """docs/tiers.md's "A tier of your own" block, run as a script, then used from YAML."""
-    doc = (Path(__file__).parents[2] / "docs" / "tiers.md").read_text()
-    section = doc[doc.index("## A tier of your own") :]
-    block = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
-    (tmp_path / "store.yaml").write_text(
-        "tiers:\n  - {kind: mem2, capacity: 64KiB, reserve: 64MiB, prefault: false}\n"
-    )
-    check = (
-        "\nfrom kvstore import KVStore\nfrom kvstore.testing.data import small_layout\n"
-        "with KVStore(small_layout(), 'store.yaml') as store:\n"
-        "    tier = store.manager.tiers[0]\n"
-        "    print(type(tier).__name__, type(tier.config).__name__, tier.config.reserve)\n"
-    )
-    (tmp_path / "example.py").write_text(block + check)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    done = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["Mem2Tier", "Mem2Config", str(64 * 1024**2)]
