@@ -4,9 +4,12 @@ Each script of :data:`REGISTRY` runs as a subprocess (this interpreter,
 ``--json`` and the entry's arguments for a full run or for ``--quick``), one
 after another, with a progress line on stderr. A script that fails or runs past
 its timeout is recorded with its error and the tail of its stderr, and the run
-goes on; one that prints ``{"skipped": ...}`` is recorded as skipped.
+goes on; one that prints ``{"skipped": ...}`` is recorded as skipped, and so is one
+that stops on an optional dependency it lacks (``No module named 'vllm'``): skipped,
+with the reason. Only failures and timeouts make the exit status 1.
 
-Written to ``--out`` (default ``docs/benchmarks/``):
+Written to ``--out`` (default ``kvstore-bench/`` in the current directory, said at the
+start and the end; the committed figures are ``--out docs/benchmarks``):
 
 - ``results.json``: the machine (no host name), the mode, and per benchmark its
   status, seconds and whole JSON;
@@ -20,7 +23,8 @@ anything; ``--only NAME --merge`` re-runs one benchmark into an existing
 ``results.json`` (marked as re-run). ``kvstore bench`` runs this script with the
 same arguments.
 
-Run: ``python benchmarks/run_all.py [--quick] [--only hash,codec] [--out DIR]``.
+Run: ``python benchmarks/run_all.py [--quick] [--only hash,codec] [--out DIR]``
+(``kvstore bench`` runs it under that name: :data:`PROG_ENV`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +49,14 @@ from _report import machine, minutes, render
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DEFAULT_OUT = ROOT / "docs" / "benchmarks"
+#: Where the outputs go by default: not the checkout's tracked docs/benchmarks/.
+DEFAULT_OUT = Path("kvstore-bench")
+#: The command's name in its usage line (``kvstore bench`` sets it; else ``run_all.py``).
+PROG_ENV = "KVSTORE_BENCH_PROG"
+#: A script that stopped on a module it could not import.
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+#: ... or on a server binary it could not find (kvstore.testing.servers.require_binary).
+_NO_BINARY = re.compile(r"ConfigError: ([\w.-]+) is not installed; run scripts/install-servers")
 
 
 # -- the registry: data only -------------------------------------------------------------------
@@ -535,6 +547,9 @@ def run_bench(bench: Bench, quick: bool, scratch: Path) -> dict[str, Any]:
         error = "no JSON object on stdout"
     else:
         error = None
+    missing = missing_dependency(stderr) if rc not in (None, 0) else None
+    if missing is not None:
+        return {**entry, "status": "skipped", "reason": f"needs {missing} (not installed)"}
     if error is not None:
         return {
             **entry,
@@ -547,6 +562,21 @@ def run_bench(bench: Bench, quick: bool, scratch: Path) -> dict[str, Any]:
         reason = result.get("reason") or result["skipped"]
         return {**entry, "status": "skipped", "reason": str(reason), "result": result}
     return {**entry, "status": "ok", "result": result}
+
+
+def missing_dependency(stderr: str) -> str | None:
+    """The optional dependency a script stopped on -- a module (its last ``No module
+    named`` line) or a server binary -- or None: None too for this repository's own
+    modules, whose absence is a failure."""
+    binary = _NO_BINARY.findall(stderr)
+    if binary:
+        return binary[-1]
+    found = _NO_MODULE.findall(stderr)
+    if not found:
+        return None
+    top = found[-1].split(".")[0]
+    own = top == "kvstore" or top.startswith(("_", "bench_")) or (HERE / f"{top}.py").exists()
+    return None if own else top
 
 
 class Progress:
@@ -637,10 +667,18 @@ def select(only: str | None) -> list[Bench]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=os.environ.get(PROG_ENV) or None, description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="every script's --quick run")
     parser.add_argument("--only", help="comma-separated benchmarks (e.g. hash,disk_tier)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"directory of the outputs (default: {DEFAULT_OUT}/ in the current directory; "
+        "the committed figures: docs/benchmarks)",
+    )
     parser.add_argument(
         "--from-json", type=Path, help="re-render the table and plots from this results.json"
     )
@@ -676,15 +714,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             quick = " ".join(b.quick_args) if b.quick_args is not None else "(not in --quick)"
             print(f"{b.name:13} {b.script:22} full: {' '.join(b.args) or '-'}; quick: {quick}")
         return 0
+    out = args.out.resolve()
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
     else:
+        print(f"run_all: writing to {out}", file=sys.stderr)
         doc = run_all(select(args.only), args.quick)
         if args.merge:
             doc = merge(doc, args.out / "results.json")
     plots = render(doc, args.out, REGISTRY)
     drawn = sum(p["drawn"] for p in plots)
-    print(f"run_all: wrote {args.out}/README.md, results.json and {drawn} plots", file=sys.stderr)
+    print(f"run_all: wrote {out}/README.md, results.json and {drawn} plots", file=sys.stderr)
     bad = [n for n, e in doc["benchmarks"].items() if e["status"] in ("failed", "timeout")]
     if bad:
         print(f"run_all: failed: {', '.join(bad)} (see results.json)", file=sys.stderr)

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -54,17 +55,39 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a multi-turn chat workload through the store")
-    demo.add_argument("--sessions", type=int, default=16, help="chat sessions")
-    demo.add_argument("--turns", type=int, default=4, help="turns per session")
-    demo.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt")
-    demo.add_argument("--layers", type=int, default=32, help="model layers (KV size scales)")
+    # Each help names its default ("(default: %(default)s)"); options without one say why.
+    demo.add_argument(
+        "--sessions", type=int, default=16, help="chat sessions (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--turns", type=int, default=4, help="turns per session (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--system-tokens",
+        type=int,
+        default=2048,
+        help="tokens of the system prompt every session shares (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--layers",
+        type=int,
+        default=32,
+        help="model layers; the KV of a chunk grows with them (default: %(default)s, "
+        "Llama-3-8B's 32 MiB per 256-token chunk)",
+    )
     demo.add_argument("--config", help="store config YAML (default: embedded defaults)")
     demo.add_argument(
         "--cache-dir",
         help="disk tier directory (default: a scratch directory removed at the end; "
         "name one to keep the cache and see a second run hit from disk)",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random prompts, replies and KV: the same seed replays the same "
+        "workload (default: %(default)s)",
+    )
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
 
     stats = sub.add_parser(
@@ -106,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--nodes", type=int, default=2, help="kvstore-server nodes (default: 2)")
 
     # main() hands its arguments to benchmarks/run_all.py as they are: --quick, --only, --out.
-    bench_help = "run every benchmark into docs/benchmarks/ (source checkout only; --help)"
+    bench_help = "run every benchmark, results into ./kvstore-bench/ (source checkout only; --help)"
     sub.add_parser("bench", add_help=False, help=bench_help)
     return parser
 
@@ -348,7 +371,9 @@ def _cmd_bench(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return subprocess.call([sys.executable, str(script), *argv], cwd=script.parent.parent)
+    # In the caller's directory (a relative --out is theirs), under this command's name.
+    env = {**os.environ, "KVSTORE_BENCH_PROG": "kvstore bench"}
+    return subprocess.call([sys.executable, str(script), *argv], env=env)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

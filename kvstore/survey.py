@@ -414,22 +414,24 @@ def _store_line(store: dict[str, Any], size: Any) -> str:
 
 
 def _tier_line(tier: dict[str, Any], size: Any) -> str:
+    """``kind  blocks / capacity blocks, bytes / capacity bytes, bytes a block``: the same
+    capacity twice, as blocks and as bytes (blocks x the bytes one takes there)."""
     if tier["kind"] == "cluster":
         return "  cluster  (the peers' blocks: not read; `kvstore route` ranks the nodes)"
     blocks = "?" if tier["blocks"] is None else f"{tier['blocks']:,}"
     room = "?" if tier.get("capacity_blocks") is None else f"{tier['capacity_blocks']:,}"
     held = "?" if tier["bytes"] is None else size(tier["bytes"])
     line = f"  {tier['kind']:<7} {blocks:>9} / {room} blocks, {held} / {size(tier['capacity'])}"
-    if tier["kind"] == "disk" and tier["unit_nbytes"] is not None:
-        line += f" ({size(tier['unit_nbytes'])} a block file: the chunk and its header)"
-        if tier["clamped_to_free_space"]:
-            line += "; clamped to 95% of the free space"
-    if tier.get("writable") is False:
-        line += " [READ-ONLY]"
-    elif tier["kind"] in _MEMORY_KINDS:
-        line += " (memory: empty in a process that just started)"
+    if tier["unit_nbytes"] is not None:
+        line += f", {size(tier['unit_nbytes'])} each"
+    if tier.get("clamped_to_free_space"):
+        line += " (clamped to 95% of the free space)"
+    if tier["kind"] in _MEMORY_KINDS:
+        line += " (memory: empty at start)"
     elif not tier["inspected"]:
         line += " (not read: kvstore stats reads local disk tiers only)"
+    if tier.get("writable") is False:
+        line += " [READ-ONLY]"
     return (
         f"{line}  reads {tier['read_gbps_estimate']:.2f} GB/s, "
         f"{tier['read_latency_ms_estimate']:.2f} ms a call ({tier['read_speed_source']})"

@@ -55,7 +55,10 @@ def _config(args: argparse.Namespace) -> Any:
     return dataclasses.replace(config, server=server)
 
 
-def _describe(config: Any, addresses: dict[str, str]) -> str:
+def _describe(config: Any, addresses: dict[str, str], cluster: Any = None) -> str:
+    """The start-up banner: where the server listens, its tiers (in bytes, with how a
+    store counts them in blocks), its cluster (``cluster``: the node it runs as) and
+    how a client connects."""
     from kvstore.config import format_size
 
     lines = [f"kvstore-server {_version()} (pid {os.getpid()})"]
@@ -76,6 +79,13 @@ def _describe(config: Any, addresses: dict[str, str]) -> str:
         for t in config.tiers
     )
     lines.append(f"  tiers per namespace and layout: {tiers}")
+    # /metrics and `kvstore stats` count the same capacities in blocks, per layout.
+    lines.append(
+        "  each store counts them in blocks of its layout: capacity / the chunk's bytes "
+        "(on disk, / the chunk + its 4 KiB header); /metrics: kvstore_tier_blocks"
+    )
+    if cluster is not None:
+        lines.append(_describe_cluster(cluster.config))
     auth = "token required" if config.server.credentials() else "no token (loopback only)"
     lines.append(f"  authentication: {auth}")
     address = addresses.get("tcp") or f"unix:{addresses.get('unix')}"
@@ -84,6 +94,22 @@ def _describe(config: Any, addresses: dict[str, str]) -> str:
         f'  tiers: [{{kind: remote, address: "{address}", namespace: default}}]',
     ]
     return "\n".join(lines)
+
+
+def _describe_cluster(cluster: Any) -> str:
+    """The banner's cluster line: its name, the Redis of its index, this node's id and
+    where its peers reach it."""
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(cluster.redis_url or "")
+    if url.scheme == "unix":
+        redis = f"unix:{url.path}"
+    else:  # host, port and database only: a password in the URL stays out of logs
+        redis = f"{url.scheme}://{url.hostname}:{url.port or 6379}{url.path or ''}"
+    if cluster.redis_cluster:
+        redis += " (Redis Cluster)"
+    served = f"peers fetch from {cluster.advertise}" if cluster.advertise else "serves no peers"
+    return f"  cluster {cluster.name}: node {cluster.node}, index in Redis at {redis}; {served}"
 
 
 def _version() -> str:
@@ -98,7 +124,7 @@ async def _serve(config: Any) -> None:
     server = Server(config)
     await server.start()
     server.install_signal_handlers()
-    print(_describe(config, server.addresses), flush=True)
+    print(_describe(config, server.addresses, server.cluster), flush=True)
     await server.serve_forever()
 
 

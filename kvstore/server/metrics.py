@@ -88,13 +88,30 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
-def _metric(lines: list[str], name: str, kind: str, samples: list[tuple[str, float]]) -> None:
+def _metric(
+    lines: list[str], name: str, kind: str, samples: list[tuple[str, float]], about: str = ""
+) -> None:
     if not samples:
         return
+    if about:
+        lines.append(f"# HELP {name} {about}")
     lines.append(f"# TYPE {name} {kind}")
     for labels, value in samples:
         lines.append(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}")
 
+
+#: HELP text of the metrics that count blocks and bytes: a capacity is configured in bytes
+#: and counted in blocks, the same way in the server's banner and in ``kvstore stats``.
+_ABOUT = {
+    "kvstore_store_blocks": "Blocks the store holds (each counted once, in whichever tiers).",
+    "kvstore_store_block_bytes": "Bytes of KV in one block (chunk) of the store's layout.",
+    "kvstore_tier_blocks": (
+        'Blocks a tier holds (what="blocks") and has room for (what="capacity_blocks"): its '
+        "configured capacity in bytes divided by the bytes a block takes there, the chunk "
+        "(kvstore_store_block_bytes) in memory, Redis and S3, the chunk plus its 4 KiB header "
+        "in a disk tier's block file (which also clamps to 95% of the free space at open)."
+    ),
+}
 
 _STORE_GAUGES = (
     ("blocks", "gauge", "blocks"),
@@ -121,7 +138,8 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
             if isinstance(value, (int, float)):
                 labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
                 samples.append((labels, float(value)))
-        _metric(lines, f"kvstore_store_{name}", kind, samples)
+        metric = f"kvstore_store_{name}"
+        _metric(lines, metric, kind, samples, _ABOUT.get(metric, ""))
     tier_samples, speed_samples = [], []
     for stats in stores:
         for i, tier in enumerate(stats.get("tiers", [])):
@@ -137,7 +155,7 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                     source = tier.get("read_speed_source", "")
                     speed_labels = labels + f',what="{what}",source="{source}"'
                     speed_samples.append((speed_labels, float(tier[key])))
-    _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples)
+    _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples, _ABOUT["kvstore_tier_blocks"])
     _metric(lines, "kvstore_tier_read_speed", "gauge", speed_samples)
     _restore_metrics(lines, stores)
     _cluster_metrics(lines, stores)
