@@ -174,7 +174,9 @@ def _print_demo(report: dict[str, Any]) -> None:
         f"{restart['sessions_verified_from_disk']} sessions verified from disk"
     )
     if report["disk_path"]:
-        lines.append(f"  disk tier            : {report['disk_path']}")
+        from kvstore.demo import disk_summary
+
+        lines.append(f"  disk tier            : {disk_summary(report)}")
     print("\n".join(lines))
 
 

@@ -9,32 +9,55 @@ the geometry of a real model (Llama-3-8B: 32 layers, 8 KV heads, head_dim
 
 The "prefill" does not run a model: the KV of a chunk is a slice of a random
 pool chosen by the chunk's key, so a load can be checked bit for bit.
+
+What it needs, with the defaults: about 1.6 GB of memory at its peak (the host
+tier, sized by ``host_chunks``, the "engine" buffer of the longest prompt, the
+random pool and torch itself) and 4.6 GiB of disk for the disk tier, in a
+scratch directory beside the default cache (``$XDG_CACHE_HOME``, else
+``~/.cache``: on disk, where ``/tmp`` is often memory) that is removed at the
+end, unless ``cache_dir`` names one to keep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
 
-from kvstore.config import DiskTierConfig, StoreConfig
+from kvstore.config import (
+    DiskTierConfig,
+    HostTierConfig,
+    StoreConfig,
+    TierConfig,
+    default_cache_dir,
+    format_size,
+)
 from kvstore.keys import BlockKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ConfigSource, KVStore
 
-__all__ = ["DemoSettings", "ProgressBar", "run_demo"]
+__all__ = ["DemoSettings", "ProgressBar", "disk_summary", "run_demo"]
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Size of the simulated workload and the model geometry."""
+    """Size of the simulated workload and the model geometry.
+
+    ``host_chunks``: the host tier of the embedded default config holds this many
+    chunks (512 MiB of Llama-3-8B KV), not the default 4 GiB, which the tier commits
+    when it opens: the demo fits in 2 GB of memory and still shows blocks moving
+    from memory to disk. A capacity set by ``config`` or ``KVSTORE_HOST_CAPACITY``
+    is used as given.
+    """
 
     sessions: int = 16
     turns: int = 4
@@ -49,6 +72,7 @@ class DemoSettings:
     seed: int = 0
     config: ConfigSource = None
     cache_dir: str | None = None
+    host_chunks: int = 16
 
     def layout(self) -> KVLayout:
         """The KV layout of the simulated model."""
@@ -112,7 +136,8 @@ class _Pool:
         self.layout = layout
         self.span = 4 * layout.block_tokens
         shape = layout.tensor_shape(4)
-        self.kv = torch.randn(shape, generator=gen, dtype=torch.float32).to(layout.dtype)
+        # Drawn in the layout's dtype: no float32 copy twice its size on the way.
+        self.kv = torch.randn(shape, generator=gen, dtype=layout.dtype)
 
     def chunk(self, key: BlockKey) -> torch.Tensor:
         offset = int.from_bytes(key[:4], "little") % (self.span - self.layout.block_tokens)
@@ -158,30 +183,71 @@ def _request(
 def _demo_config(settings: DemoSettings, scratch: str) -> StoreConfig:
     """The config to run: the user's, else the embedded default with its disk
     tier in ``cache_dir`` -- or in a scratch directory, so a demo leaves no
-    gigabytes behind in the user's real cache."""
+    gigabytes behind in the user's real cache -- and its host tier sized to
+    ``host_chunks`` unless its capacity was set."""
     if settings.config is not None:
         return StoreConfig.load(settings.config)
     base = StoreConfig.default()
     path = settings.cache_dir or scratch
-    tiers = tuple(
-        dataclasses.replace(t, path=path) if isinstance(t, DiskTierConfig) else t
-        for t in base.tiers
-    )
-    return StoreConfig(tiers=tiers)
+    host_bytes = settings.host_chunks * settings.layout().block_nbytes
+    return StoreConfig(tiers=tuple(_demo_tier(t, path, host_bytes) for t in base.tiers))
+
+
+def _demo_tier(tier: TierConfig, disk_path: str, host_bytes: int) -> TierConfig:
+    """A tier of the embedded default as the demo runs it."""
+    if isinstance(tier, DiskTierConfig):
+        return dataclasses.replace(tier, path=disk_path)
+    if isinstance(tier, HostTierConfig) and tier.capacity == HostTierConfig().capacity:
+        return dataclasses.replace(tier, capacity=min(tier.capacity, host_bytes))
+    return tier
+
+
+@contextlib.contextmanager
+def _scratch_dir() -> Iterator[str]:
+    """A directory removed on exit, beside the default disk cache (``~/.cache``):
+    a disk, where the temp directory is often memory (tmpfs) that the demo's
+    gigabytes would fill. The temp directory when the cache's parent cannot be made."""
+    parent = os.path.dirname(default_cache_dir())
+    made = not os.path.isdir(parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError:
+        parent, made = tempfile.gettempdir(), False
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstore-demo-", dir=parent) as scratch:
+            yield scratch
+    finally:
+        if made:  # leave no empty ~/.cache that the demo alone created
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
 
 
 def run_demo(
     settings: DemoSettings, progress: Callable[[int], ProgressBar] | None = None
 ) -> dict[str, Any]:
-    """Run the workload, then reopen the store as a restarted server would; return the report."""
-    with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as scratch:
+    """Run the workload, then reopen the store as a restarted server would; return the report.
+
+    ``disk_path`` is the disk tier's directory; ``disk_kept`` says whether it is still
+    there (false for the scratch directory, removed before this returns).
+    """
+    with _scratch_dir() as scratch:
         config = _demo_config(settings, scratch)
         report = _serve(settings, config, progress)
         report["after_restart"] = _restart(settings, config)
-        report["disk_path"] = next(
-            (t.path for t in config.tiers if isinstance(t, DiskTierConfig)), None
-        )
+        disk = next((t.path for t in config.tiers if isinstance(t, DiskTierConfig)), None)
+        report["disk_path"] = disk
+    report["disk_kept"] = disk is not None and disk != scratch
     return report
+
+
+def disk_summary(report: dict[str, Any]) -> str:
+    """What the disk tier held after the run, and where it is -- or that it was a
+    scratch directory, already removed (never a path that is gone as if it were there)."""
+    size = format_size(report["after_restart"]["bytes_on_disk"])
+    if report["disk_kept"]:
+        return f"{size} in {report['disk_path']} (kept: run again to hit from disk)"
+    parent = os.path.dirname(report["disk_path"])
+    return f"{size} in a scratch directory under {parent}, now removed (--cache-dir DIR keeps it)"
 
 
 def _histories(settings: DemoSettings) -> list[tuple[list[int], list[list[int]]]]:
@@ -215,11 +281,10 @@ def _serve(
     bar = progress(total) if progress else None
     with KVStore(layout, config) as store:
         namespace = store.namespace(settings.model)
-        longest = settings.system_tokens + settings.turns * (
-            settings.user_tokens[1] + settings.reply_tokens[1]
-        )
+        # The "engine's" KV buffer, as long as the longest prompt's full chunks.
+        longest = max(len(p) for _, prompts in sessions for p in prompts)
         buffer = torch.empty(
-            layout.tensor_shape(longest // layout.block_tokens + 1), dtype=layout.dtype
+            layout.tensor_shape(max(1, longest // layout.block_tokens)), dtype=layout.dtype
         )
         start = time.perf_counter()
         for turn in range(settings.turns):
@@ -260,10 +325,11 @@ def _restart(settings: DemoSettings, config: StoreConfig) -> dict[str, Any]:
             if hit:
                 out = store.get(keys[:1])  # load the first chunk back from disk and check it
                 verified += int(torch.equal(out, pool.chunk(keys[0])))
-        blocks = store.stats()["blocks"]
+        stats = store.stats()
     return {
         "open_seconds": opened,
-        "blocks_on_disk": blocks,
+        "blocks_on_disk": stats["blocks"],
+        "bytes_on_disk": sum(t["bytes"] for t in stats["tiers"] if t["kind"] == "disk"),
         "last_prompt_chunks_found": found,
         "last_prompt_chunks": total,
         "sessions_verified_from_disk": verified,

@@ -33,7 +33,10 @@ def test_demo_small_run_reports_hits_and_verifies(capsys: pytest.CaptureFixture[
     assert report["put_seconds"] > 0 and report["get_seconds"] > 0
     nb = report["block_mib"] * 2**20
     host = report["tiers"][0]
-    assert report["close_flush_bytes"] == host["blocks"] * nb  # memory-only blocks, all of them
+    # close() writes the host tier's blocks that only memory held: whole blocks, at most all
+    # of them (the demo's small host tier writes some back to disk ahead of eviction)
+    assert report["close_flush_bytes"] % nb == 0
+    assert report["close_flush_bytes"] <= host["blocks"] * nb
     assert report["close_flush_seconds"] <= report["close_seconds"]
     restart = report["after_restart"]  # reopened: everything is found again on disk
     assert restart["blocks_on_disk"] == report["chunks_stored"]
