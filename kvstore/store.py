@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
@@ -601,6 +602,6 @@ def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
     except ImportError as exc:
         raise ConfigError(
             f"cluster: needs a missing dependency ({exc.name}); install it with: "
-            "pip install 'kvstore[redis]'"
+            f"{install_hint('redis')}"
         ) from exc
     return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)

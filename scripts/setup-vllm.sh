@@ -38,6 +38,7 @@ mkdir -p "$meta"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > "$meta/METADATA"
 # kvstore itself, editable, with its S3 tier (boto3: the offloading tier's tests and
 # benchmark use it), and the test runner; torch stays pinned.
+"${pip[@]}" uninstall -y kvstore >/dev/null 2>&1 || true  # its old distribution name
 "${pip[@]}" install -e ".[s3]" "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
   "pytest-asyncio>=0.23" >&2
 # SGLang's full install wants CUDA wheels (torch 2.14.1, flashinfer cu13, cuda-python, ...)

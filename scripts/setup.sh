@@ -14,7 +14,7 @@ want="$(sha256sum pyproject.toml | cut -c1-16)-$extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "setup: creating $venv and installing kvstore[$extras]" >&2
+echo "setup: creating $venv and installing kvstore-tiers[$extras] (imports as kvstore)" >&2
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade "pip>=23" >&2
@@ -27,5 +27,10 @@ if "${pip[@]}" download --no-index --no-deps -d "$tmp" "torch==2.13.0" >/dev/nul
 fi
 rm -rf "$tmp"
 
+# The distribution was named "kvstore" before (the name of an unrelated package on the public
+# index): drop such an install of this checkout and its build metadata in the source tree,
+# or two distributions would own `kvstore`.
+"${pip[@]}" uninstall -y kvstore >/dev/null 2>&1 || true
+rm -rf kvstore.egg-info
 "${pip[@]}" install -e ".[$extras]" >&2
 echo "$want" > "$stamp"

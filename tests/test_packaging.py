@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 TORCH_PIN = "torch==2.13.0"
 # A workload small enough to run in seconds: 2 sessions x 2 turns of a 2-layer model.
 DEMO_ARGS = ["--sessions", "2", "--turns", "2", "--system-tokens", "512", "--layers", "2"]
+# The distribution "kvstore-tiers" as file names spell it (the package imports as kvstore).
+DIST = "kvstore_tiers"
 
 
 def _source_version() -> str:
@@ -128,7 +130,7 @@ def _check_wheel(wheel: Path, version: str) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         metadata = email.parser.Parser().parsestr(
-            zf.read(f"kvstore-{version}.dist-info/METADATA").decode()
+            zf.read(f"{DIST}-{version}.dist-info/METADATA").decode()
         )
     assert "kvstore/py.typed" in names
     ext = sysconfig.get_config_var("EXT_SUFFIX")
@@ -137,10 +139,11 @@ def _check_wheel(wheel: Path, version: str) -> None:
         assert f"kvstore/{module}{ext}" in names, f"the wheel lacks the compiled kvstore.{module}"
     licenses = ["LICENSE", "NOTICE", "csrc/xxhash/LICENSE"]
     for name in licenses:
-        assert f"kvstore-{version}.dist-info/licenses/{name}" in names
-    assert {n.split("/")[0] for n in names} == {"kvstore", f"kvstore-{version}.dist-info"}, (
+        assert f"{DIST}-{version}.dist-info/licenses/{name}" in names
+    assert {n.split("/")[0] for n in names} == {"kvstore", f"{DIST}-{version}.dist-info"}, (
         "the wheel holds only the kvstore package (no tests/, benchmarks/, examples/)"
     )
+    assert metadata["Name"] == "kvstore-tiers"  # the import name stays kvstore
     assert metadata["Version"] == version
     assert metadata["License-Expression"] == "Apache-2.0 AND BSD-2-Clause"
     assert metadata.get_all("License-File") == licenses
@@ -150,7 +153,7 @@ def _check_sdist(sdist: Path, version: str) -> None:
     """The sdist holds what a wheel build needs (the C sources too), and nothing compiled."""
     with tarfile.open(sdist) as tf:
         members = set(tf.getnames())
-    root = f"kvstore-{version}"
+    root = f"{DIST}-{version}"
     for path in (
         *("pyproject.toml", "setup.py", "README.md", "LICENSE", "NOTICE", "kvstore/py.typed"),
         *("csrc/chain.c", "csrc/memcopy.c", "csrc/xxhash/xxhash.h", "csrc/xxhash/LICENSE"),
@@ -177,8 +180,8 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     log = built.stdout + built.stderr
     assert not _license_deprecations(log), "\n".join(_license_deprecations(log))
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
-    assert [w.name for w in wheels] == [f"kvstore-{version}-{_wheel_tag()}.whl"]
-    assert [s.name for s in sdists] == [f"kvstore-{version}.tar.gz"]
+    assert [w.name for w in wheels] == [f"{DIST}-{version}-{_wheel_tag()}.whl"]
+    assert [s.name for s in sdists] == [f"{DIST}-{version}.tar.gz"]
     wheel = wheels[0]
 
     _check_wheel(wheel, version)

@@ -7,7 +7,7 @@
   and replication.
 - :class:`~kvstore.cluster.router.Router` -- rank nodes for a prompt (cache-aware routing).
 
-Nothing here is imported by ``import kvstore``; it needs ``redis`` (``kvstore[redis]``).
+Nothing here is imported by ``import kvstore``; it needs ``redis`` (``kvstore-tiers[redis]``).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _check_endpoint(endpoint: str, key: str) -> None:
 class EventsConfig:
     """Publishing of the store's block changes as vLLM ``KVEventBatch`` messages over ZMQ.
 
-    ``enabled``: publish at all (off by default; needs ``pip install 'kvstore[events]'``).
+    ``enabled``: publish at all (off by default; needs ``pip install 'kvstore-tiers[events]'``).
 
     ``endpoint``: the PUB socket. Wildcard (``tcp://*:5557``), loopback, port 0,
     ``ipc://`` and ``inproc://`` addresses are bound; any other ``tcp://HOST:PORT``

@@ -286,7 +286,7 @@ class S3TierConfig(TierConfig):
 
     Credentials come from the boto3 chain (environment, shared config files,
     instance or container roles), never from this config; needs
-    ``pip install 'kvstore[s3]'``.
+    ``pip install 'kvstore-tiers[s3]'``.
 
     ``bucket``: the bucket (required).
 
@@ -377,7 +377,7 @@ class S3TierConfig(TierConfig):
 class RedisTierConfig(TierConfig):
     """Redis (standalone or Cluster): a shared warm tier.
 
-    Needs ``pip install 'kvstore[redis]'``.
+    Needs ``pip install 'kvstore-tiers[redis]'``.
 
     ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password in it
     is redacted in stats and logs.

@@ -34,7 +34,7 @@ The three constructors:
 Importing this package imports neither pyzmq nor msgspec: the names above load
 on first use, and :class:`EventPublisher` / :class:`StoreEvents` (and
 :mod:`kvstore.events.format`) raise :class:`EventsUnavailableError` (a
-:class:`~kvstore.errors.ConfigError`) saying ``pip install 'kvstore[events]'``
+:class:`~kvstore.errors.ConfigError`) saying ``pip install 'kvstore-tiers[events]'``
 when they are missing.
 """
 

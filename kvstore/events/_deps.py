@@ -1,15 +1,16 @@
-"""The optional dependencies of :mod:`kvstore.events` (``pip install 'kvstore[events]'``)."""
+"""The optional dependencies of :mod:`kvstore.events` (``pip install 'kvstore-tiers[events]'``)."""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
+from kvstore._dist import install_hint
 from kvstore.errors import ConfigError
 
 __all__ = ["EventsUnavailableError", "require"]
 
-INSTALL_HINT = "pip install 'kvstore[events]'"
+INSTALL_HINT = install_hint("events")
 
 
 class EventsUnavailableError(ConfigError):

@@ -57,7 +57,7 @@ def _split(address: str) -> tuple[str, int]:
 
 
 def _publisher(config: StoreConfig) -> EventPublisher | None:
-    """The server's KV-event publisher, when ``events.enabled`` (needs kvstore[events])."""
+    """The server's KV-event publisher, when ``events.enabled`` (needs kvstore-tiers[events])."""
     if not config.events.enabled:
         return None
     from kvstore.events.publisher import EventPublisher

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from kvstore._dist import install_hint as _pip_install
 from kvstore.config.tiers import register_tier_config
 from kvstore.errors import ConfigError
 
@@ -38,8 +39,8 @@ _REGISTRY: dict[str, str] = {
     "remote": "kvstore.client.tier:RemoteTier",
 }
 _INSTALL_HINTS: dict[str, str] = {
-    "s3": "install it with: pip install 'kvstore[s3]'",
-    "redis": "install it with: pip install 'kvstore[redis]'",
+    "s3": f"install it with: {_pip_install('s3')}",
+    "redis": f"install it with: {_pip_install('redis')}",
 }
 
 

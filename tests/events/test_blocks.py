@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import xxhash
 
-pytest.importorskip("msgspec", reason="pip install 'kvstore[events]'")
+pytest.importorskip("msgspec", reason="pip install 'kvstore-tiers[events]'")
 
 from kvstore.config.events import EventsConfig
 from kvstore.errors import ConfigError

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-msgspec = pytest.importorskip("msgspec", reason="pip install 'kvstore[events]'")
+msgspec = pytest.importorskip("msgspec", reason="pip install 'kvstore-tiers[events]'")
 
 from kvstore.events.format import (  # noqa: E402
     AllBlocksCleared,
@@ -74,7 +74,7 @@ def test_a_missing_dependency_says_how_to_install_it() -> None:
         "from kvstore.errors import ConfigError\n"
         "try:\n    from kvstore.events import EventPublisher\n"
         "except ConfigError as exc:\n"
-        "    assert \"pip install 'kvstore[events]'\" in str(exc), exc\n"
+        "    assert \"pip install 'kvstore-tiers[events]'\" in str(exc), exc\n"
         "else:\n    raise SystemExit('no error')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("zmq", reason="pip install 'kvstore[events]'")
-pytest.importorskip("msgspec", reason="pip install 'kvstore[events]'")
+pytest.importorskip("zmq", reason="pip install 'kvstore-tiers[events]'")
+pytest.importorskip("msgspec", reason="pip install 'kvstore-tiers[events]'")
 
 from kvstore import KVStore
 from kvstore.config.events import EventsConfig
