@@ -16,7 +16,7 @@ store = KVStore(
     },
 )
 atexit.register(store.close)
-token_ids = list(range(1000, 1100))
+token_ids = list(range(1000, 1096))  # six full chunks of 16
 keys = store.hash_tokens(token_ids, namespace="toy-model@v1")
 kv = torch.randn(layout.tensor_shape(len(keys)), dtype=layout.dtype)
 store.put(keys, kv)
