@@ -37,6 +37,7 @@ from kvstore.keys import (
 from kvstore.layout import KVLayout
 from kvstore.leases import Pin
 from kvstore.lending import Loan, PendingPut
+from kvstore.lifetimes import close_at_exit, forget
 from kvstore.manager import BlockManager
 from kvstore.memory import cuda_available
 from kvstore.prefetch import PrefetchHandle
@@ -106,6 +107,7 @@ class KVStore:
             except BaseException:
                 self._manager.close()
                 raise
+        close_at_exit(self)  # a store left open is flushed when the process exits
 
     # -- keys ---------------------------------------------------------------
     def namespace(self, model: str, **extra: Any) -> Namespace:
@@ -557,8 +559,9 @@ class KVStore:
     def close(self) -> None:
         """Flush to persistent tiers, finish operations in flight, release every tier.
 
-        Idempotent.
+        Idempotent. A store still open when the interpreter exits is closed then.
         """
+        forget(self)
         events, self._events = self._events, None
         try:
             if events is not None:

@@ -66,6 +66,7 @@ from kvstore.config import DiskTierConfig, TierConfig
 from kvstore.errors import ConfigError, CorruptBlockError, LayoutMismatchError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.pools import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.files import FileOps, Tree, read_exact, write_all
 
@@ -242,7 +243,7 @@ class DiskTier(Tier):
     def _run(self, fn: Callable[[T], bool], items: list[T]) -> list[bool]:
         if len(items) <= 1:  # no thread hand-off for a single block
             return [fn(item) for item in items]
-        return list(self._pool.map(fn, items))
+        return map_or_inline(self._pool, fn, items)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counts_lock:

@@ -1,0 +1,53 @@
+"""Thread-pool calls that still work while the interpreter exits.
+
+``concurrent.futures`` refuses new work once the interpreter starts to exit, before
+``atexit`` handlers run. A store closed from such a handler (its own exit hook, or a
+user's ``atexit.register(store.close)``) must still flush memory to disk, so the
+tiers' batch calls fall back to running their items one after another in the caller's
+thread then: slower, never lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from typing import TypeVar
+
+__all__ = ["map_or_inline", "call_or_inline"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _exiting(exc: RuntimeError) -> bool:
+    # Once the interpreter exits, the main thread counts as stopped (before any atexit
+    # handler runs); a pool whose workers already quit then says "after shutdown", one
+    # that never started any "after interpreter shutdown".
+    return not threading.main_thread().is_alive() or "interpreter shutdown" in str(exc)
+
+
+def map_or_inline(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``list(pool.map(fn, items))``, or the calls in this thread while the interpreter
+    exits."""
+    futures: list[Future[R]] = []
+    for i, item in enumerate(items):
+        try:
+            futures.append(pool.submit(fn, item))
+        except RuntimeError as exc:
+            if not _exiting(exc):
+                raise
+            return [f.result() for f in futures] + [fn(x) for x in items[i:]]
+    return [f.result() for f in futures]
+
+
+def call_or_inline(pool: Executor, fn: Callable[..., R], *args: object) -> R:
+    """``pool.submit(fn, *args).result()``, or the call in this thread while the
+    interpreter exits."""
+    try:
+        future = pool.submit(fn, *args)
+    except RuntimeError as exc:
+        if not _exiting(exc):
+            raise
+        return fn(*args)
+    return future.result()

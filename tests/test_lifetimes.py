@@ -1,0 +1,47 @@
+"""A store left open, or closed from an ``atexit`` handler, still flushes what only
+memory held: the next process finds every block on disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import atexit, sys, torch
+from kvstore import KVLayout, KVStore
+layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
+                  dtype=torch.float16)
+config = {{"tiers": [{{"kind": "host", "capacity": "64MiB"}},
+                     {{"kind": "disk", "path": {path!r}, "capacity": "256MiB"}}]}}
+store = KVStore(layout, config)
+keys = store.hash_tokens(list(range(96)), namespace="m")
+if sys.argv[1] == "check":
+    print("found", store.lookup(keys))
+    store.close()
+else:
+    store.put(keys, torch.randn(layout.tensor_shape(len(keys)), dtype=layout.dtype))
+    if sys.argv[1] == "atexit":
+        atexit.register(store.close)
+    elif sys.argv[1] == "twice":
+        store.close()
+        store.close()
+"""
+
+
+def run(tmp_path: Path, how: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(path=str(tmp_path / "kv"))))
+    return subprocess.run(
+        [sys.executable, str(script), how], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("how", ["left-open", "atexit", "twice"])
+def test_what_memory_held_is_on_disk_for_the_next_process(tmp_path: Path, how: str) -> None:
+    done = run(tmp_path, how)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert run(tmp_path, "check").stdout.split() == ["found", "6"]
