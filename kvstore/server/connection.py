@@ -25,6 +25,7 @@ import enum
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -206,6 +207,7 @@ class Connection:
 
     async def _handle(self, frame: Frame) -> bool:
         """Serve one request; False when the connection must close."""
+        started = time.perf_counter()  # its header is in: the request's latency starts
         try:
             self._check_limits(frame)
             meta = await self.chan.recv(frame.meta_len, self.deadline(frame.meta_len))
@@ -218,11 +220,12 @@ class Connection:
         self.ctx.metrics.add("bytes_received", frame.meta_len + frame.payload_len)
         if frame.op in _PAYLOAD_OPS or frame.op == Op.RELEASE or self.state < State.OPEN:
             try:
-                return await self._guarded(frame, self._inline(frame, meta))
+                return await self._guarded(frame, self._inline(frame, meta), started)
             finally:
                 self.busy -= 1
         await self._slots.acquire()  # back-pressure: at most max_inflight_requests at once
-        task = asyncio.create_task(self._guarded(frame, self._concurrent(frame, meta)))
+        work = self._concurrent(frame, meta)
+        task = asyncio.create_task(self._guarded(frame, work, started))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return True
@@ -236,24 +239,37 @@ class Connection:
         if task.exception() is not None or task.result() is False:
             self.chan.abort()  # the reader sees the end of the stream and leaves
 
-    async def _guarded(self, frame: Frame, work: Awaitable[None]) -> bool:
-        """Run one request; turn refusals and store errors into error replies."""
+    async def _guarded(self, frame: Frame, work: Awaitable[None], started: float) -> bool:
+        """Run one request; turn refusals and store errors into error replies.
+
+        Every request the handshake lets through ends here, so this is where its latency
+        (``started``: :func:`time.perf_counter` when its header arrived) is recorded, by op
+        and outcome, once its reply (or error reply) is sent.
+        """
+        outcome = "aborted"  # the connection broke (or the server stopped) mid-request
         try:
             await work
+            outcome = "ok"
             return True
         except Refused as refused:
+            outcome = _status_name(refused.status)
             await self.error(frame, refused.status, str(refused))
             return not refused.fatal
         except KVStoreError as exc:
             status = next((s for cls, s in _ERRORS if isinstance(exc, cls)), Status.INTERNAL)
+            outcome = _status_name(status)
             await self.error(frame, status, str(exc))
             return True
         except (ConnectionError, TimeoutError, OSError):
             raise
         except Exception as exc:  # a bug: answer, log, keep serving the others
+            outcome = _status_name(Status.INTERNAL)
             log.exception("request %s from %s failed", _op_name(frame.op), self.chan.peer)
             await self.error(frame, Status.INTERNAL, f"internal error: {type(exc).__name__}")
             return True
+        finally:
+            elapsed = time.perf_counter() - started
+            self.ctx.metrics.latency.observe(_op_name(frame.op), outcome, elapsed)
 
     def _check_state(self, frame: Frame) -> None:
         """Refuse a request the handshake has not reached (fatal before authentication)."""
@@ -408,5 +424,15 @@ def _abort(pending: list[PendingPut]) -> None:
         put.abort()
 
 
+#: Label values, made once (not a string per request).
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
+_STATUS_NAMES = {int(status): status.name.lower() for status in Status}
+
+
 def _op_name(op: int) -> str:
-    return Op(op).name.lower() if op in _KNOWN_OPS else f"op{op}"
+    name = _OP_NAMES.get(op)
+    return name if name is not None else f"op{op}"
+
+
+def _status_name(status: Status) -> str:
+    return _STATUS_NAMES[status]

@@ -10,18 +10,113 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MetricsEndpoint", "ServerMetrics"]
+__all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "MetricsEndpoint", "ServerMetrics"]
 
 _MAX_REQUEST = 8192
 
+#: Upper bounds (seconds) of the request-latency buckets: 100 µs (a PING, a LOOKUP served
+#: from memory) to 10 s (a GET waiting on S3), about three to a decade.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+_REQUEST_DURATION = "kvstore_server_request_duration_seconds"
+_REQUEST_DURATION_ABOUT = (
+    "Seconds from a request's header arriving to its reply sent (waits for a slot under "
+    "max_inflight_requests included), by op and status (ok, an error reply's status, or "
+    "aborted when the connection broke first)."
+)
+
+
+class _Series:
+    """One histogram series: per-bucket (not cumulative) counts, the last one +Inf's."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.total = 0.0
+
+
+class LatencyHistogram:
+    """Request latencies by ``op`` and ``status``, as a Prometheus histogram.
+
+    Lock ownership: none is taken. The server's event loop owns the histogram: every
+    request is served on the loop, so :meth:`observe` is only ever called from that one
+    thread and needs no lock (it costs a bisect, two dict lookups and two additions; a
+    series' list is allocated once, at its first request). :meth:`render` normally runs on
+    the loop as well (``/metrics`` is served there) and then sees a consistent picture. A
+    render from another thread copies each series' counts in one step (a list copy under
+    the GIL), so its buckets stay cumulative and its ``_count`` equals its ``+Inf`` bucket;
+    only its ``_sum`` may miss the one observation being made at that instant.
+    """
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        assert bounds and list(bounds) == sorted(set(bounds)), bounds  # strictly increasing
+        self._bounds = bounds
+        self._les = (*(repr(float(b)) for b in bounds), "+Inf")
+        self._series: dict[str, dict[str, _Series]] = {}
+
+    def observe(self, op: str, status: str, seconds: float) -> None:
+        """Count one request of ``op`` that ended in ``status`` after ``seconds``.
+        Loop thread only (see the class)."""
+        by_status = self._series.get(op)
+        if by_status is None:
+            by_status = self._series[op] = {}
+        series = by_status.get(status)
+        if series is None:
+            series = by_status[status] = _Series(len(self._les))
+        series.counts[bisect_left(self._bounds, seconds)] += 1  # le: value <= bound
+        series.total += seconds
+
+    def render(self, lines: list[str], name: str, about: str = "") -> None:
+        """Append the ``name_bucket`` (cumulative), ``name_sum`` and ``name_count`` samples
+        of every series to ``lines`` (nothing before the first request)."""
+        taken = [
+            (op, status, list(series.counts), series.total)
+            for op, by_status in sorted(dict(self._series).items())
+            for status, series in sorted(dict(by_status).items())
+        ]
+        if not taken:
+            return
+        if about:
+            lines.append(f"# HELP {name} {about}")
+        lines.append(f"# TYPE {name} histogram")
+        for op, status, counts, total in taken:
+            labels = f'op="{op}",status="{status}"'
+            running = 0
+            for le, count in zip(self._les, counts, strict=True):
+                running += count
+                lines.append(f'{name}_bucket{{{labels},le="{le}"}} {running}')
+            lines.append(f"{name}_sum{{{labels}}} {_number(total)}")
+            lines.append(f"{name}_count{{{labels}}} {running}")
+
 
 class ServerMetrics:
-    """Counters of a server. Thread-safe: ``_lock`` guards every field."""
+    """Counters of a server. Thread-safe: ``_lock`` guards every field but ``latency``,
+    which the server's event loop owns (see :class:`LatencyHistogram`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -29,6 +124,8 @@ class ServerMetrics:
         self._requests: dict[str, int] = defaultdict(int)
         self._errors: dict[str, int] = defaultdict(int)
         self._gauges: dict[str, float] = defaultdict(float)
+        #: Request latency by op and status; observed on the loop, without a lock.
+        self.latency = LatencyHistogram()
 
     def add(self, name: str, value: float = 1) -> None:
         """Add to counter ``name`` (``kvstore_server_<name>_total``)."""
@@ -78,6 +175,7 @@ class ServerMetrics:
             "counter",
             [(f'op="{op}"', n) for op, n in sorted(requests.items())],
         )
+        self.latency.render(lines, _REQUEST_DURATION, _REQUEST_DURATION_ABOUT)
         _metric(
             lines,
             "kvstore_server_errors_total",
@@ -97,7 +195,21 @@ def _metric(
         lines.append(f"# HELP {name} {about}")
     lines.append(f"# TYPE {name} {kind}")
     for labels, value in samples:
-        lines.append(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}")
+        number = _number(value)
+        lines.append(f"{name}{{{labels}}} {number}" if labels else f"{name} {number}")
+
+
+def _number(value: float) -> str:
+    """A sample value as the text format writes it: whole numbers in full (``:g`` would
+    round a byte counter past a million to six digits), others as Python's shortest
+    round-tripping form, and ``+Inf``, ``-Inf``, ``NaN``."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
 
 
 #: HELP text of the metrics that count blocks and bytes: a capacity is configured in bytes
