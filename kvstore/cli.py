@@ -19,6 +19,19 @@ from kvstore import __version__
 __all__ = ["main"]
 
 
+#: The least value of each count option (a demo of 0 sessions, a layout of 0 layers: a
+#: mistake said in one line naming the option, before any work).
+_AT_LEAST = {
+    "sessions": 1,
+    "turns": 1,
+    "system_tokens": 0,
+    "layers": 1,
+    "kv_heads": 1,
+    "head_dim": 1,
+    "block_tokens": 1,
+    "nodes": 1,
+}
+
 #: The layout flags' values when none is given: Llama-3-8B.
 _LAYOUT_DEFAULTS: dict[str, Any] = {
     "layers": 32,
@@ -50,7 +63,9 @@ def _layout_args(parser: argparse.ArgumentParser, found_where: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__)
+    from kvstore.cli_args import OneLineParser
+
+    parser = OneLineParser(prog="kvstore", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -254,16 +269,18 @@ def _read_text(path: str, option: str) -> str:
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
-    from kvstore.cluster.index import ClusterIndex
-    from kvstore.cluster.router import Router
     from kvstore.config import StoreConfig
     from kvstore.errors import ConfigError
-    from kvstore.keys import Namespace
 
     config = StoreConfig.load(args.config)
     if not config.cluster.enabled:
         raise ConfigError("cluster.redis_url: not set; `kvstore route` needs a cluster config")
     keys, tokens = _route_input(args)
+    # Only now torch and Redis: a mistake above is said before seconds of imports.
+    from kvstore.cluster.index import ClusterIndex
+    from kvstore.cluster.router import Router
+    from kvstore.keys import Namespace
+
     namespace = args.namespace or config.cluster.namespace
     index = ClusterIndex(config.cluster)
     with contextlib.closing(index):
@@ -300,7 +317,10 @@ def _layout(args: argparse.Namespace) -> Any:
     v = {
         k: d if getattr(args, k) is None else getattr(args, k) for k, d in _LAYOUT_DEFAULTS.items()
     }
-    layout = KVLayout(v["layers"], v["kv_heads"], v["head_dim"], v["block_tokens"], v["dtype"])
+    try:
+        layout = KVLayout(v["layers"], v["kv_heads"], v["head_dim"], v["block_tokens"], v["dtype"])
+    except InvalidInputError as exc:  # say it was the flags (e.g. --dtype float13)
+        raise InvalidInputError(f"the layout flags: {exc}") from None
     if args.layout is not None and not layout.fingerprint_hex.startswith(args.layout.lower()):
         raise InvalidInputError(
             f"--layout {args.layout}: the layout flags name layout {layout.fingerprint_hex}; "
@@ -312,12 +332,14 @@ def _layout(args: argparse.Namespace) -> Any:
 def _route_input(args: argparse.Namespace) -> tuple[Any, list[int]]:
     """``(keys, [])`` read from ``--keys``, or ``(None, token ids)`` from ``--tokens``."""
     from kvstore.errors import InvalidInputError
-    from kvstore.keys import check_keys
 
     if args.keys is not None:
         lines = [x.strip() for x in _read_text(args.keys, "--keys").split() if x.strip()]
         try:
-            return check_keys([bytes.fromhex(x) for x in lines]), []
+            raw = [bytes.fromhex(x) for x in lines]
+            from kvstore.keys import check_keys  # torch: after the hex, which needs none
+
+            return check_keys(raw), []
         except ValueError:
             raise InvalidInputError("--keys: expected one hex key per line") from None
     if not args.model:
@@ -380,6 +402,7 @@ def _cmd_bench(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script."""
+    from kvstore.cli_args import check_counts
     from kvstore.errors import KVStoreError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -395,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "local-cluster": _cmd_local_cluster,
     }
     try:
+        check_counts(args, _AT_LEAST)
         return handlers[args.command](args)
     except KVStoreError as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)

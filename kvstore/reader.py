@@ -83,7 +83,10 @@ class Reader:
             self.books.count(blocks_missed=len(keys) - len(entries))
             self._raise_if_refused(keys, len(entries))
             missing = keys[len(entries)]
-            raise BlockNotFoundError(f"block {len(entries)} (key {missing.hex()}) is not stored")
+            raise BlockNotFoundError(
+                f"block {len(entries)} (key {missing.hex()}) is not stored; get the blocks "
+                "lookup(keys) counts, or get_prefix, which loads what is stored"
+            )
         return entries
 
     def read(

@@ -322,7 +322,13 @@ class TierIO:
         elif not isinstance(exc, TierError):  # a bug, not a dead medium: always say so
             log.error("tier %s failed to %s %d blocks", kind, what, count, exc_info=exc)
         elif first:
-            log.warning("tier %s unavailable (%s of %d blocks): %s", kind, what, count, exc)
+            log.warning(
+                "tier %s unavailable (%s of %d blocks): %s; its blocks are misses while it is down",
+                kind,
+                what,
+                count,
+                exc,
+            )
         else:
             log.debug("tier %s still unavailable (%s): %s", kind, what, exc)
 

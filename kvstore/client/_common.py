@@ -23,7 +23,15 @@ from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.wire import auth
 from kvstore.wire.blocks import wire_nbytes
-from kvstore.wire.protocol import Frame, Op, Status, decode_json, encode_hint_request, encode_json
+from kvstore.wire.protocol import (
+    VERSION,
+    Frame,
+    Op,
+    Status,
+    decode_json,
+    encode_hint_request,
+    encode_json,
+)
 
 __all__ = [
     "FATAL_STATUSES",
@@ -40,6 +48,7 @@ __all__ = [
     "open_meta",
     "auth_meta",
     "refused",
+    "not_understood",
 ]
 
 #: Requests carry at most this many payload bytes (bigger batches are split).
@@ -158,6 +167,17 @@ def refused(options: ClientOptions, exc: AccessDeniedError) -> AccessDeniedError
     )
 
 
+def not_understood(options: ClientOptions, exc: ProtocolError) -> ProtocolError:
+    """A handshake answered in another protocol -- another wire version, or not a
+    kvstore-server at all -- as one line naming the address and what to check. Not an
+    outage: retrying cannot help, so the store does not open (as for a refused token)."""
+    return ProtocolError(
+        f"kvstore-server at {options.address} does not speak this client's protocol: {exc}; "
+        "check that the address is a kvstore-server's and that the server runs the same "
+        f"kvstore release as this client (kvstore {__version__}, wire protocol {VERSION})"
+    )
+
+
 def open_meta(namespace: str, layout: KVLayout) -> bytes:
     """OPEN's meta."""
     return encode_json(
@@ -188,6 +208,8 @@ def error_for(status: int, message: str) -> KVStoreError:
         exc: KVStoreError = AccessDeniedError(text)
     elif status in (Status.BAD_REQUEST, Status.TOO_LARGE):
         exc = InvalidInputError(text)
+    elif status == Status.UNSUPPORTED_VERSION:
+        exc = ProtocolError(text)  # the server does not take our frames: not an outage
     else:
         exc = TierError(text)
     return exc

@@ -33,6 +33,7 @@ from kvstore.client._common import (
     hello_meta,
     hint_answer,
     hint_request,
+    not_understood,
     open_meta,
     refused,
     same_length,
@@ -166,6 +167,9 @@ class AsyncClient:
         except AccessDeniedError as exc:  # say which server refused what, in one line
             conn.close()
             raise refused(opts, exc) from None
+        except ProtocolError as exc:  # another protocol version, or not a kvstore-server
+            conn.close()
+            raise not_understood(opts, exc) from None
         except BaseException:
             conn.close()
             raise

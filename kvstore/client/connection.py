@@ -20,6 +20,7 @@ from kvstore.client._common import (
     auth_meta,
     check_reply,
     hello_meta,
+    not_understood,
     open_meta,
     refused,
 )
@@ -55,6 +56,9 @@ class Connection:
         except AccessDeniedError as exc:  # say which server refused what, in one line
             self.close()
             raise refused(options, exc) from None
+        except ProtocolError as exc:  # another protocol version, or not a kvstore-server
+            self.close()
+            raise not_understood(options, exc) from None
         except BaseException:
             self.close()
             raise

@@ -86,9 +86,17 @@ _STALE = Backoff(base=0.005, cap=0.02, max_attempts=2, deadline=1.0)
 class Client:
     """A pool of connections to one (namespace, layout) store of a kvstore-server."""
 
-    def __init__(self, layout: KVLayout, options: ClientOptions | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, options: ClientOptions | None = None, *, quiet: bool = False
+    ) -> None:
+        """``quiet``: outages and recoveries are logged at DEBUG, for a caller that says
+        them itself (a store's tier I/O logs each once, naming the tier)."""
         self.layout = layout
         self.options = options or ClientOptions()
+        self._quiet = quiet
+        #: Why the server was last found unreachable: what calls the breaker holds back
+        #: raise, so that whoever reports them says why, not only "unavailable".
+        self._outage = ""
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.options.pool_size)
@@ -150,10 +158,11 @@ class Client:
         """``fn(conn)``; a dead pooled connection is replaced once; outages trip the breaker."""
         if not self._breaker.allow():
             with self._lock:
-                refusal = self._refusal
+                refusal, outage = self._refusal, self._outage
             if refusal is not None:  # still refused, as far as this client knows
                 raise AccessDeniedError(str(refusal))
-            raise TierError(f"kvstore-server at {self.options.address} is unavailable")
+            why = f" (last try: {outage})" if outage else ""
+            raise TierError(f"kvstore-server at {self.options.address} is unavailable{why}")
 
         def attempt() -> T:
             with self._connection() as conn:
@@ -174,13 +183,17 @@ class Client:
         except (TierError, OSError) as exc:
             with self._lock:
                 self._refusal = None
+            with self._lock:
+                self._outage = str(exc)
             if self._breaker.failed():
-                log.warning("kvstore-server at %s unavailable: %s", self.options.address, exc)
+                level = logging.DEBUG if self._quiet else logging.WARNING
+                log.log(level, "kvstore-server at %s unavailable: %s", self.options.address, exc)
             raise TierError(str(exc)) from None
         with self._lock:
             self._refusal = None
         if self._breaker.succeeded():
-            log.info("kvstore-server at %s is reachable again", self.options.address)
+            level = logging.DEBUG if self._quiet else logging.INFO
+            log.log(level, "kvstore-server at %s is reachable again", self.options.address)
         return result
 
     def _retry(self, attempt: int, exc: BaseException) -> None:

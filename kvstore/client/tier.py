@@ -23,7 +23,10 @@ is a configuration mistake: the tier asks the server when it opens and raises
 store opened while the server is down opens (nothing answered yet). A token
 refused later (the server restarted with other tokens) makes calls raise
 ``AccessDeniedError``, which the store turns into misses, logged once, and
-names in the error of a get that needed the blocks.
+names in the error of a get that needed the blocks. An address that answers in
+another protocol -- a kvstore-server of another wire version, or no
+kvstore-server at all -- is a mistake of the same kind: the tier raises
+:class:`~kvstore.errors.ProtocolError` when it opens, one line naming the address.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from kvstore.client._common import ClientOptions
 from kvstore.client.sync import Client
 from kvstore.config import RemoteTierConfig, TierConfig
-from kvstore.errors import AccessDeniedError, ClosedError, ConfigError, TierError
+from kvstore.errors import AccessDeniedError, ClosedError, ConfigError, ProtocolError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -61,11 +64,13 @@ class RemoteTier(Tier):
         super().__init__(config, layout)
         self.cfg = config
         self._capacity = self.blocks_in(config.capacity)
-        self._client = Client(layout, ClientOptions.from_config(config))
+        # Quiet: the store's tier I/O says an outage once, naming this tier (and the
+        # client's reason: the calls its breaker holds back carry it).
+        self._client = Client(layout, ClientOptions.from_config(config), quiet=True)
         self._closed = False
         try:
             self._client.ping()
-        except AccessDeniedError:  # the one-line refusal, naming the server and namespace
+        except (AccessDeniedError, ProtocolError):  # refused, or another protocol: one line
             self.close()
             raise
         except TierError:

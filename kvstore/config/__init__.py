@@ -394,14 +394,22 @@ class StoreConfig:
         cls, path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
     ) -> StoreConfig:
         """Read a YAML file; ``environ`` (default ``os.environ``) overrides it."""
+        name = os.fspath(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"config file {os.fspath(path)!r}: {exc.strerror}") from None
+            raise ConfigError(f"config file {name!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {name!r} is not UTF-8 text (byte {exc.start}); "
+                "give the YAML file of the store's configuration"
+            ) from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from None
+            raise ConfigError(
+                f"config file {name!r} is not valid YAML: {_yaml_problem(exc)}"
+            ) from None
         return cls.from_dict(data, environ)
 
     @classmethod
@@ -413,10 +421,21 @@ class StoreConfig:
             return source
         if isinstance(source, Mapping):
             return cls.from_dict(source)
-        if source is not None:
+        if isinstance(source, (str, os.PathLike)):
             return cls.from_yaml(source)
-        path = os.environ.get(cls._ENV_PREFIX + "CONFIG")
-        return cls.from_yaml(path) if path else cls.default()
+        if source is not None:
+            raise ConfigError(
+                "config: expected a StoreConfig, a mapping or the path of a YAML file, "
+                f"got {type(source).__name__}"
+            )
+        variable = cls._ENV_PREFIX + "CONFIG"
+        path = os.environ.get(variable)
+        if not path:
+            return cls.default()
+        try:
+            return cls.from_yaml(path)
+        except ConfigError as exc:  # say where the path came from: no --config was given
+            raise ConfigError(f"${variable}={path}: {exc}") from None
 
     @classmethod
     def _from_plain(cls, data: Mapping[str, Any]) -> StoreConfig:
@@ -442,8 +461,16 @@ class StoreConfig:
     @classmethod
     def _with_env(cls, data: dict[str, Any], environ: Mapping[str, str] | None) -> StoreConfig:
         env = os.environ if environ is None else environ
-        data = _apply_env(data, env, cls._ENV_PREFIX)
-        return cls._from_plain(data)
+        origins: dict[str, str] = {}
+        data = _apply_env(data, env, cls._ENV_PREFIX, origins)
+        try:
+            return cls._from_plain(data)
+        except ConfigError as exc:  # a value from a variable: name the variable too
+            key = str(exc).partition(":")[0]
+            variable = origins.get(key) or origins.get(key.partition("[")[0])
+            if variable is None:
+                raise
+            raise ConfigError(f"{variable}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict that :meth:`from_dict` reads back to an equal config."""
@@ -462,8 +489,22 @@ class StoreConfig:
         }
 
 
-def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dict[str, Any]:
-    """Overlay ``KVSTORE_*`` variables on a plain config dict."""
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's several-line report as one line: where (line and column, from 1) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    if mark is None:
+        return what
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+def _apply_env(
+    data: dict[str, Any], env: Mapping[str, str], prefix: str, origins: dict[str, str]
+) -> dict[str, Any]:
+    """Overlay ``KVSTORE_*`` variables on a plain config dict; ``origins`` gets the
+    variable each overridden key (``tiers[0].capacity``; ``tiers``) came from."""
     names = sorted(k for k in env if k.startswith(prefix) and k != prefix + "CONFIG")
     if not names:
         return data
@@ -474,31 +515,35 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str], prefix: str) -> dic
         try:
             data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{prefix}TIERS is not valid YAML/JSON: {exc}") from None
+            raise ConfigError(
+                f"{prefix}TIERS is not valid YAML/JSON: {_yaml_problem(exc)}"
+            ) from None
+        origins["tiers"] = source
     raw = data.get("tiers", [{"kind": t.kind} for t in default_tiers()])
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
     tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]
     for name in names:
         if name != prefix + "TIERS":
-            _apply_one(data, tiers, name, env[name], prefix)
+            origins[_apply_one(data, tiers, name, env[name], prefix)] = name
     data["tiers"] = tiers
     return data
 
 
-def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, prefix: str) -> None:
-    """Apply one variable: a top-level scalar, a section field, or a tier field."""
+def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, prefix: str) -> str:
+    """Apply one variable: a top-level scalar, a section field, or a tier field; the
+    key it set (``tiers[0].capacity``)."""
     setting = name[len(prefix) :].lower()
     if setting in _SCALARS:
         data[setting] = value
-        return
+        return setting
     head, _, key = setting.partition("_")
     if head in _SECTIONS and key:
         section = data.get(head) or {}
         if not isinstance(section, Mapping):
             raise ConfigError(f"{head}: expected a mapping, got {type(section).__name__}")
         data[head] = {**section, key: value}
-        return
+        return f"{head}.{key}"
     if head not in tier_kinds() or not key:
         kinds = ", ".join(tier_kinds())
         raise ConfigError(
@@ -506,7 +551,8 @@ def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, pr
             f"{prefix}<SECTION>_<FIELD> with a section of {', '.join(sorted(_SECTIONS))}, "
             f"{prefix}LEASE_S, {prefix}MOVER_THREADS, or {prefix}TIERS / {prefix}CONFIG"
         )
-    matches = [t for t in tiers if isinstance(t, dict) and t.get("kind") == head]
+    matches = [i for i, t in enumerate(tiers) if isinstance(t, dict) and t.get("kind") == head]
     if not matches:
         raise ConfigError(f"{name}: the config has no tier of kind {head!r} to override")
-    matches[0][key] = value
+    tiers[matches[0]][key] = value
+    return f"tiers[{matches[0]}].{key}"

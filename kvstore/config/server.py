@@ -261,7 +261,8 @@ class ServerConfig:
         return None
 
     def check_startable(self) -> None:
-        """Refuse (ConfigError, saying why) an exposed server with no token."""
+        """Refuse (ConfigError, saying why) an exposed server with no token, a TLS file
+        that is not there, or a token that cannot be read (before anything is opened)."""
         why = self.exposure()
         has_token = self.token is not None or self.token_file is not None or bool(self.tokens)
         if why and not has_token:
@@ -274,3 +275,4 @@ class ServerConfig:
                 file = getattr(self, name)
                 if not os.path.isfile(file):
                     raise ConfigError(f"server.{name}: {file!r} is not a readable file")
+        self.credentials()  # a token file missing or too short: said now, not after set-up

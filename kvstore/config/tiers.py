@@ -449,8 +449,10 @@ def check_address(address: str, path: str, any_port: bool = False) -> None:
         return
     host, sep, port = address.rpartition(":")
     lowest = 0 if any_port else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+    if not sep or not host or not port.isdigit():
         raise ConfigError(f"{path}: expected HOST:PORT or unix:/path, got {address!r}")
+    if not lowest <= int(port) < 65536:
+        raise ConfigError(f"{path}: port {port} of {address!r} is not in {lowest}..65535")
 
 
 @dataclass(frozen=True)

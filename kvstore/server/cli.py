@@ -33,7 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM certificate chain (enables TLS on TCP)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument(
-        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)"
+        "--log-level",
+        default="INFO",
+        type=str.upper,  # --log-level debug works; a level that is none is refused
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
     )
 
 
@@ -158,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore-server`` console script."""
-    parser = argparse.ArgumentParser(prog="kvstore-server", description=__doc__)
+    from kvstore.cli_args import OneLineParser
+
+    parser = OneLineParser(prog="kvstore-server", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

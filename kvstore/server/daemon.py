@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -54,6 +55,14 @@ _STAGING_IDLE = 512 * 1024**2
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _cannot_listen(binding: str, exc: OSError) -> str:
+    """One line for a listener that cannot be bound: which setting, why, what to do."""
+    why = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        why += "; stop what listens there or choose another address"
+    return f"{binding}: cannot listen: {why}"
 
 
 def _publisher(config: StoreConfig) -> EventPublisher | None:
@@ -120,14 +129,17 @@ class Server:
                 if self.events.bound_replay_endpoint:
                     self.addresses["events_replay"] = self.events.bound_replay_endpoint
             if cfg.listen:
+                binding = f"server.listen (--listen) {cfg.listen}"
                 await self._listen_tcp(cfg.listen)
             if cfg.unix_socket:
+                binding = f"server.unix_socket (--unix-socket) {cfg.unix_socket}"
                 self._listen_unix(cfg.unix_socket)
             if cfg.metrics_listen:
+                binding = f"server.metrics_listen (--metrics-listen) {cfg.metrics_listen}"
                 await self._listen_metrics(cfg.metrics_listen)
         except OSError as exc:
             await self._close_listeners()
-            raise ConfigError(f"cannot listen: {exc.strerror or exc}") from None
+            raise ConfigError(_cannot_listen(binding, exc)) from None
         if self.config.cluster.enabled:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._join_cluster)
 

@@ -7,6 +7,8 @@
 - :mod:`kvstore.testing.lockcheck` -- :class:`LockCheckedTier`, a wrapper that
   records every tier call made while the books' lock is held (the lock rule).
 - :mod:`kvstore.testing.data` -- deterministic KV tensors for tests.
+- :mod:`kvstore.testing.commands` -- ``kvstore`` and ``kvstore-server`` run as a
+  user runs them, and the one-line error a mistake must get.
 
 Importing :mod:`kvstore.testing.conformance` needs pytest (the ``dev`` extra).
 """

@@ -74,7 +74,7 @@ class Tier(ABC):
         if blocks < 1:
             raise ConfigError(
                 f"{self.kind} tier capacity {capacity} bytes is smaller than one {what} "
-                f"({unit} bytes for this layout)"
+                f"({unit} bytes for this layout); give the tier a capacity of at least that"
             )
         return blocks
 

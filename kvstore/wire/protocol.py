@@ -177,7 +177,9 @@ class Frame:
         if magic != MAGIC:
             raise ProtocolError(f"not a kvstore frame (magic {bytes(magic)!r})")
         if version != VERSION:
-            raise ProtocolError(f"protocol version {version} is not supported (this is {VERSION})")
+            raise ProtocolError(
+                f"a frame of protocol version {version}; this side speaks version {VERSION}"
+            )
         return cls(op, flags, status, rid, meta_len, payload_len)
 
     @property

@@ -1,0 +1,208 @@
+"""kvstore-server's mistakes get one line (issue 31): a table of command lines that cannot
+start a server, and frames of another protocol version or of no kvstore protocol at all.
+
+A row runs the ``kvstore-server`` entry point (``python -m kvstore.server.cli`` where it is
+not installed) with HOME, the cache directory and the working directory in the test's
+own directory, and asserts: exit 2, nothing on stdout, one line on stderr,
+``kvstore-server: error: ...``, naming the setting and saying what to do, no traceback,
+and not one file written there. A port "in use" is one this test holds open.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client, ClientOptions
+from kvstore.server import ServerThread
+from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.wire.protocol import VERSION, Frame, Op, Status
+
+LAYOUT = small_layout()
+HOST_ONLY = "tiers:\n  - kind: host\n    capacity: 1MiB\n"
+
+
+@dataclass(frozen=True)
+class Start:
+    """Arguments of ``kvstore-server`` (``{tmp}``: the test's directory, ``{busy}``: a port
+    this test listens on), the files they name, and what the one line must say."""
+
+    args: tuple[str, ...]
+    says: tuple[str, ...]
+    files: dict[str, str] = field(default_factory=dict)
+
+
+START_ROWS: dict[str, Start] = {
+    "port-in-use": Start(
+        ("--config", "{tmp}/host.yaml", "--listen", "127.0.0.1:{busy}"),
+        (
+            "server.listen (--listen) 127.0.0.1:{busy}: cannot listen: Address already in use",
+            "stop what listens there or choose another address",
+        ),
+        files={"host.yaml": HOST_ONLY},
+    ),
+    "metrics-port-in-use": Start(
+        (
+            *("--config", "{tmp}/host.yaml", "--listen", "127.0.0.1:0"),
+            *("--metrics-listen", "127.0.0.1:{busy}"),
+        ),
+        ("server.metrics_listen (--metrics-listen) 127.0.0.1:{busy}", "Address already in use"),
+        files={"host.yaml": HOST_ONLY},
+    ),
+    "unix-socket-under-a-file": Start(
+        ("--config", "{tmp}/host.yaml", "--listen", "", "--unix-socket", "{tmp}/hostname/s.sock"),
+        ("server.unix_socket (--unix-socket) {tmp}/hostname/s.sock", "Not a directory"),
+        files={"host.yaml": HOST_ONLY, "hostname": "box\n"},
+    ),
+    "bad-listen": Start(("--listen", "7070"), ("server.listen: expected HOST:PORT", "'7070'")),
+    "port-out-of-range": Start(
+        ("--listen", "127.0.0.1:99999"), ("server.listen: port 99999", "not in 0..65535")
+    ),
+    "exposed-without-a-token": Start(
+        ("--listen", "0.0.0.0:0"),
+        ("listen 0.0.0.0:0 is reachable from other hosts and no token is set", "--token-file"),
+    ),
+    "token-file-missing": Start(
+        ("--token-file", "{tmp}/token"), ("token_file '{tmp}/token'", "No such file")
+    ),
+    "token-too-short": Start(
+        ("--config", "{tmp}/s.yaml"),
+        ("server.token", "16"),
+        files={"s.yaml": "server:\n  token: short\n"},
+    ),
+    "tls-cert-missing": Start(
+        ("--tls-cert", "{tmp}/cert.pem", "--tls-key", "{tmp}/key.pem"),
+        ("server.tls_cert: '{tmp}/cert.pem' is not a readable file",),
+    ),
+    "bad-log-level": Start(
+        ("--log-level", "loud"),
+        ("--log-level: invalid choice: 'LOUD'", "'DEBUG', 'INFO', 'WARNING', 'ERROR'"),
+    ),
+    "unknown-option": Start(
+        ("--port", "7070"), ("unrecognized arguments: --port 7070", "see kvstore-server --help")
+    ),
+    "config-typo": Start(
+        ("--config", "{tmp}/s.yaml"),
+        ("server.lisen: unknown key", "allowed keys"),
+        files={"s.yaml": "server:\n  lisen: 127.0.0.1:7070\n"},
+    ),
+    "disk-path-under-a-file": Start(
+        ("--config", "{tmp}/s.yaml", "--listen", "127.0.0.1:0"),
+        ("disk tier path {tmp}/hostname/kv: {tmp}/hostname is a file",),
+        files={
+            "s.yaml": "tiers:\n  - kind: disk\n    path: {tmp}/hostname/kv\n",
+            "hostname": "box\n",
+        },
+    ),
+}
+
+
+def filled(text: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        text = text.replace("{" + name + "}", value)
+    return text
+
+
+def server_command() -> list[str]:
+    """The ``kvstore-server`` entry point pip installs, else its module."""
+    script = Path(sys.executable).with_name("kvstore-server")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvstore.server.cli"]
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        yield holder.getsockname()[1]
+
+
+@dataclass
+class Ran:
+    values: dict[str, str]
+    tmp: Path
+    before: dict[str, tuple[bool, int, int]]
+    says: tuple[str, ...]
+    result: Any
+
+
+@pytest.fixture(scope="module")
+def start_runs(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> dict[str, Ran]:
+    """Every row run, a few at a time (short-lived processes), each in its own directory."""
+    prepared = {}
+    for row, start in START_ROWS.items():
+        tmp = tmp_path_factory.mktemp(row)
+        values = {"tmp": str(tmp), "busy": str(busy_port)}
+        for name, text in start.files.items():
+            (tmp / name).write_text(filled(text, values))
+        prepare_home(tmp)
+        argv = [*server_command(), *(filled(a, values) for a in start.args)]
+        says = tuple(filled(s, values) for s in start.says)
+        prepared[row] = (argv, Ran(values, tmp, files_under(tmp), says, None))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        running = {
+            row: pool.submit(run_command, argv, ran.tmp, None, 60)
+            for row, (argv, ran) in prepared.items()
+        }
+        for row, future in running.items():
+            prepared[row][1].result = future.result()
+    return {row: ran for row, (_, ran) in prepared.items()}
+
+
+@pytest.mark.parametrize("row", list(START_ROWS), ids=list(START_ROWS))
+def test_a_server_that_cannot_start_says_why_in_one_line(
+    row: str, start_runs: dict[str, Ran]
+) -> None:
+    ran = start_runs[row]
+    one_error_line(ran.result, "kvstore-server", ran.says)
+    assert files_under(ran.tmp) == ran.before  # nothing written, changed or removed
+
+
+# -- frames a server does not speak ----------------------------------------------------------
+def other_version(head: bytearray) -> bytes:
+    head[2] = VERSION + 1
+    return bytes(head)
+
+
+@pytest.mark.parametrize(
+    ("first_bytes", "status", "says"),
+    [
+        (
+            other_version,
+            Status.UNSUPPORTED_VERSION,
+            f"a frame of protocol version {VERSION + 1}; this side speaks version {VERSION}",
+        ),
+        (lambda head: b"GET /metrics HTTP/1.0\r\n\r\n", Status.BAD_FRAME, "not a kvstore frame"),
+    ],
+    ids=["another-protocol-version", "not-a-kvstore-client"],
+)
+def test_a_client_of_another_protocol_gets_one_line_and_the_server_serves_on(
+    kv_server: Callable[..., ServerThread],
+    raw: Any,
+    first_bytes: Callable[[bytearray], bytes],
+    status: Status,
+    says: str,
+) -> None:
+    server = kv_server()
+    kv = random_blocks(LAYOUT, 2)
+    with Client(LAYOUT, ClientOptions(address=server.address)) as client:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        client.put(keys, [kv[:, :, i * 8 : (i + 1) * 8] for i in range(2)])
+    conn = raw(server.address)
+    conn.sock.sendall(first_bytes(bytearray(Frame(Op.HELLO, 0, 0, 1, 0, 0).pack())))
+    frame, meta, _ = conn.read()
+    assert frame.status == status
+    message = meta.decode()
+    assert "\n" not in message and says in message, message
+    assert conn.closed_by_server()
+    with Client(LAYOUT, ClientOptions(address=server.address)) as client:  # serves on
+        outs = [kv[:, :, :8].clone().zero_() for _ in range(2)]
+        assert client.get(keys, outs) == [True, True]
+        assert all(o.equal(kv[:, :, i * 8 : (i + 1) * 8]) for i, o in enumerate(outs))
