@@ -12,7 +12,14 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.restore import RestoreCosts, RestoreRequest, plan_restore
+from kvstore.restore import (
+    RestoreCosts,
+    Restorer,
+    RestoreRequest,
+    RestorerParts,
+    plan_restore,
+    restore_request,
+)
 from kvstore.speeds import PrefillSpeed, ReadSpeed, SpeedEstimate
 from kvstore.testing.data import random_blocks, small_layout
 
@@ -164,6 +171,46 @@ def test_a_tier_that_becomes_slow_is_planned_around_as_its_estimate_follows() ->
 
 
 # -- the store ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("latency_ms", "skipped"),
+    [(2.0, False), (10.0, True)],
+    ids=["gain-beats-the-lookup", "lookup-costs-more-than-it-can-gain"],
+)
+def test_a_tier_is_asked_only_when_the_best_it_could_give_beats_asking_it(
+    latency_ms: float, skipped: bool
+) -> None:
+    """8 chunks of 16 tokens at 10K tokens/s: 12.8 ms of prefill. All 8 on a 1 GB/s tier
+    of 2 ms a call load in ~2.3 ms, a gain of ~10.5 ms over one 2 ms lookup: asked. At
+    10 ms a call the best gain (~2.5 ms) is under the lookup's 10 ms: not asked, searched
+    in the background instead."""
+    asked: list[int] = []
+    later: list[int] = []
+
+    def lookup(keys: Any, recheck: bool, skip: int) -> int:
+        asked.append(skip)
+        return 0
+
+    def find_later(keys: Any, levels: int) -> bool:
+        later.append(levels)
+        return True
+
+    speeds = [speed(10.0), speed(1.0, latency_ms)]
+    parts = RestorerParts(
+        lookup,
+        lambda key: [],
+        lambda: speeds,
+        frozenset({0}),
+        lambda keys: 0,
+        find_later=find_later,
+    )
+    restorer = Restorer(parts, prefill(10_000), (16, 32 * 1024, 1))
+    keys = [bytes([i]) * 16 for i in range(8)]
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert plan.load == 0 and asked == [0b10 if skipped else 0]
+    assert later == ([0b10] if skipped else [])
+    assert restorer.snapshot()["lookups_deferred"] == (1 if skipped else 0)
 
 
 def store_config(tmp_path: Path, host_blocks: int = 64, **restore: Any) -> dict[str, Any]:
