@@ -122,6 +122,7 @@ class Server:
             executor=self._executor,
             staging=StagingPool(_STAGING_IDLE),
         )
+        binding = "events.endpoint"  # which setting the listener being bound comes from
         try:
             if self.events is not None:  # bound before any store opens: subscribers connect
                 self.events.start()
