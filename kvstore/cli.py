@@ -226,9 +226,41 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from kvstore.survey import format_survey, survey
 
     config = StoreConfig.load(args.config)
+    _check_disk_paths(config)
     report = survey(config, _given_layout(args), args.layout)
     print(json.dumps(report, indent=2) if args.json else format_survey(report))
-    return 0
+    # Each disk tier once: every store in it shares the directory's state.
+    disks = {t["root"]: t for s in report["stores"] for t in s["tiers"] if t["kind"] == "disk"}
+    return _tier_troubles(list(disks.values()))
+
+
+def _check_disk_paths(config: Any) -> None:
+    """A disk path no store could ever use is the ConfigError a store's open raises
+    (the same line), found by reading only."""
+    from kvstore.config import DiskTierConfig
+    from kvstore.errors import ConfigError
+    from kvstore.tiers.disk import unusable_path
+
+    for tier in config.tiers:
+        problem = unusable_path(tier.path) if isinstance(tier, DiskTierConfig) else None
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def _tier_troubles(tiers: list[dict[str, Any]]) -> int:
+    """One ``kvstore: error:`` line per disk tier that cannot be written; 1 if any, else 0
+    (their lines are marked ``[READ-ONLY]``)."""
+    status = 0
+    for tier in tiers:
+        if tier.get("writable") is False:
+            print(
+                f"kvstore: error: tier {tier['kind']} ({tier.get('path')}) is read-only "
+                f"({tier.get('write_error')}): it serves the blocks it holds and stores none; "
+                "fix the mount or permissions, or set its path to a writable directory",
+                file=sys.stderr,
+            )
+            status = 1
+    return status
 
 
 def _redact(value: Any) -> Any:

@@ -187,10 +187,9 @@ class ClusterIndex:
         return redis.Redis.from_url(url, **opts)
 
     def _check_credentials(self) -> None:
-        """One PING at open. A Redis that answers and refuses the user or password is a
-        :class:`TierError` now (a misconfiguration is loud); one that does not answer is
-        not: the nodes serve from their own tiers until it is back (the calls that fail
-        then say so)."""
+        """One PING at open: a Redis that refuses the user or password is a TierError now
+        (a misconfiguration is loud); one that does not answer is not (nodes serve from
+        their own tiers until it is back; the calls that fail then say so)."""
         try:
             self._connection().ping()
         except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
@@ -199,8 +198,7 @@ class ClusterIndex:
             why = "wants a password and the url has none" if parts.password is None else exc
             raise TierError(
                 f"cluster.redis_url: Redis at {parts.hostname}:{parts.port or 6379} refused "
-                f"the credentials ({why}); put the right user / password in the url "
-                "(redis://:PASSWORD@host:port/db)"
+                f"the credentials ({why}); put the right user / password in the url"
             ) from None
         except (redis.exceptions.RedisError, OSError) as exc:
             log.info("cluster: Redis unavailable at open (%s); serving from this node", exc)

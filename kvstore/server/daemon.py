@@ -74,11 +74,36 @@ def _publisher(config: StoreConfig) -> EventPublisher | None:
     return EventPublisher(config.events)
 
 
+def _check_tiers(config: StoreConfig) -> None:
+    """Refuse to start on a tier mistake a store would only find when the first client
+    opens one: a disk path that cannot be a directory (:class:`ConfigError`), an S3
+    bucket that does not exist or credentials S3 or Redis refuse (:class:`TierError`).
+    Each S3 and Redis tier is opened once for a one-chunk layout and closed (a listing,
+    a PING); an endpoint that does not answer is an outage, logged, not a mistake."""
+    from kvstore.config import DiskTierConfig, RedisTierConfig, S3TierConfig
+
+    checked = (DiskTierConfig, RedisTierConfig, S3TierConfig)
+    tiers = [t for t in config.tiers if isinstance(t, checked)]
+    if not tiers:
+        return
+    from kvstore.layout import KVLayout  # torch and the tiers: only when used
+    from kvstore.tiers import create_tier
+    from kvstore.tiers.disk import check_path
+
+    probe = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=1)
+    for tier in tiers:
+        if isinstance(tier, DiskTierConfig):
+            check_path(tier)  # without making a layout directory
+        else:
+            create_tier(tier, probe).close()
+
+
 class Server:
     """One kvstore-server (see the module docstring). Start it with :meth:`start`."""
 
     def __init__(self, config: StoreConfig) -> None:
         config.server.check_startable()
+        _check_tiers(config)
         self.config = config
         cfg = config.server
         self.metrics = ServerMetrics()

@@ -198,7 +198,8 @@ class RedisServer:
         if self._proc is None or self._proc.poll() is not None:
             err = self._proc.stderr.read().decode() if self._proc and self._proc.stderr else ""
             raise TierError(f"redis-server on port {self.port} exited: {err[-2000:]}")
-        return redis_command(self.port, "PING", timeout=0.5).startswith(b"+PONG")
+        # -NOAUTH: up, with a password (``--requirepass`` in extra_args)
+        return redis_command(self.port, "PING", timeout=0.5).startswith((b"+PONG", b"-NOAUTH"))
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL). Idempotent."""
@@ -308,11 +309,18 @@ class S3Server:
     _in_process: ClassVar[int] = 0  # live thread-mode servers (they share moto's state)
     _werkzeug_level: ClassVar[int] = logging.NOTSET
 
-    def __init__(self, bucket: str = "kvstore-test", mode: str = "thread") -> None:
+    def __init__(
+        self, bucket: str = "kvstore-test", mode: str = "thread", refuse_credentials: bool = False
+    ) -> None:
         if mode not in ("thread", "process"):
             raise ConfigError(f"S3Server mode must be 'thread' or 'process', got {mode!r}")
+        if refuse_credentials and mode != "process":
+            raise ConfigError("S3Server(refuse_credentials=True) needs mode='process'")
         self.bucket = bucket
         self.mode = mode
+        #: moto checks every request after the one making the bucket against its own
+        #: (empty) IAM, so any credentials are refused (InvalidAccessKeyId).
+        self.refuse_credentials = refuse_credentials
         self.port = free_port()
         self._thread_server: Any = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -361,6 +369,8 @@ class S3Server:
     def _start_process(self) -> None:
         args = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)]
         env = {**os.environ, **DUMMY_AWS_ENV}
+        if self.refuse_credentials:  # the first request (making the bucket) goes through
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "1"
         self._proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,

@@ -8,6 +8,7 @@ Imported only by :mod:`kvstore.tiers.s3` (it needs boto3); the tier hands
 
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import threading
@@ -64,6 +65,18 @@ MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 CORRUPT_CODES = frozenset({"InvalidRange", "416"})
 PERMANENT_CODES = frozenset(
     {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"}
+)
+#: Answers that mean the credentials are wrong, expired or not allowed in.
+CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
 )
 
 
@@ -221,6 +234,46 @@ class S3Requests:
             raise
         self._reachable()
         return result
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the client talks to (AWS's own when ``endpoint_url`` is null)."""
+        return str(self.client.meta.endpoint_url)
+
+    def check_bucket(self, prefix: str) -> None:
+        """One listing request under ``prefix`` at open (the permission re-indexing needs
+        anyway): a bucket that does not exist, credentials missing or refused, or any other
+        4xx answer raise :class:`TierError` now, naming the bucket and the endpoint -- a
+        misconfiguration is loud. An endpoint that does not answer is an outage, not a
+        mistake: :meth:`call` has logged it, and the tier opens and probes as usual."""
+        where = f"bucket {self.cfg.bucket!r} at {self.endpoint}"
+        listing = functools.partial(
+            self.client.list_objects_v2, Bucket=self.cfg.bucket, Prefix=prefix, MaxKeys=1
+        )
+        try:
+            self.call(listing, time.monotonic() + self.cfg.deadline)
+        except botocore.exceptions.NoCredentialsError:
+            raise TierError(
+                f"s3 tier: no AWS credentials found for {where}; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or give the host a role)"
+            ) from None
+        except Exception as exc:
+            code, status = error_info(exc)
+            if code == "NoSuchBucket" or status == 404:
+                raise TierError(
+                    f"s3 tier: {where} does not exist; create it, or fix the tier's "
+                    "bucket / endpoint_url"
+                ) from None
+            if code in CREDENTIAL_CODES or status == 403:
+                raise TierError(
+                    f"s3 tier: {where} refused the credentials ({code or status}); check "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or the profile) and the "
+                    "bucket's policy"
+                ) from None
+            if isinstance(exc, botocore.exceptions.ClientError) and not retryable(exc):
+                raise TierError(f"s3 tier: {where} refused a listing ({code or status})") from None
+            if not isinstance(exc, TRANSPORT):  # an outage was logged by call()
+                log.warning("s3 tier: checking %s at open failed (%s); opening anyway", where, exc)
 
     def _gave_up(self, exc: BaseException, exhausted: bool) -> None:
         """Count a request that failed for good; open the breaker if nothing answered."""

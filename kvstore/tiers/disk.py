@@ -70,7 +70,7 @@ from kvstore.pools import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.files import FileOps, Tree, read_exact, write_all
 
-__all__ = ["DiskTier"]
+__all__ = ["DiskTier", "check_path", "unusable_path"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ PAGE = 4096
 #: made warm reads ~20% slower).
 READ_GROUP_NBYTES = 1 << 20
 T = TypeVar("T")
+#: Errors that mean the directory refuses writes (not one bad block): said once.
+_REFUSED = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def _round_up(n: int, to: int = PAGE) -> int:
@@ -97,6 +99,73 @@ def _page_aligned(view: memoryview) -> bool:
         return False
     address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
     return address is not None and address % PAGE == 0
+
+
+def _blocked(root: Path) -> str | None:
+    """Which existing part of ``root`` is not a directory (so ``root`` can never be one)."""
+    blocker = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
+    if blocker is None or blocker.is_dir():
+        return None
+    return f"{blocker} is {'a file, ' if blocker.is_file() else ''}not a directory"
+
+
+def _message(root: Path, why: str) -> str:
+    return (
+        f"disk tier path {root}: {why}; "
+        "set the tier's path to a directory kvstore can create and write"
+    )
+
+
+def _unusable(root: Path, exc: OSError) -> str:
+    """One line saying why the configured path ``root`` cannot hold a disk tier."""
+    why = _blocked(root)
+    if why is None:
+        failed = exc.filename or root
+        where = "it" if str(failed) == str(root) else str(failed)
+        why = f"cannot create {where}: {exc.strerror or exc}"
+    return _message(root, why)
+
+
+def unusable_path(path: str) -> str | None:
+    """Why a disk tier could never use ``path``, found by reading only (``kvstore stats``
+    writes nothing): a part of it that exists is not a directory, or it does not exist
+    and the directory it would be made in refuses writes. None: nothing read says so.
+    The same line a store's open raises as :class:`ConfigError`."""
+    root = Path(path).expanduser()
+    why = _blocked(root)
+    chain = [root, *root.parents]
+    found = next((i for i, p in enumerate(chain) if os.path.lexists(p)), None)
+    if why is None and found:  # not root itself: something must be made, in chain[found]
+        place, missing = chain[found], chain[found - 1]
+        if not os.access(place, os.W_OK | os.X_OK):
+            code = errno.EROFS if os.statvfs(place).f_flag & os.ST_RDONLY else errno.EACCES
+            where = "it" if missing == root else str(missing)
+            why = f"cannot create {where}: {os.strerror(code)}"
+    return None if why is None else _message(root, why)
+
+
+def check_path(config: DiskTierConfig) -> None:
+    """Refuse (:class:`ConfigError`) a disk tier path that cannot become a directory, and
+    warn once when files cannot be created in it; for a server, whose stores open their
+    disk tiers only when clients come, so a bad path is said at start, not per client."""
+    root = Path(config.path).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if not root.is_dir():
+            raise ConfigError(_unusable(root, exc)) from None
+    probe = root / f".write-probe.{os.getpid()}.0.tmp"
+    try:
+        probe.touch(exist_ok=False)
+    except OSError as exc:
+        log.warning(
+            "disk tier %s: cannot write (%s); its stores will serve the blocks already "
+            "there and store none",
+            root,
+            exc.strerror or exc,
+        )
+        return
+    probe.unlink()
 
 
 class DiskTier(Tier):
@@ -121,6 +190,8 @@ class DiskTier(Tier):
         self._counts_lock = threading.Lock()  # guards _counts only
         self._local = threading.local()  # per-thread O_DIRECT staging buffers
         self._closed = False
+        #: Why files cannot be created here (EROFS, EACCES), None while they can.
+        self._write_error: str | None = None
         self._prepare_directory()
         self._bypass = config.bypass_page_cache
         self._o_direct = self._bypass and self._probe_o_direct()
@@ -129,16 +200,50 @@ class DiskTier(Tier):
 
     # -- set-up ---------------------------------------------------------------
     def _prepare_directory(self) -> None:
+        """Make the tree, index what is there, and find out whether it can be written.
+
+        A path that cannot become a directory (under a regular file, on a read-only
+        mount where it does not exist yet) is a :class:`ConfigError`: such a tier could
+        never hold a block. An existing directory that refuses writes opens read-only:
+        it serves the blocks already there, stores none, and says so (one warning, and
+        ``writable: false`` in its stats).
+        """
         try:
             self._tree.make_dirs()
-        except OSError as exc:  # read-only or unreachable: reads of what exists still work
-            log.warning("disk tier %s: cannot create directories (%s)", self._tree.base, exc)
-            self._count("dir_errors")
-        # One pass over the tree at start: index what is there, sweep dead writers' temps.
-        self._found, removed = self._tree.scan(self._ops)
+        except OSError as exc:
+            if not self._tree.base.is_dir():
+                raise ConfigError(_unusable(self._tree.root, exc)) from None
+            self._write_error = exc.strerror or str(exc)
+        try:  # one pass over the tree: index what is there, sweep dead writers' temps
+            self._found, removed = self._tree.scan(self._ops)
+        except OSError as exc:
+            raise ConfigError(_unusable(self._tree.root, exc)) from None
         if removed:
             log.info("disk tier %s: removed %d stale temp files", self._tree.base, removed)
             self._count("stale_temps_removed", removed)
+        if self._write_error is None:
+            self._write_error = self._probe_write()
+        if self._write_error is not None:
+            self._count("dir_errors")
+            log.warning(
+                "disk tier %s: cannot write (%s); serving the blocks already there, storing none",
+                self._tree.base,
+                self._write_error,
+            )
+
+    def _probe_write(self) -> str | None:
+        """Why a file cannot be created in the layout directory, or None if it can.
+
+        The probe is named like a temp file, so one left by a crash is swept at the
+        next open."""
+        probe = str(self._tree.base / f".write-probe.{os.getpid()}.{next(self._nonce)}.tmp")
+        try:
+            fd = self._ops.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        self._ops.close(fd)
+        self._discard(probe)
+        return None
 
     def _probe_o_direct(self, warn: bool = True) -> bool:
         """True if this filesystem takes O_DIRECT (tmpfs, for one, does not)."""
@@ -223,6 +328,8 @@ class DiskTier(Tier):
             "path": str(self._tree.base),
             "page_cache": self.disk_config.page_cache,
             "o_direct": self._o_direct,
+            "writable": self._write_error is None,
+            "write_error": self._write_error,
             **counts,
         }
 
@@ -267,12 +374,25 @@ class DiskTier(Tier):
             self._ops.rename(temp, self._tree.block_path(key))
         except OSError as exc:
             self._discard(temp)
-            self._count("enospc" if exc.errno == errno.ENOSPC else "write_errors")
-            log.warning("disk tier: cannot write block %s: %s", key.hex(), exc)
+            self._write_failed(key, exc)
             return False
+        if self._write_error is not None:
+            self._write_error = None
+            log.warning("disk tier %s: writable again", self._tree.base)
         self._count("writes")
         self._count("bytes_written", encoded.nbytes)
         return True
+
+    def _write_failed(self, key: BlockKey, exc: OSError) -> None:
+        """Count a failed write; a directory that refuses writes is said once, not per block."""
+        self._count("enospc" if exc.errno == errno.ENOSPC else "write_errors")
+        if exc.errno not in _REFUSED:
+            log.warning("disk tier: cannot write block %s: %s", key.hex(), exc)
+            return
+        first = self._write_error is None
+        self._write_error = exc.strerror or str(exc)
+        level = logging.WARNING if first else logging.DEBUG
+        log.log(level, "disk tier %s: cannot write (%s); storing nothing", self._tree.base, exc)
 
     def _write_file(self, path: str, parts: list[Any], total: int) -> None:
         """Create ``path`` and write ``parts`` to it (recreating a vanished directory)."""

@@ -174,7 +174,8 @@ class Tree:
                         with contextlib.suppress(FileNotFoundError):
                             found.append((entry.stat().st_mtime, key))
                     elif ops is not None and _is_stale_temp(entry, now):
-                        with contextlib.suppress(FileNotFoundError):
+                        # Gone already, or a read-only directory: a temp is never read.
+                        with contextlib.suppress(OSError):
                             ops.unlink(entry.path)
                             removed += 1
         found.sort()
@@ -185,7 +186,7 @@ def _subdirs(base: Path) -> list[str]:
     try:
         with os.scandir(base) as entries:
             return sorted(e.path for e in entries if len(e.name) == 2 and e.is_dir())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing stored there
         return []
 
 

@@ -97,6 +97,8 @@ _OUTAGE = (
     redis.exceptions.ClusterError,
     redis.exceptions.RedisClusterException,
 )
+#: Redis answered, and refused who we said we are (WRONGPASS, NOAUTH, NOPERM).
+_REFUSED = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
 Command = tuple[Any, ...]
 
 
@@ -143,7 +145,7 @@ class RedisTier(Tier):
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._closed = False
-        self._run(lambda client: client.ping())  # learn now whether Redis is there
+        self._ping_at_open()
 
     # -- names and sizes ----------------------------------------------------
     @property
@@ -506,6 +508,24 @@ class RedisTier(Tier):
             self._counters.add("reconnects")
             log.info("redis tier: %s is reachable again", _redact(self.cfg.url))
         return result
+
+    def _ping_at_open(self) -> None:
+        """Learn now whether Redis is there. A refused password or user is a TierError (a
+        misconfiguration is loud); a Redis that does not answer is an outage (one warning,
+        the breaker opens, the tier reconnects by itself)."""
+        self._counters.add("requests")
+        try:
+            self._connection().ping()
+        except _REFUSED as exc:
+            self.close()
+            bare = urllib.parse.urlsplit(self.cfg.url).password is None
+            why = "wants a password and the tier's url has none" if bare else exc
+            raise TierError(
+                f"redis tier: {_redact(self.cfg.url)} refused the credentials ({why}); put "
+                "the right user / password in the tier's url (redis://:PASSWORD@host:port/db)"
+            ) from None
+        except (*_OUTAGE, redis.exceptions.RedisError) as exc:
+            self._outage(exc)
 
     def _on_retry(self, attempt: int, exc: BaseException) -> None:
         self._counters.add("retries")

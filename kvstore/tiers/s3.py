@@ -166,6 +166,11 @@ class S3Tier(Tier):
         self._closed = False
         #: The client, its thread pool and breaker: every request goes through it.
         self._s3 = S3Requests(config, self._counters)
+        try:  # a missing bucket or refused credentials fail the open, in one line
+            self._s3.check_bucket(self._dir)
+        except BaseException:
+            self._s3.close()
+            raise
 
     # -- names and sizes ----------------------------------------------------
     @property
