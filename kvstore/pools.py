@@ -41,13 +41,13 @@ def map_or_inline(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> l
     return [f.result() for f in futures]
 
 
-def call_or_inline(pool: Executor, fn: Callable[..., R], *args: object) -> R:
-    """``pool.submit(fn, *args).result()``, or the call in this thread while the
-    interpreter exits."""
+def call_or_inline(pool: Executor, fn: Callable[[], R]) -> R:
+    """``pool.submit(fn).result()``, or the call in this thread while the interpreter
+    exits."""
     try:
-        future = pool.submit(fn, *args)
+        future = pool.submit(fn)
     except RuntimeError as exc:
         if not _exiting(exc):
             raise
-        return fn(*args)
+        return fn()
     return future.result()

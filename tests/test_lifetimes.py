@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.testing.servers import S3Server
+
 SCRIPT = """
 import atexit, sys, torch
 from kvstore import KVLayout, KVStore
 layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16,
                   dtype=torch.float16)
-config = {{"tiers": [{{"kind": "host", "capacity": "64MiB"}},
-                     {{"kind": "disk", "path": {path!r}, "capacity": "256MiB"}}]}}
+config = {{"tiers": [{{"kind": "host", "capacity": "64MiB"}}, {lower}]}}
 store = KVStore(layout, config)
 keys = store.hash_tokens(list(range(96)), namespace="m")
 if sys.argv[1] == "check":
@@ -32,9 +33,10 @@ else:
 """
 
 
-def run(tmp_path: Path, how: str) -> subprocess.CompletedProcess[str]:
+def run(tmp_path: Path, how: str, lower: str = "") -> subprocess.CompletedProcess[str]:
+    lower = lower or repr({"kind": "disk", "path": str(tmp_path / "kv"), "capacity": "256MiB"})
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(path=str(tmp_path / "kv"))))
+    script.write_text(textwrap.dedent(SCRIPT.format(lower=lower)))
     return subprocess.run(
         [sys.executable, str(script), how], capture_output=True, text=True, timeout=120
     )
@@ -45,3 +47,19 @@ def test_what_memory_held_is_on_disk_for_the_next_process(tmp_path: Path, how: s
     done = run(tmp_path, how)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert run(tmp_path, "check").stdout.split() == ["found", "6"]
+
+
+def test_a_store_left_open_flushes_to_s3_at_exit(
+    tmp_path: Path, s3_server: S3Server, aws_env: None
+) -> None:
+    """The S3 tier's pooled uploads run in the exiting thread too."""
+    s3 = {
+        "kind": "s3",
+        "bucket": s3_server.bucket,
+        "prefix": f"lifetimes-{tmp_path.name}",
+        "endpoint_url": f"http://127.0.0.1:{s3_server.port}",
+        "region": "us-east-1",
+    }
+    done = run(tmp_path, "left-open", repr(s3))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert run(tmp_path, "check", repr(s3)).stdout.split() == ["found", "6"]

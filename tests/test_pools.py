@@ -15,7 +15,7 @@ from kvstore.pools import call_or_inline, map_or_inline
 def test_the_pool_runs_them_while_the_interpreter_runs() -> None:
     with ThreadPoolExecutor(2) as pool:
         assert map_or_inline(pool, lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]
-        assert call_or_inline(pool, lambda a, b: a + b, 2, 3) == 5
+        assert call_or_inline(pool, lambda: 2 + 3) == 5
 
 
 def test_a_pool_shut_down_by_its_owner_still_refuses() -> None:
@@ -34,7 +34,7 @@ def test_at_exit_they_run_in_the_callers_thread() -> None:
         pool.submit(print, "pool started").result()
         def at_exit():
             where = lambda x: (x, threading.current_thread() is threading.main_thread())
-            print(map_or_inline(pool, where, [1, 2]), call_or_inline(pool, where, 3))
+            print(map_or_inline(pool, where, [1, 2]), call_or_inline(pool, lambda: where(3)))
         atexit.register(at_exit)
     """
     done = subprocess.run(

@@ -28,6 +28,7 @@ from kvstore.codec import BlockHeader
 from kvstore.config import S3TierConfig
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
+from kvstore.pools import call_or_inline, map_or_inline
 from kvstore.retry import Backoff, Breaker, retry_call
 from kvstore.tiers.remote_common import Counters
 
@@ -298,11 +299,11 @@ class S3Requests:
 
     def pooled(self, fn: Callable[[], T], deadline_at: float) -> T:
         """:meth:`call` of ``fn`` on the pool, so connections stay within the pool's size."""
-        return self.pool.submit(self.call, fn, deadline_at).result()
+        return call_or_inline(self.pool, lambda: self.call(fn, deadline_at))
 
     def map(self, fn: Callable[[int], T], n: int) -> list[T]:
         """``[fn(0), ..., fn(n-1)]`` run concurrently on the pool."""
-        return list(self.pool.map(fn, range(n)))
+        return map_or_inline(self.pool, fn, range(n))
 
     def put_multipart(self, name: str, data: bytes, deadline_at: float) -> None:
         """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""

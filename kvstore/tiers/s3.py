@@ -64,6 +64,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.pools import call_or_inline
 from kvstore.tiers._s3util import (
     CORRUPT_CODES,
     MISSING_CODES,
@@ -276,7 +277,7 @@ class S3Tier(Tier):
             data = encode_value(key, self.layout, block, self.cfg.codec).tobytes()
             name = self.object_name(key)
             if len(data) <= self.cfg.multipart_threshold:  # compression brought it under
-                self._s3.pool.submit(self._put_object, name, data, deadline_at).result()
+                call_or_inline(self._s3.pool, lambda: self._put_object(name, data, deadline_at))
             else:
                 self._s3.put_multipart(name, data, deadline_at)
         except Exception as exc:
