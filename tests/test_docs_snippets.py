@@ -114,10 +114,11 @@ def test_every_runnable_block_runs_or_says_why_not() -> None:
     unmarked = [
         b.where
         for b in ALL
-        if b.lang in RUNNABLE and not ({"run", "file", "console"} & set(b.opts))
+        if b.lang in RUNNABLE
+        and not ({"run", "file", "console"} & set(b.opts))
         and not (b.opt("skip") or "").strip()
     ]
-    assert not unmarked, "blocks with neither `run` nor `skip=\"why\"`: " + ", ".join(unmarked)
+    assert not unmarked, 'blocks with neither `run` nor `skip="why"`: ' + ", ".join(unmarked)
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang == "yaml"], ids=lambda b: b.where)

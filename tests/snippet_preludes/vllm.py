@@ -1,2 +1,2 @@
 # What the docs' vLLM fragments take as imported.
-from vllm import SamplingParams
+from vllm import SamplingParams  # noqa: F401 (the fragment uses it)
