@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvstore.errors import AccessDeniedError, TierError
+from kvstore.errors import AccessDeniedError, ProtocolError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -319,7 +319,7 @@ class TierIO:
                 )
             else:
                 log.debug("tier %s still refuses access (%s): %s", kind, what, exc)
-        elif not isinstance(exc, TierError):  # a bug, not a dead medium: always say so
+        elif not isinstance(exc, (TierError, ProtocolError)):  # a bug: always say so
             log.error("tier %s failed to %s %d blocks", kind, what, count, exc_info=exc)
         elif first:
             log.warning(

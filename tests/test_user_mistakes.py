@@ -580,10 +580,10 @@ def recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 @contextlib.contextmanager
-def answering(reply: Callable[[bytes], bytes]) -> Iterator[str]:
-    """A TCP server on a free port that reads a client's first frame and answers
-    ``reply(its header)``: a server of another kind, or of another protocol version."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def answering(reply: Callable[[bytes], bytes], port: int = 0) -> Iterator[str]:
+    """A TCP server on ``port`` (0: a free one) that reads a client's first frame and
+    answers ``reply(its header)``: a server of another kind, or of another protocol version."""
+    listener = socket.create_server(("127.0.0.1", port))
     listener.settimeout(0.2)
     stop = threading.Event()
 
@@ -664,6 +664,41 @@ def test_a_store_that_cannot_work_refuses_to_open_in_one_line(
         assert part in message, (part, message)
     assert files_under(tmp_path) == before
     assert not [r for r in caplog.records if r.exc_info]  # no traceback in the log either
+
+
+def test_a_server_of_another_version_in_its_place_is_a_miss_and_one_logged_line(
+    kv_server: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server is upgraded under a running store: what only it held is a miss, said
+    once (not a traceback per call), and the store serves on from memory."""
+    server = kv_server()
+    remote = {"kind": "remote", "address": server.address, "retry_interval": 60}
+    config = {"tiers": [{"kind": "host", "capacity": 8 * LAYOUT.block_nbytes}, remote]}
+    kv = random_blocks(LAYOUT, 4)
+    with KVStore(LAYOUT, config) as store:
+        keys = store.hash_tokens(list(range(4 * LAYOUT.block_tokens)), "upgrade")
+        assert store.put(keys[:2], chunks(kv, 0, 2)) == 2
+        assert store.flush() == 2
+        store.evict(2)  # only the server holds them now
+        server.stop()
+        port = int(server.address.rpartition(":")[2])
+        with answering(newer_reply, port):
+            caplog.clear()
+            caplog.set_level(logging.WARNING, logger="kvstore")
+            out = torch.empty_like(chunks(kv, 0, 2))
+            assert store.get_prefix(keys[:2], out) == 0  # a miss, not an error
+            assert store.get_prefix(keys[:2], out) == 0
+            assert store.put(keys[2:], chunks(kv, 2, 4)) == 2  # memory serves on
+            assert torch.equal(store.get(keys[2:]), chunks(kv, 2, 4))
+            lines = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno >= logging.WARNING and not r.name.startswith("kvstore.server")
+            ]
+            assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
+    assert len(lines) == 1, lines
+    assert f"kvstore-server at {server.address} does not speak this client's protocol" in lines[0]
+    assert f"protocol version {VERSION + 1}" in lines[0]
 
 
 # -- the library: a medium down or full is a miss and one logged line ------------------------------

@@ -140,7 +140,11 @@ class Client:
             self._slots.release()
 
     def _new_connection(self) -> Connection:
-        conn = Connection(self.options, self.layout)
+        try:
+            conn = Connection(self.options, self.layout)
+        except ProtocolError as exc:  # the address answers in another protocol
+            self._not_understood(exc)
+            raise
         self._limits = conn.limits
         ident = conn.segment_id
         if self.options.shared_memory and ident is not None:
@@ -195,6 +199,15 @@ class Client:
             level = logging.DEBUG if self._quiet else logging.INFO
             log.log(level, "kvstore-server at %s is reachable again", self.options.address)
         return result
+
+    def _not_understood(self, exc: ProtocolError) -> None:
+        """The handshake was answered in another protocol (a server of another release
+        took the address): like an outage, probed once per ``retry_interval`` rather than
+        a handshake per call, and said once."""
+        with self._lock:
+            self._refusal, self._outage = None, str(exc)
+        if self._breaker.failed():
+            log.log(logging.DEBUG if self._quiet else logging.WARNING, "%s", exc)
 
     def _retry(self, attempt: int, exc: BaseException) -> None:
         self.stats["reconnects"] += 1

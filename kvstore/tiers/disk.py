@@ -192,6 +192,11 @@ class DiskTier(Tier):
         self._closed = False
         #: Why files cannot be created here (EROFS, EACCES), None while they can.
         self._write_error: str | None = None
+        #: True from a write the full disk refused until one fits again: said once each way.
+        self._full = False
+        self._full_lock = threading.Lock()
+        # A capacity below one block file is refused before any directory is made.
+        self.blocks_in(config.capacity, self._file_nbytes, "block file")
         self._prepare_directory()
         self._bypass = config.bypass_page_cache
         self._o_direct = self._bypass and self._probe_o_direct()
@@ -379,6 +384,8 @@ class DiskTier(Tier):
         if self._write_error is not None:
             self._write_error = None
             log.warning("disk tier %s: writable again", self._tree.base)
+        if self._full and self._set_full(False):
+            log.info("disk tier %s: there is room again; storing again", self._tree.base)
         self._count("writes")
         self._count("bytes_written", encoded.nbytes)
         return True
@@ -386,6 +393,16 @@ class DiskTier(Tier):
     def _write_failed(self, key: BlockKey, exc: OSError) -> None:
         """Count a failed write; a directory that refuses writes is said once, not per block."""
         self._count("enospc" if exc.errno == errno.ENOSPC else "write_errors")
+        if exc.errno == errno.ENOSPC:  # one line for a full disk, not one per block
+            level = logging.WARNING if self._set_full(True) else logging.DEBUG
+            log.log(
+                level,
+                "disk tier %s: the disk is full (%s); blocks that do not fit are not stored "
+                "(misses): free space there or lower the tier's capacity",
+                self._tree.base,
+                exc.strerror or exc,
+            )
+            return
         if exc.errno not in _REFUSED:
             log.warning("disk tier: cannot write block %s: %s", key.hex(), exc)
             return
@@ -393,6 +410,12 @@ class DiskTier(Tier):
         self._write_error = exc.strerror or str(exc)
         level = logging.WARNING if first else logging.DEBUG
         log.log(level, "disk tier %s: cannot write (%s); storing nothing", self._tree.base, exc)
+
+    def _set_full(self, full: bool) -> bool:
+        """Record whether the disk is full; True if that changed."""
+        with self._full_lock:
+            changed, self._full = self._full != full, full
+        return changed
 
     def _write_file(self, path: str, parts: list[Any], total: int) -> None:
         """Create ``path`` and write ``parts`` to it (recreating a vanished directory)."""
