@@ -189,6 +189,20 @@ CLI_ROWS: dict[str, Cli] = {
     "demo-no-sessions": Cli(("demo", "--sessions", "0"), ("--sessions 0: must be at least 1",)),
     "demo-negative-turns": Cli(("demo", "--turns", "-1"), ("--turns -1: must be at least 1",)),
     "local-cluster-no-nodes": Cli(("local-cluster", "--nodes", "0"), ("--nodes 0: must be",)),
+    # -- a disk path under a regular file (issue 31, item 3)
+    "stats-disk-under-a-file": Cli(
+        ("stats", "--config", "{tmp}/store.yaml", "--layers", "2"),
+        ("disk tier path {tmp}/hostname/kv: {tmp}/hostname is a file", "set the tier's path"),
+        files={
+            "store.yaml": "tiers:\n  - kind: disk\n    path: {tmp}/hostname/kv\n",
+            "hostname": "box\n",
+        },
+    ),
+    "demo-cache-dir-under-a-file": Cli(
+        ("demo", "--layers", "1", "--sessions", "1", "--cache-dir", "{tmp}/hostname/kv"),
+        ("disk tier path {tmp}/hostname/kv: {tmp}/hostname is a file",),
+        files={"hostname": "box\n"},
+    ),
     "route-without-a-cluster": Cli(
         ("route", "--keys", "-"), ("cluster.redis_url: not set", "needs a cluster config")
     ),
@@ -548,6 +562,21 @@ OPENING_ROWS: dict[str, Opening] = {
         ConfigError,
         lambda w: ("capacity 100 bytes is smaller than one block file", "capacity of at least"),
     ),
+    "remote-token-file-missing": Opening(
+        lambda w: {
+            "kind": "remote",
+            "address": "127.0.0.1:7070",
+            "token_file": str(w["tmp"] / "token"),
+        },
+        ConfigError,
+        lambda w: (f"token_file '{w['tmp'] / 'token'}': No such file",),
+    ),
+    "device-without-cuda": Opening(
+        lambda w: {"kind": "device", "device": "cuda:0", "capacity": "1MiB"},
+        ConfigError,
+        lambda w: ("device tier: cuda:0 requested but CUDA is not available",),
+        needs=("no_cuda",),
+    ),
     "s3-bucket-missing": Opening(
         lambda w: {
             "kind": "s3",
@@ -637,6 +666,12 @@ def token_server(kv_server: Callable[..., Any]) -> str:
 def locked_redis() -> Iterator[int]:
     with RedisServer(extra_args=["--requirepass", "the-right-one-0123"]) as redis:
         yield redis.port
+
+
+@pytest.fixture
+def no_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: a device tier opens")
 
 
 @pytest.fixture
