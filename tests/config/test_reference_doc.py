@@ -102,17 +102,17 @@ def test_every_environment_variable_listed_sets_its_key(gen: Any) -> None:
             (name,) = names
             seen += 1
             if s.path == "" and row.name == "tiers":
-                data = _apply_env({}, {name: '[{"kind": "host"}]'}, "KVSTORE_")
+                data = _apply_env({}, {name: '[{"kind": "host"}]'}, "KVSTORE_", {})
                 assert data["tiers"] == [{"kind": "host"}], name
             elif s.path == "":
-                data = _apply_env({}, {name: "7"}, "KVSTORE_")
+                data = _apply_env({}, {name: "7"}, "KVSTORE_", {})
                 assert data[row.name] == "7", name
             elif s.path.startswith("tiers[]"):
                 kind = re.search(r"kind: (\w+)", s.path).group(1)  # type: ignore[union-attr]
-                data = _apply_env({"tiers": [{"kind": kind}]}, {name: "7"}, "KVSTORE_")
+                data = _apply_env({"tiers": [{"kind": kind}]}, {name: "7"}, "KVSTORE_", {})
                 assert data["tiers"][0][row.name] == "7", name
             else:
-                data = _apply_env({}, {name: "7"}, "KVSTORE_")
+                data = _apply_env({}, {name: "7"}, "KVSTORE_", {})
                 assert data[s.path][row.name] == "7", name
     assert seen > 60
 
