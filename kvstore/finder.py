@@ -50,7 +50,9 @@ class Finder:
             n = self.books.leading(keys)
         # What discovery just found is confirmed; only what the index knew before is asked.
         if recheck and known:
-            n = min(n, self.recheck(keys[:known], skip=skip))
+            confirmed = self.recheck(keys[:known], skip=skip)
+            if confirmed < known:  # one the index knew is gone: the prefix ends there
+                n = confirmed
         self.books.count(lookups=1, lookup_blocks_hit=n, lookup_blocks_missed=len(keys) - n)
         return n
 

@@ -18,10 +18,10 @@ with planning off, or no known prefill speed, every stored chunk is loaded.
 Stored chunks a plan leaves behind on slow tiers are *warmed*: copied up in the
 background so the next request finds them fast.
 
-A shared tier so slow that even a prompt stored whole on it would gain less than
-asking it costs (its lookup's round trips; its estimate fresh, not stale) is not asked
-during the plan at all: the answer could not pay for itself. It is asked in the
-background instead, and what it holds is warmed (``lookups_deferred``).
+A shared tier so slow that even a prompt stored whole on it would be recomputed
+(its estimate fresh, not stale) is not asked during the plan at all: asking costs a
+round trip over the same slow link, and the answer could not change the plan. It is
+asked in the background instead, and what it holds is warmed (``lookups_deferred``).
 """
 
 from __future__ import annotations
@@ -376,21 +376,20 @@ class Restorer:
         return plan
 
     def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
-        """Bit mask of the slow tiers not worth asking about these ``n`` chunks: even
-        with all of them stored there, the plan would gain less than asking costs (the
-        lookup's round trips: batches of 16 chunks, doubling). Only fresh estimates count
-        (a stale one is asked, so that its probe can refresh it)."""
+        """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a
+        plan with all ``n`` stored there would recompute them all. Only fresh estimates
+        count (a stale one is asked, so that its probe can refresh it). A load that
+        gains anything at all keeps the tier asked: what asking costs is not a read's
+        latency (a local disk answers from a stat, a bucket from a HEAD), so it is not
+        weighed against the gain."""
         mask = 0
         if not request.planning or n == 0:
             return 0
-        asks = 1 + (n // 16).bit_length()
         for level, speed in enumerate(costs.speeds):
             if level in costs.fast or speed.source == "stale":
                 continue
             plan = plan_restore(dataclasses.replace(request, levels=(level,) * n), costs)
-            if plan.ready_s is None or plan.nocache_s is None or plan.reason not in ("pays", "all"):
-                continue
-            if plan.nocache_s - plan.ready_s <= speed.seconds_for(0, asks):
+            if plan.reason == "pays" and plan.load == plan.first:
                 mask |= 1 << level
         return mask
 

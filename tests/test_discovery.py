@@ -45,6 +45,28 @@ def test_recheck_forgets_blocks_another_process_removed(tmp_path: Path) -> None:
     worker.close()
 
 
+def test_a_rechecked_lookup_counts_what_it_just_discovered_past_what_it_knew(
+    tmp_path: Path,
+) -> None:
+    """A scheduler knows a prompt's first 2 chunks; a worker stores 3 more: a lookup with
+    recheck confirms the 2 and counts the 3 it discovers (not just the 2)."""
+    layout = small_layout()
+    scheduler, worker = (
+        KVStore(layout, disk_config(tmp_path)),
+        KVStore(layout, disk_config(tmp_path)),
+    )
+    keys = worker.hash_tokens(torch.arange(5 * layout.block_tokens), "m")
+    kv = random_blocks(layout, 5)
+    worker.put(keys[:2], kv[:, :, : 2 * layout.block_tokens])
+    assert scheduler.lookup(keys, recheck=True) == 2
+    worker.put(keys[2:], kv[:, :, 2 * layout.block_tokens :])
+    assert scheduler.lookup(keys, recheck=True) == 5
+    worker.delete(keys[1:2])  # a known one gone: the prefix ends there, whatever follows
+    assert scheduler.lookup(keys, recheck=True) == 1
+    scheduler.close()
+    worker.close()
+
+
 def test_recheck_trusts_copies_in_the_process_own_tiers(tmp_path: Path) -> None:
     layout = small_layout()
     nb = layout.block_nbytes
