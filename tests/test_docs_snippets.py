@@ -123,7 +123,9 @@ def test_every_runnable_block_runs_or_says_why_not() -> None:
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang == "yaml"], ids=lambda b: b.where)
 def test_yaml_blocks_parse(block: Block) -> None:
-    yaml.safe_load(block.text)
+    """Every YAML block of the docs is a config (or a part of one): a non-empty mapping."""
+    data = yaml.safe_load(block.text)
+    assert isinstance(data, dict) and data, f"{block.where}: not a mapping: {data!r}"
 
 
 def _free_port() -> int:

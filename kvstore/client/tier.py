@@ -68,13 +68,16 @@ class RemoteTier(Tier):
         # client's reason: the calls its breaker holds back carry it).
         self._client = Client(layout, ClientOptions.from_config(config), quiet=True)
         self._closed = False
+        #: Why the server did not answer when the tier opened ("": it answered).
+        self.unreachable_at_open = ""
         try:
             self._client.ping()
         except (AccessDeniedError, ProtocolError):  # refused, or another protocol: one line
             self.close()
             raise
-        except TierError:
-            pass  # down or restarting: the store opens, and reads miss until it answers
+        except TierError as exc:  # down or restarting: the store opens, reads miss until
+            # it answers; the tier's first failing call says so in the log, once
+            self.unreachable_at_open = str(exc)
 
     @property
     def capacity_blocks(self) -> int:
@@ -134,6 +137,7 @@ class RemoteTier(Tier):
             "address": self.cfg.address,
             "namespace": self.cfg.namespace,
             "shared_memory": self._client.shared_memory,
+            "unreachable_at_open": self.unreachable_at_open,
             **self._client.stats,
         }
 

@@ -84,12 +84,13 @@ def route_layout(
 
 def _described(store: IndexedStore) -> KVLayout:
     """The layout the nodes described, or :class:`InvalidInputError` asking for its flags."""
+    why = "the index does not describe it (its nodes run an older kvstore)"
     if store.layout is not None:
         try:
             return KVLayout.from_description(store.layout)
-        except InvalidInputError:
-            pass
+        except InvalidInputError as exc:
+            why = f"the index's description of it is unreadable ({exc})"
     raise InvalidInputError(
-        f"layout {store.fingerprint} in namespace {store.namespace}: the index does not "
-        f"describe it (its nodes run an older kvstore); pass its flags ({_FLAGS})"
+        f"layout {store.fingerprint} in namespace {store.namespace}: {why}; "
+        f"pass its flags ({_FLAGS})"
     )

@@ -319,12 +319,11 @@ def run(settings: LocalClusterSettings, out: TextIO = sys.stdout) -> int:
 
     with _stop_signals():
         try:
-            cluster.start(starting)
-            print(cluster.describe(), file=out, flush=True)
-            while True:
-                signal.pause()
-        except _Stopped:
-            pass
+            with contextlib.suppress(_Stopped):  # a stop signal ends the wait (or the start)
+                cluster.start(starting)
+                print(cluster.describe(), file=out, flush=True)
+                while True:
+                    signal.pause()
         finally:
             print("kvstore local cluster: stopping", file=out, flush=True)
             cluster.close()

@@ -67,3 +67,16 @@ def test_a_server_that_is_down_is_not_said_to_answer_again(
             time.sleep(0.05)
         assert store.stats()["tiers"][1]["available"] is True
     assert store_lines(caplog, "tier remote answers again") == ["tier remote answers again"]
+
+
+def test_a_server_down_at_open_is_a_miss_and_its_stats_say_why(kv_server: Start) -> None:
+    server = kv_server()
+    address = server.address
+    remote = {"kind": "remote", "address": address, "namespace": "outage", "connect_timeout": 0.5}
+    with KVStore(LAYOUT, {"tiers": [remote]}) as store:  # the server answers
+        assert store.stats()["tiers"][0]["unreachable_at_open"] == ""
+    server.stop()
+    with KVStore(LAYOUT, {"tiers": [remote]}) as store:  # it does not: the store still opens
+        keys = store.hash_tokens(list(range(LAYOUT.block_tokens)), namespace="m")
+        assert store.lookup(keys) == 0
+        assert store.stats()["tiers"][0]["unreachable_at_open"] != ""
