@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.server import ServerThread
 from kvstore.testing.data import host_config, small_layout
 from kvstore.testing.kvserver import server_test_config
+from kvstore.testing.mounts import mount_tmpfs, unmount
 from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 
 
@@ -99,3 +101,21 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_cluster() -> Iterator[RedisCluster]:
     with RedisCluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``tmpfs(name, size)``: a real tmpfs of ``size`` at ``tmp_path / name``, unmounted
+    after the test; the test skips where this machine lets it mount none."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str) -> Path:
+        path = tmp_path / name
+        if not mount_tmpfs(path, size):
+            pytest.skip("this machine does not let the tests mount a tmpfs")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        unmount(path)

@@ -16,13 +16,14 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from kvstore.testing.mounts import remount_read_only
 from kvstore.testing.servers import RedisServer, S3Server, free_port
 
 #: A small layout for ``kvstore stats`` (a 16 KiB chunk), so tiny capacities fit.
@@ -104,14 +105,8 @@ def test_server_refuses_to_start_on_a_disk_path_under_a_file(
 
 # -- a read-only disk path -----------------------------------------------------------------------
 @pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        pytest.skip("this machine does not let the tests mount a tmpfs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def mount(tmpfs: Callable[[str, str], Path]) -> Path:
+    return tmpfs("mnt", "4m")
 
 
 def test_stats_marks_a_read_only_disk_tier_and_exits_1(tmp_path: Path, mount: Path) -> None:
@@ -119,7 +114,7 @@ def test_stats_marks_a_read_only_disk_tier_and_exits_1(tmp_path: Path, mount: Pa
         tmp_path / "ro.yaml", {"kind": "disk", "path": str(mount), "capacity": "1MiB"}
     )
     assert stats(config).returncode == 0  # writable: all is well
-    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    remount_read_only(mount)
     result = stats(config)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
@@ -136,7 +131,7 @@ def test_stats_marks_a_read_only_disk_tier_and_exits_1(tmp_path: Path, mount: Pa
 
 
 def test_stats_on_a_read_only_mount_without_the_directory(tmp_path: Path, mount: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+    remount_read_only(mount)
     config = write_config(
         tmp_path / "ro.yaml", {"kind": "disk", "path": str(mount / "kv"), "capacity": "1MiB"}
     )

@@ -48,6 +48,7 @@ from kvstore.errors import (
 )
 from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.mounts import remount_read_only
 from kvstore.testing.servers import RedisServer, free_port
 from kvstore.wire.protocol import FRAME, MAGIC, VERSION, Flag
 
@@ -792,16 +793,10 @@ BIG_FILE = BIG.block_nbytes + 4096  # a block file: the chunk and its header
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
+def small_disk(tmpfs: Callable[[str, str], Path]) -> Path:
     """A real 2 MiB filesystem (room for 7 block files of BIG), where this machine lets
     the tests mount one (as root, or with the capability)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        pytest.skip("this machine does not let the tests mount a tmpfs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    return tmpfs("small", "2m")
 
 
 def disk_config(path: Path, host: bool = False) -> dict[str, Any]:
@@ -846,7 +841,7 @@ def test_a_read_only_disk_serves_what_it_holds_and_says_so_once(
     with KVStore(BIG, disk_config(small_disk)) as store:
         keys = store.hash_tokens(list(range(4 * BIG.block_tokens)), "read-only")
         assert store.put(keys[:2], chunks_of(BIG, kv, 0, 2)) == 2
-    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    remount_read_only(small_disk)
     caplog.set_level(logging.WARNING, logger="kvstore")
     before = files_under(small_disk)
     with KVStore(BIG, disk_config(small_disk, host=True)) as store:

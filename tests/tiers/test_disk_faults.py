@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import errno
 import shutil
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,26 +20,17 @@ from kvstore.config import DiskTierConfig, HostTierConfig
 from kvstore.layout import KVLayout
 from kvstore.testing.data import random_blocks
 from kvstore.testing.faults import FaultyFileOps
+from kvstore.testing.mounts import remount_read_only
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=64)  # 256 KiB
 
 
-def mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
-    return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
 @pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+def tiny_fs(tmpfs: Callable[[str, str], Path]) -> Path:
     """A real 1 MiB filesystem (room for 3 blocks of LAYOUT)."""
-    mnt = tmp_path / "tiny"
-    if not mount_tmpfs(mnt, "1m"):
-        pytest.skip("this machine does not let the tests mount a tmpfs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    return tmpfs("tiny", "1m")
 
 
 def disk_store(path: Path, ops: FaultyFileOps | None = None, blocks: int = 64) -> KVStore:
@@ -135,7 +125,7 @@ def test_real_read_only_filesystem(tiny_fs: Path) -> None:
     store = disk_store(tiny_fs)
     keys, kv = keys_and_kv(store, 2)
     assert store.put(keys[:1], kv[:, :, : LAYOUT.block_tokens]) == 1
-    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    remount_read_only(tiny_fs)
     assert store.put(keys[1:], kv[:, :, LAYOUT.block_tokens :]) == 0  # EROFS: not stored
     assert disk_stats(store)["write_errors"] >= 1
     assert torch.equal(store.get(keys[:1]), kv[:, :, : LAYOUT.block_tokens])  # reads still work

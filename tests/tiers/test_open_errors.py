@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvstore import ConfigError, KVLayout, KVStore, TierError
 from kvstore.config import DiskTierConfig
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyFileOps
+from kvstore.testing.mounts import remount_read_only
 from kvstore.testing.servers import DUMMY_AWS_ENV, RedisServer, S3Server, free_port
 from kvstore.tiers.disk import DiskTier
 
@@ -74,19 +74,9 @@ def new_threads(before: set[threading.Thread], timeout: float = 2.0) -> set[thre
 
 # -- disk ----------------------------------------------------------------------------------------
 @pytest.fixture
-def read_only_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real tmpfs, mounted read-write; ``remount_ro(path)`` makes it read-only."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        pytest.skip("this machine does not let the tests mount a tmpfs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def remount_ro(mnt: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+def read_only_fs(tmpfs: Callable[[str, str], Path]) -> Path:
+    """A real tmpfs, mounted read-write; ``remount_read_only(path)`` makes it read-only."""
+    return tmpfs("mnt", "4m")
 
 
 def test_disk_path_under_a_regular_file_is_one_config_error(tmp_path: Path) -> None:
@@ -105,7 +95,7 @@ def test_disk_path_under_a_regular_file_is_one_config_error(tmp_path: Path) -> N
 
 def test_disk_path_that_cannot_be_created_on_a_read_only_mount(read_only_fs: Path) -> None:
     layout = small_layout()
-    remount_ro(read_only_fs)
+    remount_read_only(read_only_fs)
     with pytest.raises(ConfigError, match="cannot create it: Read-only file system"):
         KVStore(layout, host_and(layout, disk_tier(read_only_fs / "kv", layout)))
     assert tree(read_only_fs) == []
@@ -120,7 +110,7 @@ def test_read_only_directory_opens_read_only_and_says_so(
         keys, kv = put_some(store, 3)
         assert store.put(keys[:2], kv[:, :, : 2 * layout.block_tokens]) == 2
         assert store.stats()["tiers"][0]["writable"] is True
-    remount_ro(read_only_fs)
+    remount_read_only(read_only_fs)
     caplog.set_level(logging.WARNING)
     with KVStore(layout, tiers=[DiskTier(config, layout)]) as store:
         disk = store.stats()["tiers"][0]
