@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +177,24 @@ def not_understood(options: ClientOptions, exc: ProtocolError) -> ProtocolError:
         "check that the address is a kvstore-server's and that the server runs the same "
         f"kvstore release as this client (kvstore {__version__}, wire protocol {VERSION})"
     )
+
+
+@contextmanager
+def handshake(options: ClientOptions, close: Callable[[], None]) -> Iterator[None]:
+    """Around a connection's handshake: on any error ``close`` it; a refusal
+    (:func:`refused`) or another protocol (:func:`not_understood`) becomes one line that
+    names the server. Used by the sync and the async connection alike."""
+    try:
+        yield
+    except AccessDeniedError as exc:
+        close()
+        raise refused(options, exc) from None
+    except ProtocolError as exc:
+        close()
+        raise not_understood(options, exc) from None
+    except BaseException:
+        close()
+        raise
 
 
 def open_meta(namespace: str, layout: KVLayout) -> bytes:

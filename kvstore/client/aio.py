@@ -30,18 +30,16 @@ from kvstore.client._common import (
     batches,
     check_layers,
     check_reply,
+    handshake,
     hello_meta,
     hint_answer,
     hint_request,
-    not_understood,
     open_meta,
-    refused,
     same_length,
 )
 from kvstore.codec import Codec, encode_block
 from kvstore.copies import engine_for
 from kvstore.errors import (
-    AccessDeniedError,
     ClosedError,
     CorruptBlockError,
     KVStoreError,
@@ -158,21 +156,12 @@ class AsyncClient:
         except (OSError, TimeoutError) as exc:
             raise TierError(f"cannot connect to kvstore-server at {opts.address}: {exc}") from None
         conn = _Conn(reader, writer)
-        try:
+        with handshake(opts, conn.close):
             hello = decode_json(await conn.call(Op.HELLO, hello_meta()))
             answer = auth_meta(hello, opts.token)
             if answer is not None:
                 await conn.call(Op.AUTH, answer)
             await conn.call(Op.OPEN, open_meta(opts.namespace, self.layout))
-        except AccessDeniedError as exc:  # say which server refused what, in one line
-            conn.close()
-            raise refused(opts, exc) from None
-        except ProtocolError as exc:  # another protocol version, or not a kvstore-server
-            conn.close()
-            raise not_understood(opts, exc) from None
-        except BaseException:
-            conn.close()
-            raise
         limits = hello.get("limits")
         self._limits = limits if isinstance(limits, dict) else {}
         return conn

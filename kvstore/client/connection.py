@@ -19,12 +19,11 @@ from kvstore.client._common import (
     ClientOptions,
     auth_meta,
     check_reply,
+    handshake,
     hello_meta,
-    not_understood,
     open_meta,
-    refused,
 )
-from kvstore.errors import AccessDeniedError, KVStoreError, ProtocolError, TierError
+from kvstore.errors import KVStoreError, ProtocolError, TierError
 from kvstore.layout import KVLayout
 from kvstore.wire import shm
 from kvstore.wire.protocol import FRAME, Frame, Op, decode_json
@@ -50,18 +49,9 @@ class Connection:
         #: The client's mapping of this server's shared memory (None: move bytes by socket).
         self.shm: shm.Mapping | None = None
         self.sock = self._connect()
-        try:
+        with handshake(options, self.close):
             self.hello = self._handshake()
             self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
-        except AccessDeniedError as exc:  # say which server refused what, in one line
-            self.close()
-            raise refused(options, exc) from None
-        except ProtocolError as exc:  # another protocol version, or not a kvstore-server
-            self.close()
-            raise not_understood(options, exc) from None
-        except BaseException:
-            self.close()
-            raise
 
     def _connect(self) -> socket.socket:
         opts = self.options
