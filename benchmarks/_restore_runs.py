@@ -263,6 +263,7 @@ class Run:
     requests: list[list[int]]
     store_config: dict[str, Any] | None
     repeat: int = 1
+    gap_s: float = 0.0  # idle seconds between repetitions (a user's think or tool time)
 
 
 class RunFailed(RuntimeError):
@@ -278,7 +279,7 @@ def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     stats_dir = work / f"{run.name}-stats"
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--model", "llama"]
     cmd += ["--prompts-file", str(prompts_file), "--max-tokens", str(args.max_tokens)]
-    cmd += ["--repeat", str(run.repeat), "--out", str(out)]
+    cmd += ["--repeat", str(run.repeat), "--gap-s", str(run.gap_s), "--out", str(out)]
     if run.store_config is not None:
         cmd += ["--store-config", json.dumps(run.store_config), "--stats-dir", str(stats_dir)]
     start = time.perf_counter()

@@ -33,8 +33,10 @@ The runs, in order (a vLLM process each):
 4. ``slow_planned``: the same with planning on, the calibrated table, and the bucket's
    speed declared on its tier as an operator would (``read_gbps: 0.02``,
    ``read_latency_ms: 50``). A plan that pays recomputes, so TTFT ~ nocache; the chunks it
-   skips are warmed (copied S3 -> disk by the scheduler's store in the background). The
-   same prompts again, later in the same process: ``slow_second_request``.
+   skips are warmed (copied S3 -> disk by the scheduler's store in the background, once
+   the prefills the plans expect have ended: ``restore.warm_wait_s``). The same prompts
+   again in the same process after ``--gap-s`` idle seconds (a user's think or tool time
+   between turns; default 10): ``slow_second_request``.
 5. ``slow_planned_undeclared`` (``--no-undeclared`` skips it): the same with S3 at its
    default prior (0.1 GB/s, 30 ms: optimistic here). The scheduler learns a tier's speed
    only from the workers' reads (shipped in KVConnectorStats), so its first hit loads.
@@ -200,9 +202,9 @@ def run_phases(bench: Bench) -> list[list[float]] | None:
         if bench.wanted(name):
             disk = work / f"disk-{name}"
             tiers = [disk_tier(disk), s3_tier(proxy.url, prior)]
-            bench.run(
-                Run(name, bench.requests(name, "slow"), {"tiers": tiers, **_restore(tab)}, reps)
-            )
+            config = {"tiers": tiers, **_restore(tab)}
+            gap = args.gap_s if name == "slow_planned" else 0.0
+            bench.run(Run(name, bench.requests(name, "slow"), config, reps, gap))
     all_keys = bench.prefix_keys()
     warmed = work / "disk-slow_planned"
     bench.extra["warming"] = {
@@ -464,6 +466,7 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
                 "fast": f"{args.fast_reps} in each of {min(args.fast_pairs, 2)} processes",
             },
             "slow_link": {"gbps": args.slow_gbps, "latency_ms": args.slow_latency_ms},
+            "gap_before_second_request_s": args.gap_s,
             "model": "examples/vllm_offline.py --model llama (12 layers, fp32)",
         },
         "wall_s": round(wall, 1),
@@ -540,6 +543,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--calibrate-only",
         action="store_true",
         help="run nocache only; print the restore section it calibrates",
+    )
+    parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=10.0,
+        help="idle seconds before slow_second_request (the warming's time)",
     )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per vLLM process")

@@ -221,7 +221,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # sequences per step, as a server runs them).
     groups = [prompts] if args.batch else [[p] for p in prompts]
     repetitions = []
-    for _ in range(args.repeat):  # --repeat: the same workload again in the same engine
+    for rep in range(args.repeat):  # --repeat: the same workload again in the same engine
+        if rep:
+            time.sleep(args.gap_s)  # the engine idle, as between a user's turns
         results = []
         for group in groups:
             start = time.perf_counter()
@@ -316,6 +318,9 @@ def main() -> None:
         default=1,
         help="run the workload N times in the same engine (JSON: one result list each)",
     )
+    parser.add_argument(
+        "--gap-s", type=float, default=0.0, help="idle seconds between two repetitions"
+    )
     parser.add_argument("--prefix-tokens", type=int, default=3300)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
@@ -347,6 +352,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.gap_s < 0:
+        parser.error("--gap-s must be >= 0")
     bind_threads(workers(args))
     result = run(args)
     result["stats"] = read_stats(args.stats_dir)

@@ -562,6 +562,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probe,
         find_later=manager.find_later,
+        later=manager.mover.submit_later,
     )
     prefill = PrefillSpeed(
         restore.prefill_table,
@@ -571,7 +572,14 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         manager.clock,
     )
     chunk = (layout.block_tokens, layout.block_nbytes, layout.num_layers)
-    return Restorer(parts, prefill, chunk, planning=restore.planning, warm=restore.warm)
+    return Restorer(
+        parts,
+        prefill,
+        chunk,
+        planning=restore.planning,
+        warm=restore.warm,
+        warm_wait_s=restore.warm_wait_s,
+    )
 
 
 def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:

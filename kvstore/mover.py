@@ -7,14 +7,20 @@ submission while one is queued is dropped), so a hot block read a thousand
 times is promoted once. ``drain`` waits until every queued job finished
 (``flush`` and ``close`` use it).
 
-Lock ownership: ``_cond`` guards ``_pending`` and ``_keys`` only; jobs run
-without it.
+A job may wait for its time (``submit_later``): work that would compete with the
+engine, such as a restore plan's warming, waits until the compute the plan expects
+has ended. Its ``not_before`` is asked again when that time comes (a later plan may
+have moved it); ``drain`` starts every waiting job at once.
+
+Lock ownership: ``_cond`` guards ``_pending``, ``_keys``, ``_waiting`` and
+``_timer``; jobs run without it. The timer thread only moves due jobs to the pool.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +38,9 @@ class Mover:
         self._pending = 0
         self._keys: set[Hashable] = set()
         self._closed = False
+        self._waiting: list[tuple[Callable[[], object], Hashable | None, Callable[[], float]]] = []
+        self._timer: threading.Thread | None = None
+        self._name = name
         self.failures = 0
 
     def submit(self, job: Callable[[], object], key: Hashable | None = None) -> bool:
@@ -44,6 +53,51 @@ class Mover:
             self._pending += 1
         self._pool.submit(self._run, job, key)
         return True
+
+    def submit_later(
+        self,
+        job: Callable[[], object],
+        not_before: Callable[[], float],
+        key: Hashable | None = None,
+    ) -> bool:
+        """Queue ``job`` to start once ``time.monotonic()`` reaches ``not_before()``
+        (asked again then: it may have moved); False as :meth:`submit`."""
+        with self._cond:
+            if self._closed or (key is not None and key in self._keys):
+                return False
+            if key is not None:
+                self._keys.add(key)
+            self._pending += 1
+            self._waiting.append((job, key, not_before))
+            if self._timer is None:
+                self._timer = threading.Thread(
+                    target=self._wait_loop, name=f"{self._name}-timer", daemon=True
+                )
+                self._timer.start()
+            self._cond.notify_all()
+        return True
+
+    def _wait_loop(self) -> None:
+        """Hand each waiting job to the pool when its time comes; ends when none waits."""
+        with self._cond:
+            while self._waiting:
+                now = time.monotonic()
+                due = [w for w in self._waiting if w[2]() <= now]
+                for item in due:
+                    self._waiting.remove(item)
+                    self._pool.submit(self._run, item[0], item[1])
+                if self._waiting:
+                    wake = min(w[2]() for w in self._waiting)
+                    self._cond.wait(max(0.001, wake - now))
+            self._timer = None
+
+    def _release_waiting(self) -> None:
+        """Start every waiting job now (a drain, a close)."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+            for job, key, _ in waiting:
+                self._pool.submit(self._run, job, key)
+            self._cond.notify_all()
 
     def _run(self, job: Callable[[], object], key: Hashable | None) -> None:
         try:
@@ -66,7 +120,9 @@ class Mover:
             return self._pending
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no job is queued or running; False on timeout."""
+        """Start the jobs waiting for their time, then wait until no job is queued or
+        running; False on timeout."""
+        self._release_waiting()
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 

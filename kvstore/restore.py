@@ -27,8 +27,10 @@ asked in the background instead, and what it holds is warmed (``lookups_deferred
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -298,6 +300,11 @@ class RestoreStats:
         return out
 
 
+def _run_now(job: Callable[[], object]) -> bool:
+    job()
+    return True
+
+
 @dataclass(frozen=True)
 class RestorerParts:
     """The narrow view of the data path a :class:`Restorer` needs."""
@@ -316,6 +323,11 @@ class RestorerParts:
     #: ``find_later(keys, levels)``: in the background, ask the tiers in the bit mask
     #: ``levels`` which of ``keys`` they hold and warm those; False if not queued.
     find_later: Callable[[Sequence[BlockKey], int], bool] = lambda keys, levels: False
+    #: ``later(job, not_before)``: run ``job`` in the background once ``time.monotonic()``
+    #: reaches ``not_before()`` (asked again then); False if not queued.
+    later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: (
+        _run_now(job)
+    )
 
 
 class Restorer:
@@ -329,13 +341,18 @@ class Restorer:
         chunk: tuple[int, int, int],
         planning: bool = True,
         warm: bool = True,
+        warm_wait_s: float = 0.0,
     ) -> None:
         self.parts = parts
         self.prefill = prefill
         self.chunk_tokens, self.chunk_bytes, self.num_layers = chunk
         self.planning = planning
         self.warming = warm
+        self.warm_wait_s = warm_wait_s
         self.stats = RestoreStats()
+        # When the compute that plans expect ends (time.monotonic()): warming waits for
+        # it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
+        self._busy_until = 0.0
 
     def costs(self) -> RestoreCosts:
         """The costs a plan made now would weigh."""
@@ -367,13 +384,31 @@ class Restorer:
         )
         plan = plan_restore(request, costs)
         self.stats.planned(plan, costs.chunk_tokens)
+        if plan.ready_s is not None:
+            self._busy_until = max(self._busy_until, time.monotonic() + plan.ready_s)
         if plan.warm and self.warming:
-            queued = self.parts.warm([keys[i] for i in plan.warm])
-            self.stats.add("chunks_warming", queued)
-        if hopeless and self.warming and self.parts.find_later(keys, hopeless):
-            self.stats.add("lookups_deferred")
+            self._after_compute(self._warm_job([keys[i] for i in plan.warm]))
+        if hopeless and self.warming:
+            search = functools.partial(self.parts.find_later, list(keys), hopeless)
+            if self._after_compute(search):
+                self.stats.add("lookups_deferred")
         self._probe_stale(keys, levels, plan, costs)
         return plan
+
+    def _warm_job(self, keys: list[BlockKey]) -> Callable[[], None]:
+        def job() -> None:
+            self.stats.add("chunks_warming", self.parts.warm(keys))
+
+        return job
+
+    def _after_compute(self, job: Callable[[], object]) -> bool:
+        """Queue ``job`` (copies that compete with the engine for cores, memory bandwidth
+        and, in its process, the GIL) to start when the compute the plans made so far
+        expect has ended, or ``warm_wait_s`` from now at the latest."""
+        if self.warm_wait_s <= 0:
+            return bool(job())
+        latest = time.monotonic() + self.warm_wait_s
+        return self.parts.later(job, lambda: min(self._busy_until, latest))
 
     def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
         """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a

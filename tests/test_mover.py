@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from kvstore.mover import Mover
 
@@ -45,3 +46,37 @@ def test_a_failing_job_is_counted_not_raised() -> None:
     mover.close()
     assert not mover.submit(lambda: None)  # closed: no new jobs
     mover.close()  # idempotent
+
+
+def test_a_job_waits_for_its_time_asked_again_when_it_comes() -> None:
+    mover = Mover(1)
+    began = time.monotonic()
+    times = iter([began + 0.05, began + 0.2])  # the first answer moved later meanwhile
+    asked: list[float] = []
+
+    def not_before() -> float:
+        asked.append(next(times, began + 0.2))
+        return asked[-1]
+
+    ran = threading.Event()
+    started: list[float] = []
+    assert mover.submit_later(lambda: (started.append(time.monotonic()), ran.set()), not_before)
+    assert mover.pending == 1
+    assert ran.wait(10)
+    assert started[0] >= began + 0.2 and len(asked) >= 2
+    assert mover.drain(10) and mover.pending == 0
+    mover.close()
+
+
+def test_drain_starts_waiting_jobs_at_once_and_keys_dedupe_them() -> None:
+    mover = Mover(1)
+    runs: list[str] = []
+    far = time.monotonic() + 3600
+    assert mover.submit_later(lambda: runs.append("a"), lambda: far, key="k")
+    assert not mover.submit_later(lambda: runs.append("b"), lambda: far, key="k")
+    assert not mover.submit(lambda: runs.append("c"), key="k")
+    assert runs == []
+    assert mover.drain(timeout=10)  # a flush does not wait an hour
+    assert runs == ["a"]
+    mover.close()
+    assert not mover.submit_later(lambda: runs.append("d"), lambda: 0.0)

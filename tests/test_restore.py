@@ -212,6 +212,66 @@ def test_a_tier_is_asked_only_when_a_load_from_it_could_pay(
     assert restorer.snapshot()["lookups_deferred"] == (1 if skipped else 0)
 
 
+def test_warming_waits_for_the_compute_the_plans_expect() -> None:
+    """A slow tail is warmed, but only once the prefill the plan expects has ended (a
+    later plan pushes it back, ``warm_wait_s`` bounds the wait): the copy would compete
+    with that prefill for the cores."""
+    queued: list[tuple[Any, Any]] = []
+    warmed: list[int] = []
+
+    def later(job: Any, not_before: Any) -> bool:
+        queued.append((job, not_before))
+        return True
+
+    def warm(keys: Any) -> int:
+        warmed.append(len(keys))
+        return len(keys)
+
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: levels[key],
+        lambda: speeds,
+        frozenset({0}),
+        warm,
+        later=later,
+    )
+    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warm_wait_s=10.0)
+    keys = list(levels)
+    began = time.monotonic()
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert plan.load == 2 and plan.warm == (2, 3, 4, 5) and plan.ready_s is not None
+    # nothing copied while the prefill runs; the search of the slow tier waits too
+    assert warmed == [] and len(queued) == 2
+    assert restorer.snapshot()["lookups_deferred"] == 1
+    job, not_before = queued[0]
+    first = not_before()
+    assert began + plan.ready_s <= first <= time.monotonic() + plan.ready_s
+    restorer.plan(keys, restore_request(None, 0, False, None))  # another prompt's prefill
+    assert not_before() > first  # pushed back behind it
+    assert not_before() <= began + 10.0 + (time.monotonic() - began)  # never past the bound
+    job()
+    assert warmed == [4] and restorer.snapshot()["chunks_warming"] == 4
+
+
+def test_warming_starts_at_once_with_no_wait() -> None:
+    queued: list[Any] = []
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: [0 if key[0] < 1 else 1],
+        lambda: speeds,
+        frozenset({0}),
+        lambda keys: len(keys),
+        later=lambda job, when: bool(queued.append(job)),
+    )
+    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warm_wait_s=0.0)
+    restorer.plan([bytes([i]) * 16 for i in range(3)], restore_request(None, 0, False, None))
+    assert queued == [] and restorer.snapshot()["chunks_warming"] == 2
+    assert restorer.snapshot()["lookups_deferred"] == 0  # the lookup returned nothing later
+
+
 def store_config(tmp_path: Path, host_blocks: int = 64, **restore: Any) -> dict[str, Any]:
     layout = small_layout()
     return {
@@ -330,6 +390,7 @@ def test_bad_plan_input_is_refused(tmp_path: Path) -> None:
         ({"prefill_table": [[512]]}, "expected [tokens, seconds]"),
         ({"prefill_table": "[[1, 2"}, "not valid YAML"),
         ({"planning": "maybe"}, "restore.planning: expected true or false"),
+        ({"warm_wait_s": -1}, "restore.warm_wait_s: must be >= 0"),
     ],
 )
 def test_bad_restore_config_is_a_clear_error(restore: dict[str, Any], message: str) -> None:

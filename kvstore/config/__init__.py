@@ -213,6 +213,11 @@ class RestoreConfig:
     ``warm``: chunks a plan leaves on a tier too slow to pay are copied to a faster
     tier in the background, so the next request finds them fast.
 
+    ``warm_wait_s``: that copy (and a deferred search of a slow tier) waits until the
+    prefills the plans expect have ended, so that it does not slow them down (on a CPU
+    engine the copy shares cores, memory bandwidth and the GIL with the model), but
+    no longer than this many seconds (0: start at once).
+
     ``speed_half_life_s``: each tier's read speed is a fit over its recent
     reads, each weighted by how recent it is; a read's weight halves every
     this many seconds (a tier that slows down shows within a few half-lives).
@@ -227,12 +232,15 @@ class RestoreConfig:
     prefill_tokens_per_s: float | None = _opt(None, parse_optional_float)
     learn_prefill: bool = _opt(True, parse_bool)
     warm: bool = _opt(True, parse_bool)
+    warm_wait_s: float = _opt(30.0, parse_float)
     speed_half_life_s: float = _opt(30.0, parse_float)
     speed_stale_s: float = _opt(300.0, parse_float)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
         _check_positive(self, path, "speed_half_life_s", "speed_stale_s")
+        if self.warm_wait_s < 0:
+            raise ConfigError(f"{path}.warm_wait_s: must be >= 0, got {self.warm_wait_s}")
         if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
             raise ConfigError(
                 f"{path}.prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}"
