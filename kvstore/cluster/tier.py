@@ -6,7 +6,10 @@ peers hold the keys; ``get`` fetches each block from the peer that holds it
 nearest (memory before disk), least loaded first, through that peer's
 kvstore-server (shared memory when the peer runs on this host, layer
 ranges when the consumer asks for layers), and falls back to the next holder
-when one fails or answers too slowly (``peer_timeout_s``). Every block is
+when one fails or answers too slowly (``peer_timeout_s``); keys that no holder
+the copy names could give are asked about in Redis itself before the get gives
+up (``redis_rechecks``): the copy trails Redis by the stream's lag, and by a
+node's re-registration, so a lookup's "held" stays loadable. Every block is
 verified on arrival by the client; a peer that turns out not to hold a block
 it was listed with is removed from the index (the hint is repaired). Fetches
 count towards the block's cluster-wide heat; keys that get hot are offered to
@@ -57,6 +60,7 @@ _COUNTERS = (
     "peer_errors",
     "peer_auth_failures",
     "hot",
+    "redis_rechecks",
 )
 
 
@@ -158,11 +162,8 @@ class ClusterTier(Tier):
     # -- the primitives -------------------------------------------------------------
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         self._counters.add("lookups")
-        view = self.index_view()
-        nodes, _ = view.live()
         me = self.cluster.node
-        peers = sum(1 << (2 * slot) for slot, i in nodes.items() if i.node_id != me and i.advertise)
-        return [bool(b & peers) for b in view.bits(keys)]
+        return self.index_view().held(keys, lambda i: i.node_id != me and bool(i.advertise))
 
     def get(
         self, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor], layers: LayerRange = None
@@ -171,14 +172,9 @@ class ClusterTier(Tier):
         holders = self.holders(keys)
         done = [False] * len(keys)
         tried: list[set[str]] = [set() for _ in keys]
-        while True:
-            plan = self._next_round(holders, tried, done)
-            if not plan:
-                break
-            for node, idxs in plan.items():
-                self._fetch(
-                    node, [keys[i] for i in idxs], [outs[i] for i in idxs], layers, idxs, done
-                )
+        self._fetch_all(keys, outs, layers, (holders, tried, done))
+        if not all(done) and self._ask_redis(keys, holders, done):
+            self._fetch_all(keys, outs, layers, (holders, tried, done))
         fetched = [k for k, ok in zip(keys, done, strict=True) if ok]
         self._counters.add("fetch_failures", len(keys) - len(fetched))
         if layers is not None:
@@ -189,6 +185,51 @@ class ClusterTier(Tier):
             self._counters.add("fetched", len(fetched))
             self._note_heat(fetched)
         return done
+
+    def _fetch_all(
+        self,
+        keys: Sequence[BlockKey],
+        outs: Sequence[torch.Tensor],
+        layers: LayerRange,
+        state: tuple[list[list[NodeInfo]], list[set[str]], list[bool]],
+    ) -> None:
+        """Fetch each key not ``done`` from its holders in turn until one gives it
+        (``state``: the holders of each key, the nodes tried for it, and ``done``)."""
+        holders, tried, done = state
+        while True:
+            plan = self._next_round(holders, tried, done)
+            if not plan:
+                return
+            for node, idxs in plan.items():
+                self._fetch(
+                    node, [keys[i] for i in idxs], [outs[i] for i in idxs], layers, idxs, done
+                )
+
+    def _ask_redis(
+        self, keys: Sequence[BlockKey], holders: list[list[NodeInfo]], done: list[bool]
+    ) -> bool:
+        """Ask Redis itself who holds the keys not fetched (``holders`` gains them); True
+        if that named a node not tried yet.
+
+        This process's copy of the index trails Redis: by the stream's lag, and while a
+        node registers again (its old entries are void from its reset entry on, its new
+        ones arrive in the entries after) or the copy reloads. A lookup answered from the
+        copy just before may have said "held"; the get must not fail on the copy's word
+        alone while Redis still lists a live holder. Costs two round trips, on a miss only.
+        """
+        missing = [i for i, ok in enumerate(done) if not ok]
+        try:
+            fresh = self.holders([keys[i] for i in missing], fresh=True)
+        except TierError:  # Redis away: the copy is all there is
+            return False
+        self._counters.add("redis_rechecks")
+        gained = False
+        for i, nodes in zip(missing, fresh, strict=True):
+            known = {n.node_id for n in holders[i]}  # tried already, all of them
+            new = [n for n in nodes if n.node_id not in known]
+            holders[i] = holders[i] + new
+            gained = gained or bool(new)
+        return gained
 
     @staticmethod
     def _next_round(

@@ -20,10 +20,16 @@ void slots pile up. Live nodes are a mask over slots, refreshed every
 heartbeat: a node whose lease ran out drops out of every answer.
 
 Threads: the follower thread is the only writer. ``_lock`` guards the slot
-tables and the live mask; ``_bits`` is replaced whole on a reload and
-otherwise changed one key at a time, so readers need no lock for it (a reader
-may see a change half applied across keys, as it could across two reads of
-Redis).
+tables and the live mask; ``_bits`` is replaced whole on a reload (with the
+live nodes, under the lock: the slots are numbered anew) and otherwise changed
+one key at a time, so readers need no lock for it once they hold the table
+that goes with the nodes they read (:meth:`IndexView.lookup`; a reader may
+see a change half applied across keys, as it could across two reads of Redis).
+
+The copy trails Redis: by the stream's lag, and while a node registers again
+(its reset entry voids its old slot; its keys follow in the next entries). A
+get that finds no holder in the copy asks Redis before it gives up
+(:class:`~kvstore.cluster.tier.ClusterTier`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _SHARED = 1
 _SPARE_SLOTS = 64  # void slots tolerated (beyond the live ones) before a rebuild
+_SNAPSHOT_TRIES = 3  # snapshots retaken while nodes register during a reload
 
 
 @dataclass(frozen=True)
@@ -115,19 +122,26 @@ class IndexView:
 
     def bits(self, keys: Sequence[BlockKey]) -> list[int]:
         """Each key's bits (see the module docstring); 0 for keys nobody holds."""
-        return list(map(self._bits.get, keys, itertools.repeat(0, len(keys))))  # in C
+        return _get_bits(self._bits, keys)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> tuple[dict[int, NodeInfo], int, list[int]]:
+        """:meth:`live` and :meth:`bits` taken together: a reload numbers the slots anew,
+        and bits read after it must not be paired with nodes read before it."""
+        with self._lock:
+            nodes, live, table = dict(self._nodes), self._live_mask, self._bits
+        return nodes, live, _get_bits(table, keys)
 
     def held(self, keys: Sequence[BlockKey], which: Callable[[NodeInfo], bool]) -> list[bool]:
         """Which keys some live node that ``which`` accepts holds (one mask test a key)."""
-        nodes, _ = self.live()
+        nodes, _, bits = self.lookup(keys)
         mask = sum(1 << (2 * slot) for slot, info in nodes.items() if which(info))
-        return [bool(b & mask) for b in self.bits(keys)]
+        return [bool(b & mask) for b in bits]
 
     def holders(self, keys: Sequence[BlockKey]) -> list[list[Holding]]:
         """For each key, the live nodes that hold it (memory before disk)."""
-        nodes, live = self.live()
+        nodes, live, table = self.lookup(keys)
         out: list[list[Holding]] = []
-        for bits in self.bits(keys):
+        for bits in table:
             held = bits & live
             found: list[Holding] = []
             while held:
@@ -181,11 +195,25 @@ class IndexView:
             self._synced = False
 
     def _reload(self) -> None:
+        """Load a snapshot of the nodes that are live once its stream position is read.
+
+        A node registers by a heartbeat, then its entries (a reset, then its keys). One
+        that was not live when the list was read, but registered before the snapshot
+        read the stream's position, is in neither the snapshot nor the stream after that
+        position: its entries would be missing from the copy until it registered again.
+        So the live nodes are read again after the snapshot, and the snapshot retaken
+        while that names a node it left out."""
         live = self.index.live_nodes()
-        snap = self.index.snapshot(self.namespace, self.fp, list(live))
+        for _ in range(_SNAPSHOT_TRIES):
+            snap = self.index.snapshot(self.namespace, self.fp, list(live))
+            after = self.index.live_nodes()
+            complete = after.keys() <= live.keys()
+            live = after if complete else {**live, **after}
+            if complete:
+                break
         self._load(snap, live)
         self.reloads += 1
-        self._synced = True
+        self._synced = complete  # still short of a node: reload again at once
 
     def _load(self, snap: Snapshot, live: dict[str, NodeInfo]) -> None:
         bits: dict[BlockKey, int] = dict.fromkeys(snap.shared, _SHARED)
@@ -196,14 +224,19 @@ class IndexView:
                 for key, medium in held.items():
                     bits[key] = bits.get(key, 0) | _slot_bits(slot, medium)
             self._position = self._checked_at = snap.position
+            # The slots were numbered anew: the bits and the live nodes change together,
+            # or a reader could pair a new slot's bits with the node of its old number.
             self._bits = bits
-        self._set_live(live)
+            self._live_locked(live)
 
     def _set_live(self, live: dict[str, NodeInfo]) -> None:
         with self._lock:
-            nodes = {self._slot(n): info for n, info in live.items()}
-            self._nodes = nodes
-            self._live_mask = sum(1 << (2 * s) for s in nodes)
+            self._live_locked(live)
+
+    def _live_locked(self, live: dict[str, NodeInfo]) -> None:
+        nodes = {self._slot(n): info for n, info in live.items()}
+        self._nodes = nodes
+        self._live_mask = sum(1 << (2 * s) for s in nodes)
 
     def _apply(self, change: Change) -> None:
         with self._lock:
@@ -235,6 +268,10 @@ class IndexView:
     def _void_slots(self) -> int:
         with self._lock:
             return self._next_slot - 1 - len(self._slots)
+
+
+def _get_bits(table: dict[BlockKey, int], keys: Sequence[BlockKey]) -> list[int]:
+    return list(map(table.get, keys, itertools.repeat(0, len(keys))))  # in C
 
 
 def _slot_bits(slot: int, medium: Medium) -> int:

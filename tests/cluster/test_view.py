@@ -170,3 +170,31 @@ def test_redis_restarted_empty_the_view_reloads_what_nodes_write_again() -> None
         finally:
             view.close()
             index.close()
+
+
+def test_a_node_that_registers_while_the_view_loads_is_not_left_out(
+    index: ClusterIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node a beats and writes its list just after the loading view read the live nodes
+    (a was not among them) and before it read the stream's position: a is in neither
+    the snapshot nor the stream after it. The view must still list a's keys (before,
+    they were missing until a registered again: after Redis came back empty, for good)."""
+    keys = make_keys(5)
+    live_nodes = index.live_nodes
+    calls = itertools.count()
+
+    def registering_meanwhile() -> dict[str, NodeInfo]:
+        live = live_nodes()
+        if next(calls) == 0:  # a registers right after the view read who is live
+            index.heartbeat(NodeInfo("a", "127.0.0.1:1"))
+            index.replace("ns", FP, "a", keys)
+        return live
+
+    monkeypatch.setattr(index, "live_nodes", registering_meanwhile)
+    view = IndexView(index, "ns", FP)
+    view.start()
+    try:
+        assert eventually(lambda: media(view, keys) == [{"a": Medium.MEMORY}] * 5, 3)
+        assert view.synced
+    finally:
+        view.close()
