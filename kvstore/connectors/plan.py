@@ -214,17 +214,24 @@ class Planner:
         num_computed: int,
         adapter: str | None = None,
         salt: str | None = None,
+        verify: bool = False,
     ) -> int:
-        """Tokens beyond ``num_computed`` (the engine's own hit) the store can load."""
+        """Tokens beyond ``num_computed`` (the engine's own hit) the store can load.
+
+        ``verify``: shadow verification (verify.py) sampled the request: whatever is
+        stored is not loaded (0 tokens) but saved again, so the workers compare the
+        engine's recompute with the stored chunks.
+        """
         state = self._state(req_id, prompt_token_ids, adapter, salt)
         found = Found(0, 0)
         if state.keys and not state.load_failed:
             found = self._lookup(state.keys, state.prompt_len, num_computed)
-        state.hit_chunks, state.stored_chunks = found.load, found.stored
+        state.hit_chunks, state.stored_chunks = (0 if verify else found.load), found.stored
         state.planned_load_s = found.load_s
         state.local_tokens = num_computed
-        # Chunks found stored need no save; a failed load rolls this back (see step()).
-        state.saved_chunks = max(state.saved_chunks, found.stored)
+        if not verify:
+            # Chunks found stored need no save; a failed load rolls this back (see step()).
+            state.saved_chunks = max(state.saved_chunks, found.stored)
         return matched_tokens(state.hit_chunks, self.chunk_tokens, state.prompt_len, num_computed)
 
     def allocated(

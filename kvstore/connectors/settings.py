@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -45,7 +46,10 @@ class ConnectorSettings:
     ``transfer`` (``layerwise``: prefetch and store layer by layer; ``sync``:
     whole chunks at the start and end of a step), ``model_id`` and ``salt``
     (namespace), ``stats_dir`` (write counters as JSON there),
-    ``recompute_on_load_failure``, ``staging_bytes``.
+    ``recompute_on_load_failure``, ``staging_bytes``, ``verify_sample_rate`` (the
+    fraction of hits recomputed and compared with the stored blocks instead of served;
+    0 turns shadow verification off) and ``verify_tolerance`` (the largest relative
+    difference that matches; default by KV dtype; see kvstore/connectors/verify.py).
     """
 
     store_config: Any = None
@@ -57,6 +61,8 @@ class ConnectorSettings:
     stats_dir: str | None = None
     recompute_on_load_failure: bool = True
     staging_bytes: int = 256 * 1024**2
+    verify_sample_rate: float = 0.001  # one hit in a thousand recomputed and compared
+    verify_tolerance: float | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -98,6 +104,16 @@ class ConnectorSettings:
             raise ConfigError("recompute_on_load_failure: expected true or false")
         if self.staging_bytes <= 0:
             raise ConfigError("staging_bytes: must be > 0")
+        rate = self.verify_sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ConfigError(
+                f"verify_sample_rate: expected a number from 0 (off) to 1 (every hit), got {rate!r}"
+            )
+        tol = self.verify_tolerance
+        if tol is not None and (
+            isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf
+        ):
+            raise ConfigError(f"verify_tolerance: expected a number > 0, got {tol!r}")
 
     def resolved_store_config(self) -> StoreConfig:
         """The store config: the given dict or YAML path, else env / embedded default."""

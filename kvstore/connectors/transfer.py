@@ -151,6 +151,8 @@ class TransferWorker:
         self._saves: list[_Save] | None = None
         self._layers_put: set[int] = set()
         self._flusher = _Flusher(store, self.counters) if self.flush == "background" else None
+        #: Keys shadow verification found holding other KV (verify.py): never loaded or saved.
+        self.quarantined: set[BlockKey] = set()
 
     def register(self, paged: PagedKV, groups: LayerGroups | None = None) -> None:
         """Attach the engine's paged caches (one per layer of our layout) and their groups."""
@@ -225,7 +227,7 @@ class TransferWorker:
             if spec.whole:
                 self._finished.add(spec.req_id)  # failed or not, the engine stops waiting
             keys = spec.keys.get(self.rank)
-            if keys is None or self.paged is None:
+            if keys is None or self.paged is None or not self.quarantined.isdisjoint(keys):
                 self._fail(spec, spec.token_start)
                 continue
             try:
@@ -376,7 +378,11 @@ class TransferWorker:
         for spec in saves:
             self.counters.add("save_requests")
             keys = spec.keys.get(self.rank, [])
-            todo = [i for i, key in enumerate(keys) if not self.store.contains(key)]
+            todo = [
+                i
+                for i, key in enumerate(keys)
+                if key not in self.quarantined and not self.store.contains(key)
+            ]
             self.counters.add("save_chunks_present", len(keys) - len(todo))
             if not todo or self.paged is None:
                 continue

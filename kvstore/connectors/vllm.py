@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,7 +60,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.hints import apply_hints, finish_with_hint
@@ -70,8 +68,10 @@ from kvstore.connectors.plan import Found, Planner, Scheduled, StepPlan, chunk_t
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
 from kvstore.connectors.transfer import LayerGroups, TransferWorker
+from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
+from kvstore.connectors.vllm_stats import KVStoreConnectorStats
 from kvstore.errors import ConfigError
 from kvstore.index import Medium
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
@@ -90,31 +90,9 @@ log = logging.getLogger(f"vllm.{__name__}")
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells the workers for one step."""
 
-    def __init__(self, plan: StepPlan) -> None:
+    def __init__(self, plan: StepPlan, verify: dict[str, str] | None = None) -> None:
         self.plan = plan
-
-
-@dataclass
-class KVStoreConnectorStats(KVConnectorStats):
-    """Counter deltas from the workers, summed across workers and steps."""
-
-    def reset(self) -> None:
-        """Start a new interval."""
-        self.data = dict[str, Any]()
-
-    def aggregate(self, other: KVConnectorStats) -> KVStoreConnectorStats:
-        """Sum ``other``'s counters into these."""
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """The interval's totals."""
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        """True when nothing was counted."""
-        return not self.data
+        self.verify = verify or {}  # request -> namespace: saves to compare (verify.py)
 
 
 def _scheduled(scheduler_output: Any) -> list[Scheduled]:
@@ -165,6 +143,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters = Counters("scheduler" if is_scheduler else "worker")
         self._lookup_store: KVStore | None = None
         self._worker: TransferWorker | None = None
+        self._verifier: ShadowVerifier | None = None
+        self._sampler = ShadowSampler(self.settings.verify_sample_rate, self.counters)
         self._reads: ReadDeltas | None = None  # a worker's tier reads, for the scheduler
         self._speeds = EngineSpeeds(None)
         self._events: ConnectorEvents | None = None
@@ -342,13 +322,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters.add("lookup_skipped")
             return 0, False
         lora = getattr(request, "lora_request", None)
+        adapter = lora.lora_name if lora is not None else None
+        salt = getattr(request, "cache_salt", None)
+        # Shadow verification: a sampled hit is recomputed and compared, not served.
+        verify = self._loads and self._sampler.sampled(request.request_id)
         try:
             matched = self._planner.match(
-                request.request_id,
-                tokens,
-                num_computed_tokens,
-                adapter=lora.lora_name if lora is not None else None,
-                salt=getattr(request, "cache_salt", None),
+                request.request_id, tokens, num_computed_tokens, adapter, salt, verify
             )
         except Exception:  # a broken lookup is a miss, never a failed request
             log.exception("kvstore: lookup failed for request %s", request.request_id)
@@ -361,6 +341,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if not self._loads:
             return 0, False
+        if verify:
+            ns = self._namespace(None if self.geometry.replicated else 0, adapter, salt)
+            stored = self._planner.requests[request.request_id].stored_chunks
+            self._sampler.mark(request.request_id, stored, ns)
         if matched:
             self.counters.add("lookup_hit_requests")
             self.counters.add("lookup_hit_tokens", matched)
@@ -406,13 +390,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Written as things happen: vLLM may kill this process without calling shutdown().
         if plan or scheduler_output.scheduled_new_reqs:
             self.counters.write(self.settings.stats_dir)
-        return KVStoreConnectorMetadata(plan)
+        return KVStoreConnectorMetadata(plan, self._sampler.for_saves(plan.saves))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Forget the request (its session hint, if any, goes to the stores); saves are
         synchronous, so its blocks can be freed now."""
         finish_with_hint(self._planner, request, self._lookup_store, self.counters)
         self._prompts.pop(request.request_id, None)
+        self._sampler.finished(request.request_id)
         return False, None
 
     def request_finished_all_groups(
@@ -437,6 +422,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             saves=rank == 0 or not self.geometry.replicated,
         )
         self._reads = ReadDeltas(store)
+        self._verifier = ShadowVerifier(self._worker, self.counters, self.settings.verify_tolerance)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Attach vLLM's per-layer paged caches, and learn how the kernel packs a page."""
@@ -507,8 +493,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         """End of the step: check this step's loads, complete its saves, flush."""
-        assert self._worker is not None
+        assert self._worker is not None and self._verifier is not None
         plan = self._plan()
+        meta = self._get_connector_metadata()  # first compare: a quarantined chunk is not saved
+        self._verifier.check(plan.saves, getattr(meta, "verify", {}))
         self._worker.finish_save(plan.saves)
         if plan:
             self.counters.add("steps_with_transfers")
@@ -546,6 +534,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> KVStoreConnectorStats | None:
         """Rebuild stats sent from the workers."""
         return KVStoreConnectorStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Shadow verification's counters in vLLM's ``/metrics`` (``vllm:kvstore_verify_*``)."""
+        return VerifyPromMetrics(metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Close the store (flushing memory-only blocks to disk) and write the counters."""
