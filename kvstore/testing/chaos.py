@@ -59,7 +59,8 @@ class SoakReport:
     cluster, running, settling, checking, stopping. ``driver``: faults skipped (nothing
     to inject them on) and restarts that failed and were retried. ``diagnosis``: blocks
     gone from S3 that were in the hot set at some point (replicas made and dropped)
-    or never were.
+    or never were, and lost blocks gone from the bucket once the final reads ran (a
+    node found the object bad and deleted it: what a truncated upload left there).
     """
 
     ops: int
@@ -159,6 +160,7 @@ def run_soak(
             "requests": cluster.proxy.requests,
             "faults": cluster.proxy.faults,
             "corrupted": cluster.proxy.corrupted,
+            "cut_short": cluster.proxy.cut_short,  # uploads a SIGKILL cut: S3 stores none
             **{f"requests_{k.lower()}": n for k, n in sorted(cluster.proxy.by_kind.items())},
         }
     wall_s = round(clock.lap("stop"), 2)

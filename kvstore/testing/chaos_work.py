@@ -430,6 +430,9 @@ def final_check(cluster: SoakCluster, ledger: Ledger, tally: Tally) -> Outcome:
         tally.sample(
             "deleted_from_s3", f"{bytes(key).hex()} ({hot}{', lost' if key in lost else ''})"
         )
+    if lost:  # still in the bucket after the reads? (a read that deletes it: no)
+        after = cluster.on_s3(list(lost), confirm=3)
+        tally.add("diagnosis.lost_gone_from_s3_while_read", after.count(False))
     for key in lost:
         tally.sample("lost", bytes(key).hex())
         _trace_lost(cluster, key, tally)

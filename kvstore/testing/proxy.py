@@ -123,6 +123,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _relay(self) -> None:
         proxy = self.server.proxy
         body = self._read_body()
+        if body is None:  # the sender hung up mid-body (killed): S3 would store nothing
+            proxy._cut_short()
+            self.close_connection = True
+            return
         fault = proxy._next_fault(_request_kind(self.command, self.path))
         try:
             if fault is None:
@@ -135,18 +139,31 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client gave up (timeout) or the proxy is stopping
             self.close_connection = True
 
-    def _read_body(self) -> bytes:
+    def _read_body(self) -> bytes | None:
+        """The request's whole body; None if the sender hung up before its end.
+
+        A body cut short must never be forwarded as a complete one: S3 stores nothing
+        of a request whose body ends early, and relaying the part that came as the whole
+        would plant a truncated object in the bucket (a node SIGKILLed mid-PUT did, in
+        the chaos soak: a "lost" block that no node could read)."""
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             chunks: list[bytes] = []
             while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                line = self.rfile.readline()
+                if not line.endswith(b"\n"):
+                    return None
+                size = int(line.split(b";")[0].strip() or b"0", 16)
                 if size == 0:
                     self.rfile.readline()
                     return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
+                chunk = self.rfile.read(size)
+                if len(chunk) < size:
+                    return None
+                chunks.append(chunk)
                 self.rfile.readline()
         length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+        body = self.rfile.read(length) if length else b""
+        return body if len(body) == length else None
 
     def _forward(self, body: bytes) -> None:
         proxy = self.server.proxy
@@ -193,8 +210,9 @@ class FaultProxy:
     bytes flipped in their bodies (same status, headers and length).
     ``requests`` and ``faults`` count what the proxy saw and injected
     (``corrupted``: the bodies it damaged, also counted in ``faults``; ``by_kind``:
-    requests by method, S3's batch delete counted as ``DELETE``). ``n = 0`` ends a
-    mode.
+    requests by method, S3's batch delete counted as ``DELETE``; ``cut_short``: requests
+    whose sender hung up before the end of the body, never forwarded, as S3 stores
+    nothing of them). ``n = 0`` ends a mode.
     """
 
     def __init__(self, upstream_port: int, upstream_host: str = HOST, port: int = 0) -> None:
@@ -209,6 +227,7 @@ class FaultProxy:
         self._stall_s = 0.0
         self._corrupt_left = 0
         self.corrupted = 0
+        self.cut_short = 0
         self.by_kind: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -252,6 +271,12 @@ class FaultProxy:
             self.corrupted += 1
             self.faults += 1
         return flip_bytes(data)
+
+    def _cut_short(self) -> None:
+        """Count a request whose sender hung up mid-body (nothing was forwarded)."""
+        with self._lock:
+            self.requests += 1
+            self.cut_short += 1
 
     def _next_fault(self, kind: str) -> tuple[str, float, str] | tuple[str, int, str] | None:
         with self._lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,47 @@ def test_the_proxy_damages_the_next_object_bodies_and_nothing_else(
         via.close()
     assert proxy.corrupted == 1 and proxy.faults == 1
     assert proxy.by_kind == {"PUT": 1, "HEAD": 1, "GET": 4, "DELETE": 1}
+
+
+def _raw_put(proxy: FaultProxy, path: str, head: str, body: bytes, whole: bool) -> None:
+    """A PUT of ``path`` through the proxy: headers ``head``, then ``body``. A ``whole``
+    request waits for its answer; one cut short hangs up at once, as a node SIGKILLed
+    mid-upload does."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}\r\n".encode() + body)
+        if whole:
+            sock.recv(4096)
+
+
+def test_a_put_whose_sender_dies_mid_body_stores_nothing(
+    s3_server: S3Server, proxy: FaultProxy
+) -> None:
+    """S3 stores nothing of a PUT whose body ends early; the proxy relayed the part that
+    came as a whole object, which planted truncated objects in the soak's bucket: a
+    block "in the bucket" that no node could read (issue 32's lost block)."""
+    bucket = s3_server.bucket
+    chunked = "Transfer-Encoding: chunked\r\n"
+    _raw_put(proxy, f"/{bucket}/cut/length", "Content-Length: 1000\r\n", b"x" * 500, False)
+    _raw_put(proxy, f"/{bucket}/cut/chunked", chunked, b"3e8\r\n" + b"y" * 200, False)
+    _raw_put(proxy, f"/{bucket}/cut/whole", "Content-Length: 500\r\n", b"z" * 500, True)
+    _raw_put(
+        proxy, f"/{bucket}/cut/chunks", chunked, b"c8\r\n" + b"w" * 200 + b"\r\n0\r\n\r\n", True
+    )
+    proxy.stop()  # joins its handler threads: whatever it would relay, it has
+    direct = _client(s3_server.url)
+    try:
+
+        def stored(key: str) -> int | None:
+            try:
+                return int(direct.head_object(Bucket=bucket, Key=key)["ContentLength"])
+            except direct.exceptions.ClientError:
+                return None
+
+        assert stored("cut/whole") == 500 and stored("cut/chunks") == 200  # whole: relayed
+        assert stored("cut/length") is None and stored("cut/chunked") is None
+    finally:
+        direct.close()
+    assert proxy.cut_short == 2 and proxy.by_kind == {"PUT": 2}
 
 
 def test_soak_config_rejects_what_cannot_run() -> None:
