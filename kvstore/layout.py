@@ -90,6 +90,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidInputError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            if value >= 2**32:  # the fingerprint packs each as a u32
+                raise InvalidInputError(f"KVLayout.{name} must be below 2**32, got {value}")
         if type(self.kv_factor) is not int or self.kv_factor not in (1, 2):
             raise InvalidInputError(f"KVLayout.kv_factor must be 1 or 2, got {self.kv_factor!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))

@@ -107,6 +107,8 @@ class Connection:
         self._tasks: set[asyncio.Task[bool]] = set()
         #: Requests being received or served (a draining server waits for 0).
         self.busy = 0
+        #: Why the server cuts this connection off (None: it ends normally); logged once.
+        self.why: str | None = None
 
     # -- plumbing for handlers ------------------------------------------------
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -136,7 +138,8 @@ class Connection:
 
     async def error(self, request: Frame, status: Status, message: str) -> None:
         """Send an error reply (even to a NO_REPLY request: the client must learn why)."""
-        data = message.encode()[:4096]
+        # at most 4 KiB, cut at a character: the message stays UTF-8
+        data = message.encode()[:4096].decode("utf-8", "ignore").encode()
         head = Frame(request.op, Flag.REPLY, status, request.request_id, len(data), 0)
         self.ctx.metrics.error(status.name.lower())
         async with self._send_lock:
@@ -162,9 +165,16 @@ class Connection:
                 if not keep:
                     break
         except (ConnectionError, TimeoutError, OSError) as exc:
-            log.debug("connection %s ended: %s", self.chan.peer, exc)
+            self.cut(_broken(exc))  # the stream ended (or stalled) mid-frame or mid-reply
         finally:
             await self._teardown()
+            if self.why is not None:  # one line per connection cut off, whatever the cause
+                log.warning("closed connection from %s: %s", self.chan.peer, self.why)
+
+    def cut(self, why: str) -> None:
+        """Note why this connection is being cut off (the first reason counts)."""
+        if self.why is None:
+            self.why = why[:300]  # the reason may quote the client's bytes: keep it short
 
     async def _next_frame(self) -> Frame | None:
         """The next request's header; None when the client leaves or idles out."""
@@ -182,6 +192,7 @@ class Connection:
             ours = head[:2] == MAGIC
             status = Status.UNSUPPORTED_VERSION if ours else Status.BAD_FRAME
             bad = Frame(0, 0, 0, 0, 0, 0)
+            self.cut(f"{status.name}: {exc}")
             with contextlib.suppress(ConnectionError, TimeoutError, OSError):
                 await self.error(bad, status, str(exc))
             return None
@@ -214,6 +225,8 @@ class Connection:
             self._check_state(frame)
         except Refused as refused:
             self.busy -= 1
+            if refused.fatal:
+                self.cut(f"{refused.status.name}: {refused}")
             await self.error(frame, refused.status, str(refused))
             return not refused.fatal  # a refused request that carries no payload is consumed
         self.ctx.metrics.request(_op_name(frame.op))
@@ -236,7 +249,10 @@ class Connection:
         self.busy -= 1
         if task.cancelled():
             return
-        if task.exception() is not None or task.result() is False:
+        exc = task.exception()
+        if exc is not None or task.result() is False:
+            if isinstance(exc, Exception):
+                self.cut(_broken(exc))
             self.chan.abort()  # the reader sees the end of the stream and leaves
 
     async def _guarded(self, frame: Frame, work: Awaitable[None], started: float) -> bool:
@@ -253,6 +269,8 @@ class Connection:
             return True
         except Refused as refused:
             outcome = _status_name(refused.status)
+            if refused.fatal:
+                self.cut(f"{refused.status.name}: {refused}")
             await self.error(frame, refused.status, str(refused))
             return not refused.fatal
         except KVStoreError as exc:
@@ -354,8 +372,7 @@ class Connection:
     async def _auth(self, frame: Frame, meta: bytes) -> None:
         cred = self.ctx.authenticator.verify(self.nonce, meta)
         if cred is None:
-            self.ctx.metrics.add("auth_failures")
-            log.warning("authentication failed from %s", self.chan.peer)
+            self.ctx.metrics.add("auth_failures")  # logged as the connection closes
             raise Refused(Status.UNAUTHENTICATED, "authentication failed", fatal=True)
         self.credential = cred
         self.state = State.AUTHED
@@ -417,6 +434,13 @@ class Connection:
             await self.run(_abort, pending)
         self.chan.close()
         self.ctx.metrics.gauge("connections_open", -1)
+
+
+def _broken(exc: BaseException) -> str:
+    """Why a connection broke, for its one log line."""
+    if isinstance(exc, TimeoutError):
+        return "too slow: a frame (or the read of a reply) took longer than io_timeout_s"
+    return f"the stream broke mid-frame: {exc or type(exc).__name__}"
 
 
 def _abort(pending: list[PendingPut]) -> None:

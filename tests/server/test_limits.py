@@ -4,7 +4,10 @@ which the server still serves good clients and has changed nothing."""
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import socket
 import struct
 import threading
 import time
@@ -38,6 +41,7 @@ from kvstore.wire.protocol import (
     decode_reserve_reply,
     encode_commit_request,
     encode_get_request,
+    encode_json,
     encode_keys,
 )
 
@@ -117,6 +121,87 @@ def test_bad_fields_get_an_error_and_change_nothing(kv_server: Start, raw: Any) 
     assert frame.status == Status.UNKNOWN_OP
     assert conn.call(Op.OPEN, b"{}")[0].status == Status.BAD_REQUEST  # already open
     assert hosted_store(server).stored_keys() == []
+
+
+def test_an_open_of_a_layout_past_u32_is_a_bad_request(kv_server: Start, raw: Any) -> None:
+    """Found by the wire fuzzer: a layout field of 2**32 or more failed in the layout's
+    fingerprint (a u32 each), answered INTERNAL with a traceback in the server's log."""
+    server = kv_server()
+    conn = raw(server.address)
+    conn.handshake()
+    for field, value in (("num_layers", 2**32), ("head_dim", 2**64)):
+        desc = {**LAYOUT.describe(), field: value}
+        body = {"namespace": "default", "layout": desc, "fingerprint": LAYOUT.fingerprint_hex}
+        frame, meta, _ = conn.call(Op.OPEN, encode_json(body))
+        assert frame.status == Status.BAD_REQUEST, meta
+        assert f"{field} must be below 2**32".encode() in meta
+    assert conn.call(Op.PING)[0].status == Status.OK  # the connection goes on
+
+
+def test_a_long_error_message_is_cut_at_a_character(kv_server: Start, raw: Any) -> None:
+    """Found by the wire fuzzer: an error message over 4 KiB (here naming a long non-ASCII
+    namespace) was cut at byte 4096, in the middle of a character: not UTF-8."""
+    server = kv_server()
+    conn = raw(server.address)
+    conn.handshake()
+    for name in ("x" + "ü" * 3000, "ü" * 3000):  # the cut falls inside a character in one
+        body = {"namespace": name, "layout": LAYOUT.describe(), "fingerprint": "0" * 16}
+        frame, meta, _ = conn.call(Op.OPEN, json.dumps(body, ensure_ascii=False).encode())
+        assert frame.status == Status.BAD_REQUEST and 4000 < len(meta) <= 4096
+        assert meta.decode("utf-8").startswith("namespace")
+
+
+def _closed_lines(caplog: pytest.LogCaptureFixture) -> dict[int, int]:
+    """Per client port, the server's "closed connection from 127.0.0.1:PORT" lines."""
+    lines: dict[int, int] = {}
+    for record in caplog.records:
+        message = record.getMessage()
+        if message.startswith("closed connection from 127.0.0.1:"):
+            port = int(message.split(":")[1].split()[0])
+            lines[port] = lines.get(port, 0) + 1
+    return lines
+
+
+def test_each_connection_cut_off_is_one_log_line(
+    kv_server: Start, raw: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the wire fuzzer: bad frames, truncated frames and slow clients were cut off
+    without a word in the log (a failed token got a line of its own). Now every
+    connection the server cuts off gets exactly one line naming the client and why; one
+    that ends between frames gets none."""
+    caplog.set_level(logging.INFO, logger="kvstore.server")
+    token = "fuzz-token-0123456789abcdef"
+    server = kv_server(token=token, io_timeout_s=0.3)
+    good = raw(server.address)  # ends between frames: no line
+    good.handshake(LAYOUT, token=token.encode())
+    assert good.call(Op.PING)[0].status == Status.OK
+    port = good.sock.getsockname()[1]
+    good.close()
+    bad = []
+    noise = raw(server.address)
+    noise.sock.sendall(b"XX" + bytes(22))  # not a frame of this protocol
+    wrong = raw(server.address)
+    wrong.handshake()
+    wrong.send(Op.AUTH, bytes(32))  # a wrong answer to the challenge
+    slow = raw(server.address)
+    slow.sock.sendall(Frame(Op.HELLO, 0, 0, 1, 0, 0).pack()[:5])  # and nothing more
+    cut = raw(server.address)
+    cut.sock.sendall(Frame(Op.HELLO, 0, 0, 1, 40, 0).pack() + b"{")
+    cut.sock.shutdown(socket.SHUT_WR)  # leaves mid-frame
+    for conn in (noise, wrong, slow, cut):
+        assert conn.closed_by_server()
+        bad.append(conn.sock.getsockname()[1])
+    for _ in range(500):  # the server logs as each one closes: wait for the lines
+        if len(_closed_lines(caplog)) >= len(bad):
+            break
+        time.sleep(0.02)
+    lines = _closed_lines(caplog)
+    assert lines == {p: 1 for p in bad}, caplog.text
+    assert port not in lines
+    text = caplog.text
+    assert "BAD_FRAME" in text and "UNAUTHENTICATED" in text and "too slow" in text
+    assert "mid-frame" in text
+    assert text.count("authentication failed") == 1  # no second line of its own
 
 
 def test_corrupt_blocks_in_a_put_are_dropped_alone(kv_server: Start, raw: Any) -> None:
