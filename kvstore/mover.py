@@ -51,8 +51,18 @@ class Mover:
             if key is not None:
                 self._keys.add(key)
             self._pending += 1
-        self._pool.submit(self._run, job, key)
+        self._start(job, key)
         return True
+
+    def _start(self, job: Callable[[], object], key: Hashable | None) -> None:
+        """Hand a queued job to the pool; where the pool refuses it (the interpreter is
+        exiting: its thread pools are shut down before ``atexit`` handlers, such as the
+        flush of a store left open, run), run it in this thread: dropped, it would stay
+        counted as pending and the flush's ``drain`` would wait forever."""
+        try:
+            self._pool.submit(self._run, job, key)
+        except RuntimeError:
+            self._run(job, key)
 
     def submit_later(
         self,
@@ -79,25 +89,28 @@ class Mover:
 
     def _wait_loop(self) -> None:
         """Hand each waiting job to the pool when its time comes; ends when none waits."""
-        with self._cond:
-            while self._waiting:
+        while True:
+            with self._cond:
+                if not self._waiting:
+                    self._timer = None
+                    return
                 now = time.monotonic()
                 due = [w for w in self._waiting if w[2]() <= now]
                 for item in due:
                     self._waiting.remove(item)
-                    self._pool.submit(self._run, item[0], item[1])
-                if self._waiting:
+                if not due:
                     wake = min(w[2]() for w in self._waiting)
                     self._cond.wait(max(0.001, wake - now))
-            self._timer = None
+            for job, key, _ in due:  # outside the lock: a job may run in this thread
+                self._start(job, key)
 
     def _release_waiting(self) -> None:
         """Start every waiting job now (a drain, a close)."""
         with self._cond:
             waiting, self._waiting = self._waiting, []
-            for job, key, _ in waiting:
-                self._pool.submit(self._run, job, key)
             self._cond.notify_all()
+        for job, key, _ in waiting:  # outside the lock: a job may run in this thread
+            self._start(job, key)
 
     def _run(self, job: Callable[[], object], key: Hashable | None) -> None:
         try:
