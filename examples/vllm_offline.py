@@ -161,6 +161,9 @@ def connector_config(args: argparse.Namespace) -> Any:
     extra: dict[str, Any] = {
         "kvstore_config": store_config(args),
         "model_id": MODEL_IDS.get(args.model, f"kvstore-example-{args.model}"),
+        # Shadow verification off unless asked: a sampled hit is recomputed instead of
+        # loaded, and the runs compared here (and the tests) expect every hit served.
+        "verify_sample_rate": args.verify_sample_rate,
     }
     if args.stats_dir:
         extra["stats_dir"] = args.stats_dir
@@ -305,6 +308,12 @@ def main() -> None:
         "--connector-extra",
         metavar="JSON",
         help='more kv_connector_extra_config keys as inline JSON, e.g. \'{"flush": "close"}\'',
+    )
+    parser.add_argument(
+        "--verify-sample-rate",
+        type=float,
+        default=0.0,
+        help="the connector's verify_sample_rate (fraction of hits recomputed and compared)",
     )
     parser.add_argument("--prompts", choices=("first", "second"), default="first")
     parser.add_argument(
