@@ -390,6 +390,20 @@ async def delete(conn: Session, frame: Frame, meta: bytes) -> None:
     """Delete keys from every tier of this namespace's store."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    wanted = set(keys)
+    lent = [
+        lease
+        for lease, loan in conn.loans.items()
+        if any(found and key in wanted for key, found in zip(loan.keys, loan.found, strict=True))
+    ]
+    if lent:
+        # A delete waits for the blocks' readers. Here the reader is this very client,
+        # which waits for the answer before it releases: a deadlock until the lease
+        # expires, holding a worker thread all along. Refused at once instead.
+        raise Refused(
+            Status.BUSY,
+            f"this connection holds lease {lent[0]} on a block it deletes: RELEASE it first",
+        )
     await conn.reply(frame, encode_count(await conn.run(store.delete, keys)))
 
 

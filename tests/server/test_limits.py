@@ -36,6 +36,7 @@ from kvstore.wire.protocol import (
     Op,
     SlotStatus,
     Status,
+    decode_count,
     decode_get_reply,
     decode_put_reply,
     decode_reserve_reply,
@@ -43,6 +44,7 @@ from kvstore.wire.protocol import (
     encode_get_request,
     encode_json,
     encode_keys,
+    encode_u64,
 )
 
 Start = Callable[..., ServerThread]
@@ -247,6 +249,30 @@ def test_abandoned_reservations_and_loans_end_with_the_connection(
         time.sleep(0.01)
     assert store.manager.pinned_blocks() == 0
     assert store.contains(make_keys(3, salt=1)[0]) is False
+
+
+def test_a_delete_of_blocks_its_own_connection_holds_is_refused_at_once(
+    kv_server: Start, raw: Any
+) -> None:
+    """Found by the wire fuzzer: a DELETE waits for the blocks' readers. A client that
+    GETs through shared memory and deletes before its RELEASE is that reader, and waits
+    for the DELETE's answer: nothing came until the lease expired (30 s), a worker thread
+    held all along (a few such clients stalled every store call of the server)."""
+    server = kv_server()
+    keys = make_keys(2)
+    with Client(LAYOUT, ClientOptions(server.address)) as c:
+        assert all(c.put(keys, blocks(2, seed=5)))
+    conn = raw(server.address, timeout=5)  # far less than the lease
+    conn.handshake(LAYOUT)
+    _, meta, _ = conn.call(Op.GET, encode_get_request(keys[:1], None), flags=Flag.SHM)
+    lease, slots = decode_get_reply(meta, 1)
+    assert lease and slots[0][0] == SlotStatus.SHM
+    frame, meta, _ = conn.call(Op.DELETE, encode_keys(keys))
+    assert frame.status == Status.BUSY and b"RELEASE it first" in meta
+    assert hosted_store(server).contains(keys[1])  # refused whole: nothing deleted
+    conn.send(Op.RELEASE, encode_u64(lease), flags=Flag.NO_REPLY)
+    frame, meta, _ = conn.call(Op.DELETE, encode_keys(keys))
+    assert frame.status == Status.OK and decode_count(meta) == 2
 
 
 def test_slow_and_idle_clients_are_cut_off_without_stalling_others(
