@@ -137,6 +137,9 @@ class StepPlan:
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
     hints: list[HintSpec] = field(default_factory=list)
+    #: Shadow verification (verify.py): request -> its namespace, for the saves whose
+    #: stored chunks the workers compare with the engine's recompute.
+    verify: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.hints)

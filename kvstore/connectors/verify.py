@@ -162,6 +162,21 @@ class ShadowVerifier:
             tolerance if tolerance is not None else TOLERANCES.get(dtype, _DEFAULT_TOLERANCE)
         )
 
+    def discover(self, saves: Sequence[TransferSpec], marked: Mapping[str, str]) -> None:
+        """Before the step's forward pass: have the store look for the stored chunks of
+        ``marked`` requests' saves in its shared tiers (a disk other processes write),
+        where the scheduler found them and the worker's index may not have seen them
+        yet. The worker then takes them as stored, compares them in :meth:`check` and
+        does not save over them."""
+        for spec in saves:
+            keys = spec.keys.get(self.worker.rank)
+            if spec.req_id in marked and keys:
+                try:
+                    self.worker.store.exists(keys)
+                except Exception:  # verification must never break serving
+                    log.exception("kvstore: looking up request %s failed", spec.req_id)
+                    self.counters.add("verify_errors")
+
     def check(self, saves: Sequence[TransferSpec], marked: Mapping[str, str]) -> None:
         """Compare the stored chunks of this step's saves of ``marked`` requests (request
         -> namespace label) with what the engine just computed. Never raises: a failed
@@ -179,14 +194,17 @@ class ShadowVerifier:
     def _check(self, spec: TransferSpec, label: str) -> None:
         worker, store = self.worker, self.worker.store
         keys = spec.keys.get(worker.rank, [])
-        todo = [i for i, k in enumerate(keys) if k not in worker.quarantined and store.contains(k)]
+        # exists(): a shared tier (a disk other processes write) is asked about keys the
+        # index lacks -- the scheduler found them there.
+        stored = store.exists(keys) if keys else []
+        todo = [i for i, k in enumerate(keys) if stored[i] and k not in worker.quarantined]
         if not todo or worker.paged is None:
             return
         kept, fresh = self._recomputed(spec, todo)
-        stored = store.get([keys[i] for i in kept])  # what loads: a failed block ends it
-        n = self.worker.layout.tokens_to_blocks(stored.shape[2])
+        found = store.get([keys[i] for i in kept])  # what loads: a failed block ends it
+        n = self.worker.layout.tokens_to_blocks(found.shape[2])
         c = self.worker.layout.block_tokens
-        diffs = chunk_differences(fresh[:, :, : n * c], stored, c)
+        diffs = chunk_differences(fresh[:, :, : n * c], found, c)
         self.counters.add("verify_checked_chunks", n)
         worst = 0.0
         for i, diff in zip(kept, diffs, strict=False):

@@ -90,9 +90,8 @@ log = logging.getLogger(f"vllm.{__name__}")
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side tells the workers for one step."""
 
-    def __init__(self, plan: StepPlan, verify: dict[str, str] | None = None) -> None:
+    def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
-        self.verify = verify or {}  # request -> namespace: saves to compare (verify.py)
 
 
 def _scheduled(scheduler_output: Any) -> list[Scheduled]:
@@ -390,7 +389,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Written as things happen: vLLM may kill this process without calling shutdown().
         if plan or scheduler_output.scheduled_new_reqs:
             self.counters.write(self.settings.stats_dir)
-        return KVStoreConnectorMetadata(plan, self._sampler.for_saves(plan.saves))
+        plan.verify = self._sampler.for_saves(plan.saves)
+        return KVStoreConnectorMetadata(plan)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Forget the request (its session hint, if any, goes to the stores); saves are
@@ -474,8 +474,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start loading this step's planned chunks (before the forward pass)."""
-        assert self._worker is not None
+        assert self._worker is not None and self._verifier is not None
         plan = self._plan()
+        self._verifier.discover(plan.saves, plan.verify)
         self._worker.start_load(plan.loads)
         apply_hints(self._worker.store, self._worker.rank, plan.hints, self.counters)
 
@@ -495,8 +496,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """End of the step: check this step's loads, complete its saves, flush."""
         assert self._worker is not None and self._verifier is not None
         plan = self._plan()
-        meta = self._get_connector_metadata()  # first compare: a quarantined chunk is not saved
-        self._verifier.check(plan.saves, getattr(meta, "verify", {}))
+        self._verifier.check(plan.saves, plan.verify)  # first: a quarantined chunk is not saved
         self._worker.finish_save(plan.saves)
         if plan:
             self.counters.add("steps_with_transfers")

@@ -67,7 +67,10 @@ def step(
     verifier: ShadowVerifier | None = None,
     marked: dict[str, str] | None = None,
 ) -> None:
-    """One engine step's save hooks in vLLM's order (the connector compares first)."""
+    """One engine step's save hooks in vLLM's order, verification where the connector
+    calls it (discover before the forward pass, check before the saves complete)."""
+    if verifier is not None:
+        verifier.discover(saves, marked or {})
     w.start_load([])
     for layer in range(LAYERS):
         w.wait_layer(layer)
@@ -218,3 +221,30 @@ def test_a_failing_check_is_counted_and_never_raises(tmp_path: Path) -> None:
     spec = TransferSpec("r", {0: keys}, 0, 0, 16, ([1, 2, 3, 4],))
     ShadowVerifier(w, counters).check([spec], {"r": "model=m"})
     assert counters.snapshot() == {"verify_errors": 1}
+
+
+def test_blocks_another_process_stored_after_the_worker_opened_are_compared(
+    tmp_path: Path,
+) -> None:
+    """The scheduler finds them on the shared disk; the worker's index has not seen them."""
+    engine = Engine()
+    w = worker(tmp_path, engine)
+    a_keys, ids = keys_of(list(range(32))), list(range(1, 9))
+    kv_a, kv_b = random_kv(4, 20), random_kv(4, 21)
+    planted = kv_a.clone()
+    planted[:, :, 3 * C :] = kv_b[:, :, 3 * C :]  # chunk 3 holds another prompt's KV
+    config = {"tiers": [{"kind": "disk", "path": str(tmp_path / "d")}]}
+    with KVStore(LAYOUT, config) as other:  # another engine process, same disk
+        assert other.put(a_keys, planted) == 4
+    counters = Counters("worker")
+    engine.compute(ids, kv_a)
+    step(
+        w,
+        [TransferSpec("a", {0: a_keys}, 0, 0, 32, (ids,))],
+        ShadowVerifier(w, counters),
+        {"a": "model=test-model"},
+    )
+    got = counters.snapshot()
+    assert got["verify_checked_chunks"] == 4 and got["verify_mismatched_chunks"] == 1
+    assert w.store.exists(a_keys) == [True, True, True, False]
+    w.close()
