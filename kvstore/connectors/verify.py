@@ -201,6 +201,8 @@ class ShadowVerifier:
         if not todo or worker.paged is None:
             return
         kept, fresh = self._recomputed(spec, todo)
+        if not kept:  # every stored chunk lost its window blocks: nothing to compare
+            return
         found = store.get([keys[i] for i in kept])  # what loads: a failed block ends it
         n = self.worker.layout.tokens_to_blocks(found.shape[2])
         c = self.worker.layout.block_tokens
