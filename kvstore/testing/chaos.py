@@ -20,6 +20,11 @@ a node SIGKILLed and restarted on its disk, Redis killed and started empty, S3 a
 through the proxy) which blocks reached S3. At the end every fault is healed, the
 cluster settles, and each block that reached S3 must still be readable through some
 node: ``lost_blocks`` counts those that are not.
+
+Every node publishes KV events; a subscriber per node keeps a view built from them
+alone, restarted now and then (:mod:`kvstore.testing.chaos_events`); at the end each
+view must equal a fresh snapshot of its node (``events_diverged`` counts the blocks
+where it does not).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from unittest import mock
 
 from kvstore.testing.chaos_cluster import SoakCluster
 from kvstore.testing.chaos_config import FAULT_KINDS, SoakConfig
+from kvstore.testing.chaos_events import EventWatch
 from kvstore.testing.chaos_faults import FaultDriver
 from kvstore.testing.chaos_work import Ledger, Outcome, Tally, Tracker, Workload, final_check
 from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
@@ -61,6 +67,9 @@ class SoakReport:
     gone from S3 that were in the hot set at some point (replicas made and dropped)
     or never were, and lost blocks gone from the bucket once the final reads ran (a
     node found the object bad and deleted it: what a truncated upload left there).
+    ``events_diverged``: blocks where a node's long-lived event view differs from the
+    node's own snapshot after the settle (phantom, missed or at another medium), plus
+    nodes that did not answer; ``events``: those figures and the views' counters.
     """
 
     ops: int
@@ -83,18 +92,27 @@ class SoakReport:
     run_s: float
     wall_s: float
     seed: int
+    events_diverged: int = 0
+    events: dict[str, int] = field(default_factory=dict)
     phases_s: dict[str, float] = field(default_factory=dict)
     samples: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         """No wrong byte, no block lost or deleted from S3, no unexpected exception."""
-        return not (self.wrong_bytes or self.lost_blocks or self.s3_deleted or self.unexpected)
+        return not (
+            self.wrong_bytes
+            or self.lost_blocks
+            or self.s3_deleted
+            or self.unexpected
+            or self.events_diverged
+        )
 
     def rows(self) -> list[list[object]]:
         """The figures as table rows, header first (for a benchmark's human output)."""
         rows: list[list[object]] = [["figure", "value"]]
-        for name in ("ops", "faults", "wrong_bytes", "lost_blocks", "s3_deleted", "unexpected"):
+        names = ("ops", "faults", "wrong_bytes", "lost_blocks", "s3_deleted", "unexpected")
+        for name in (*names, "events_diverged"):
             rows.append([f"soak_{name}", getattr(self, name)])
         for group in ("ops_by_kind", "faults_by_kind", "misses_by_kind", "errors_by_kind"):
             rows += [[f"{group[:-8]} {k}", v] for k, v in getattr(self, group).items()]
@@ -112,7 +130,8 @@ class SoakReport:
         lines = [
             f"ops {self.ops} in {self.run_s:.0f} s ({self.wall_s:.0f} s wall), "
             f"faults {self.faults}, wrong bytes {self.wrong_bytes}, "
-            f"lost blocks {self.lost_blocks}, deleted from S3 {self.s3_deleted}",
+            f"lost blocks {self.lost_blocks}, deleted from S3 {self.s3_deleted}, "
+            f"events diverged {self.events_diverged}",
             f"ops: {self.ops_by_kind}",
             f"faults: {self.faults_by_kind}",
             f"misses: {self.misses_by_kind}",
@@ -120,7 +139,7 @@ class SoakReport:
             f"blocks put {self.blocks_put}, stored {self.blocks_stored}, "
             f"reached S3 {self.blocks_reached_s3}; proxy {self.proxy}",
             f"nodes: {self.node_counters}",
-            f"driver: {self.driver}; diagnosis: {self.diagnosis}",
+            f"driver: {self.driver}; diagnosis: {self.diagnosis}; events: {self.events}",
             f"phases (s): {self.phases_s}",
         ]
         lines += [f"{what}: {rows}" for what, rows in self.samples.items() if rows]
@@ -148,14 +167,19 @@ def run_soak(
     clock = _Phases()
     tally, ledger = Tally(), Ledger(config.seed)
     with _dummy_aws_env(), SoakCluster(config, Path(workdir), s3) as cluster:
+        watch = EventWatch(cluster.event_endpoints(), config.seed, 2 * config.fault_interval_s)
         clock.lap("start")
-        _run_phase(cluster, config, ledger, tally)
-        clock.lap("run")
-        cluster.settle(timeout=60.0)
-        time.sleep(config.settle_s)  # leases of entries a killed node left run out
-        clock.lap("settle")
-        outcome = final_check(cluster, ledger, tally)
-        clock.lap("check")
+        try:
+            _run_phase(cluster, config, ledger, tally, watch.start())
+            clock.lap("run")
+            cluster.settle(timeout=60.0)
+            time.sleep(config.settle_s)  # leases of entries a killed node left run out
+            clock.lap("settle")
+            outcome = final_check(cluster, ledger, tally)
+            events = watch.check(cluster.running())
+            clock.lap("check")
+        finally:
+            watch.close()
         proxy = {
             "requests": cluster.proxy.requests,
             "faults": cluster.proxy.faults,
@@ -164,7 +188,11 @@ def run_soak(
             **{f"requests_{k.lower()}": n for k, n in sorted(cluster.proxy.by_kind.items())},
         }
     wall_s = round(clock.lap("stop"), 2)
-    return _report(tally, ledger, outcome, proxy, config.seed, (wall_s, clock.laps))
+    report = _report(tally, ledger, outcome, proxy, config.seed, (wall_s, clock.laps))
+    report.events = events
+    diverged = ("phantom", "missed", "wrong_medium", "unanswered")
+    report.events_diverged = sum(events.get(k, 0) for k in diverged)
+    return report
 
 
 def _report(
@@ -221,9 +249,11 @@ class _Phases:
         return now - self.start
 
 
-def _run_phase(cluster: SoakCluster, config: SoakConfig, ledger: Ledger, tally: Tally) -> None:
-    """The workload, the fault driver and the S3 tracker, for ``config.seconds``; then
-    every fault healed."""
+def _run_phase(
+    cluster: SoakCluster, config: SoakConfig, ledger: Ledger, tally: Tally, watch: EventWatch
+) -> None:
+    """The workload, the fault driver, the S3 tracker and the event views' restarts, for
+    ``config.seconds``; then every fault healed."""
     stop = threading.Event()
     workload = Workload(cluster, config, ledger, tally)
     driver = FaultDriver(cluster, config, tally)
@@ -231,6 +261,7 @@ def _run_phase(cluster: SoakCluster, config: SoakConfig, ledger: Ledger, tally: 
     threads = [
         threading.Thread(target=driver.run, args=(stop,), name="chaos-faults"),
         threading.Thread(target=tracker.run, args=(stop,), name="chaos-tracker"),
+        threading.Thread(target=watch.run, args=(stop,), name="chaos-event-views"),
         *workload.threads(stop),
     ]
     for thread in threads:

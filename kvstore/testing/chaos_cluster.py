@@ -26,6 +26,7 @@ from kvstore.errors import KVStoreError, TierError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
+from kvstore.testing.chaos_events import event_ports, node_events_config
 from kvstore.testing.data import small_layout
 from kvstore.testing.kvserver import KVStoreServerProcess
 from kvstore.testing.proxy import FaultProxy
@@ -68,6 +69,8 @@ class SoakCluster:
         self.members: list[KVStore] = []
         self._clients: dict[str, Client] = {}
         self._probe: KVStore | None = None
+        #: Each node's KV events: (PUB, replay) ports, kept across its restarts.
+        self.event_ports = dict(zip(self.names, event_ports(len(self.names)), strict=True))
 
     # -- start / stop ------------------------------------------------------------------
     def __enter__(self) -> SoakCluster:
@@ -157,7 +160,21 @@ class SoakCluster:
             },
             self._s3_tier(self.proxy.url),
         ]
-        return {"tiers": tiers, "cluster": {**self.cluster.to_dict(), "node_id": name}}
+        events = node_events_config(
+            self.event_ports[name], self.workdir / name, LAYOUT.block_tokens
+        )
+        return {
+            "tiers": tiers,
+            "cluster": {**self.cluster.to_dict(), "node_id": name},
+            "events": events,
+        }
+
+    def event_endpoints(self) -> dict[str, tuple[str, str]]:
+        """Each node's KV event endpoints: (PUB, replay)."""
+        return {
+            name: (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+            for name, (pub, replay) in self.event_ports.items()
+        }
 
     def _member_config(self, i: int) -> dict[str, Any]:
         return {

@@ -25,6 +25,7 @@ import torch
 from kvstore.errors import BlockNotFoundError, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.testing.chaos_cluster import LAYOUT, SoakCluster
+from kvstore.testing.chaos_events import chunk_tokens
 
 if TYPE_CHECKING:
     from kvstore.testing.chaos_config import SoakConfig
@@ -285,7 +286,9 @@ class Workload:
         node = rng.choice(self.cluster.names)
         idx = self.ledger.allocate(rng.randint(1, 4))
         keys = self.ledger.keys(idx)
-        ok = self.cluster.client(node).put(keys, [block_for(k) for k in keys])
+        client = self.cluster.client(node)
+        client.note_tokens(chunk_tokens(keys, idx[0], LAYOUT.block_tokens))  # for its events
+        ok = client.put(keys, [block_for(k) for k in keys])
         self.ledger.stored(idx, ok)
         self.tally.add("misses.put", ok.count(False))
 

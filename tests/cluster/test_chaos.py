@@ -198,3 +198,6 @@ def test_a_short_chaos_soak_serves_no_wrong_byte_and_loses_no_block(
     assert report.blocks_reached_s3 > 0 and report.ops_by_kind["node_get"] > 0, summary
     assert report.node_counters.get("cluster.hot", 0) > 0, summary  # replicas were due
     assert report.to_json()["soak_wrong_bytes"] == 0
+    # each node's KV-event view (restarted during the run) equals its snapshot after it
+    assert report.events_diverged == 0, summary
+    assert report.events["blocks"] > 0 and report.events["view_restarts"] > 0, summary
