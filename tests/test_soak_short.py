@@ -43,7 +43,8 @@ def test_soak_short_keeps_memory_and_counts_flat() -> None:
     assert result["wrong_bytes"] == 0, result["examples"]
     assert result["rss_growth"] <= 0.25
     for field in ("threads", "slots", "index", "pinned"):
-        assert result[f"{field}_growth"] == 0, (field, result["growth_by_process"])
+        seen = [(s["t"], s["store"].get(field), s["server"].get(field)) for s in result["samples"]]
+        assert result[f"{field}_growth"] == 0, (field, seen)
     # A socket of a killed client may close a moment late; 2 of ~24 fds at most.
     assert result["fds_growth"] <= 0.1, result["growth_by_process"]
     assert result["shared_growth"] <= 0.02, result["growth_by_process"]

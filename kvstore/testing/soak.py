@@ -258,6 +258,10 @@ def _verify_store(store: KVStore, keys: list[Any], tally: Tally) -> None:
 
 def _store_main(conn: Connection, config: SoakConfig, workdir: str) -> None:
     """The store process: answers ``sample`` and ``stop`` from the soak."""
+    # torch starts its intra-op threads at the first large operation, whenever that
+    # comes; started now, they are not counted as growth later (they live as long as
+    # the process, whatever the store does).
+    _blocks_tensor(_canon_keys(config.seed, 256)).view(-1).float().sum()
     side = _StoreSide(config, Path(workdir))
     threads = side.start()
     conn.send("ready")
@@ -360,11 +364,13 @@ class _ServerSide:
                 for key, out, ok in zip(canon, outs, found, strict=True):
                     self.tally.add("wrong_bytes", wrong_bytes(key, out) if ok else 0)
                 self.tally.add("errors.server.settled_blocks_lost", found.count(False))
+                _wait_moves(control)
             finally:
                 control.close()
-        pid = self.server.pid
-        assert pid is not None, "the server exited"
-        return {**steady_figures(pid), **figures, "busy": busy}
+            pid = self.server.pid
+            assert pid is not None, "the server exited"
+            process = steady_figures(pid)  # still paused: the clients' sockets hold still
+        return {**process, **figures, "busy": busy}
 
     def close(self) -> dict[str, object]:
         self.stop.set()
@@ -372,6 +378,14 @@ class _ServerSide:
             thread.join()
         self.server.stop()
         return self.tally.snapshot()
+
+
+def _wait_moves(control: Client, timeout: float = 10.0) -> None:
+    """Until the server's background moves (write-through, eviction) are done: their
+    open block files would count among its fds."""
+    end = time.monotonic() + timeout
+    while control.server_stats()["stores"][0].get("moves_pending", 0) and time.monotonic() < end:
+        time.sleep(0.1)
 
 
 # -- the soak ---------------------------------------------------------------------------------
