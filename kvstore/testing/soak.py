@@ -44,12 +44,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvstore.client import Client, ClientOptions
+from kvstore.keys import BlockKey
 from kvstore.store import KVStore
 from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.testing.soak_work import (
@@ -155,7 +159,7 @@ def _store_figures(stats: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _canon_keys(seed: int, canon: int) -> list[Any]:
+def _canon_keys(seed: int, canon: int) -> list[BlockKey]:
     return Keys(f"{seed}:canon").new(canon)
 
 
@@ -239,13 +243,12 @@ class _StoreSide:
         }
 
 
-def _blocks_tensor(keys: list[Any]) -> Any:
-    import torch
-
+def _blocks_tensor(keys: list[BlockKey]) -> torch.Tensor:
+    """The blocks of ``keys`` as one tensor of ``LAYOUT.tensor_shape(len(keys))``."""
     return torch.cat([block_for(k) for k in keys], dim=2)
 
 
-def _verify_store(store: KVStore, keys: list[Any], tally: Tally) -> None:
+def _verify_store(store: KVStore, keys: list[BlockKey], tally: Tally) -> None:
     """The settled blocks must all be there, byte-exact, after the restart."""
     got = store.get(keys)
     step = LAYOUT.block_tokens
@@ -390,7 +393,9 @@ def _wait_moves(control: Client, timeout: float = 10.0) -> None:
 
 # -- the soak ---------------------------------------------------------------------------------
 def run_soak(
-    config: SoakConfig, workdir: str | os.PathLike[str], log: Any = None
+    config: SoakConfig,
+    workdir: str | os.PathLike[str],
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the soak in ``workdir``; the result (see :func:`summarize`)."""
     work = Path(workdir)
