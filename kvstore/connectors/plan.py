@@ -97,6 +97,8 @@ class TransferSpec:
     token ids of the spec's chunks, and ``parents[rank]`` the key of the chunk
     before them, so the server's KV events carry the tokens. ``planned_s`` (loads):
     the restore plan's expected load seconds, to compare with the actual.
+    ``step_end`` (saves): the tokens the request has computed by the end of this
+    step (a recurrent state, kept per step, is that of this position only).
     """
 
     req_id: str
@@ -110,6 +112,7 @@ class TransferSpec:
     token_ids: list[int] | None = None
     parents: dict[int, BlockKey | None] | None = None
     planned_s: float | None = None
+    step_end: int | None = None
 
     def blocks_of(self, start: int, end: int, block_size: int, group: int = 0) -> list[int]:
         """Engine block ids of ``group`` holding any of tokens ``[start, end)``."""
@@ -341,6 +344,7 @@ class Planner:
         spec = self._spec(req_id, state, first, last, first * c, last * c)
         if spec is not None:
             state.saved_chunks = last
+            spec.step_end = done
         return spec
 
     def _spec(

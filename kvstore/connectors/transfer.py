@@ -339,6 +339,14 @@ class TransferWorker:
         self._load_failed = True
         self.counters.add("load_failed_blocks", len(blocks))
 
+    def whole_load_failed(self, req_id: str) -> bool:
+        """Whether a whole load of ``req_id`` failed since the results were last taken."""
+        return req_id in self._failed
+
+    def fail_load(self, spec: TransferSpec) -> None:
+        """Report ``spec``'s load failed (something beside its KV did not load)."""
+        self._fail(spec, spec.token_start)
+
     def take_load_errors(self) -> set[int]:
         """Engine block ids whose load failed since the last call (the engine recomputes them)."""
         self.finish_load()

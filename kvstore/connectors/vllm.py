@@ -29,9 +29,11 @@ vLLM's hybrid KV cache manager (the connector declares ``SupportsHMA``); see
 :mod:`kvstore.connectors.vllm_geometry`. With several KV cache groups, loads are
 vLLM's *asynchronous* kind: planned when vLLM allocates the request's blocks,
 done whole by the workers before the request computes, and reported per request
-(vLLM cannot take per-block failures when block ids repeat across groups). A
-model with layers whose state kvstore does not store (Mamba) is served no
-prefix at all, as the start-up log says.
+(vLLM cannot take per-block failures when block ids repeat across groups).
+Hybrids' recurrent state (Mamba2, gated delta-net) is stored per chunk beside
+its KV when vLLM keeps it per block (``mamba_cache_mode="align"``;
+:mod:`kvstore.connectors.vllm_hybrid`). A model with layers whose state kvstore
+does not store is served no prefix at all, as the start-up log says.
 
 KV events: with ``events: {enabled: true}`` in the store config, the scheduler
 reports the chunks kvstore holds for this engine through ``take_events()``, and
@@ -71,6 +73,8 @@ from kvstore.connectors.transfer import LayerGroups, TransferWorker
 from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
+from kvstore.connectors.vllm_hybrid import StateLookup, StateTransfer
+from kvstore.connectors.vllm_runtime import cache_writer, parallel_ranks
 from kvstore.connectors.vllm_stats import KVStoreConnectorStats
 from kvstore.errors import ConfigError
 from kvstore.index import Medium
@@ -142,6 +146,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters = Counters("scheduler" if is_scheduler else "worker")
         self._lookup_store: KVStore | None = None
         self._worker: TransferWorker | None = None
+        # Hybrid models: their recurrent state per chunk (vllm_hybrid.py).
+        self._state_lookup: StateLookup | None = None
+        self._states: StateTransfer | None = None
         self._verifier: ShadowVerifier | None = None
         self._sampler = ShadowSampler(self.settings.verify_sample_rate, self.counters)
         self._reads: ReadDeltas | None = None  # a worker's tier reads, for the scheduler
@@ -230,6 +237,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._lookup_store = KVStore(self.layout, shared)
+            if self.geometry.states and self.geometry.serves:
+                self._state_lookup = StateLookup(self.geometry.states, shared, self.chunk_tokens)
             if config.events.enabled:
                 self._init_events(config.events, shared)
         self._planner = Planner(
@@ -268,6 +277,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._events is not None:
             self._events.gone(keys[first][stored:])
         load = min(plan.load, stored)
+        if self._state_lookup is not None:  # a hybrid's hit ends on a stored state
+            stored = self._state_lookup.longest(keys, stored, prompt_len)
+            load = self._state_lookup.longest(keys, min(load, stored), prompt_len)
         if load < stored:
             self.counters.add("plan_recompute_requests")
             self.counters.add("plan_recompute_tokens", (stored - load) * self.chunk_tokens)
@@ -317,7 +329,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.prompt_token_ids
         if tokens is None or getattr(request, "mm_features", None) or not self.geometry.serves:
             # Prompt embeddings or images: the token ids alone do not determine the KV; or
-            # some layers' state (Mamba) is not stored, so no prefix can be served.
+            # some layers' state is not stored, so no prefix can be served.
             self.counters.add("lookup_skipped")
             return 0, False
         lora = getattr(request, "lora_request", None)
@@ -408,7 +420,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:
-        rank, stage = _parallel_ranks()
+        rank, stage = parallel_ranks()
         # The scheduler reports the engine's KV events; a worker's store publishes none.
         config = self.settings.resolved_store_config()
         store = KVStore(self.layout, dataclasses.replace(config, events=EventsConfig()))
@@ -422,6 +434,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             saves=rank == 0 or not self.geometry.replicated,
         )
         self._reads = ReadDeltas(store)
+        if self.geometry.states and self.geometry.serves:
+            states, dir_ = self.geometry.states, self.settings.stats_dir
+            self._states = StateTransfer(
+                states, config, rank, self.geometry.block_size, self.counters, audit_dir=dir_
+            )
         self._verifier = ShadowVerifier(self._worker, self.counters, self.settings.verify_tolerance)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -436,6 +453,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         page_map = self._page_map(caches[0])
         groups = LayerGroups(tuple(self.geometry.layer_groups()), self.geometry.sliding_groups())
         self._worker.register(PagedKV(caches, page_map, self.geometry.block_size), groups)
+        if self._states is not None:
+            self._states.register(kv_caches)
         log.info(
             "kvstore: registered %d KV caches of shape %s (%s)",
             len(caches),
@@ -450,7 +469,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         layers = self._vllm_config.compilation_config.static_forward_context
         layer = layers.get(name)
         impl = getattr(layer, "impl", None)
-        write = _cache_writer(layer, impl, self.geometry.replicated)
+        write = cache_writer(layer, impl, self.geometry.replicated)
         if write is not None:
             try:
                 return PageMap.calibrate(
@@ -478,6 +497,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self._plan()
         self._verifier.discover(plan.saves, plan.verify)
         self._worker.start_load(plan.loads)
+        if self._states is not None:
+            self._states.load_all(plan.loads, self._worker)
         apply_hints(self._worker.store, self._worker.rank, plan.hints, self.counters)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -498,6 +519,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self._plan()
         self._verifier.check(plan.saves, plan.verify)  # first: a quarantined chunk is not saved
         self._worker.finish_save(plan.saves)
+        if self._states is not None and self._worker.saves:
+            self._states.save_all(plan.saves, flush=self.settings.flush == "step")
         if plan:
             self.counters.add("steps_with_transfers")
             self.counters.write(self.settings.stats_dir)
@@ -550,50 +573,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Close the store (flushing memory-only blocks to disk) and write the counters."""
         if self._worker is not None:
             self._worker.close()
+        for state_store in (self._states, self._state_lookup):
+            if state_store is not None:
+                state_store.close()
         if self._lookup_store is not None:
             self._lookup_store.close()
         if self._events is not None:
             self._events.close()
         self.counters.write(self.settings.stats_dir)
-
-
-def _cache_writer(layer: Any, impl: Any, latent: bool) -> Any:
-    """The backend's cache-write kernel as ``write(k, v, cache, slots)``, or None.
-
-    For MLA the "K" is the latent: split into the compressed KV and the rope part
-    the kernel takes (``kv_c_normed [T, rank]``, ``k_pe [T, 1, rope]``).
-    """
-    if impl is None or not hasattr(impl, "do_kv_cache_update"):
-        return None
-    if not latent:
-
-        def write(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
-            impl.do_kv_cache_update(layer, k, v, c, s)
-
-        return write
-    rank = getattr(layer, "kv_lora_rank", None) or getattr(impl, "kv_lora_rank", None)
-    if rank is None:
-        return None
-
-    def write_latent(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
-        latent = k[:, 0, :]
-        kv_c, k_pe = latent[:, :rank].contiguous(), latent[:, rank:].unsqueeze(1).contiguous()
-        dtype = getattr(layer, "kv_cache_dtype", "auto")
-        impl.do_kv_cache_update(kv_c, k_pe, c, s, dtype, getattr(layer, "_k_scale", None))
-
-    return write_latent
-
-
-def _parallel_ranks() -> tuple[int, int]:
-    """This worker's (tensor-parallel rank, pipeline stage); (0, 0) without those groups."""
-    from vllm.distributed import parallel_state
-
-    try:
-        tp = int(parallel_state.get_tensor_model_parallel_rank())
-    except (AssertionError, RuntimeError):  # no TP group (a single process)
-        tp = 0
-    try:
-        pp = int(parallel_state.get_pp_group().rank_in_group)
-    except (AssertionError, RuntimeError, AttributeError):
-        pp = 0
-    return tp, pp

@@ -13,9 +13,15 @@ attention, Mamba state, ... The connector serves the attention kinds:
   blocks that fall out of the window, so only blocks it still holds are saved
   and only the window is loaded.
 
-Any other kind (Mamba/SSM state, chunked local attention, cross attention) is
-not stored; since a prefix hit needs every layer's state, a model with such a
-group gets no kvstore hits at all, and says so at start-up.
+Recurrent-state groups (``MambaSpec``: Mamba2, gated delta-net) are read into
+:class:`~kvstore.connectors.vllm_state.StateGroup` (shapes, dtypes, kind, caching
+mode) and every one of them is folded into the model id the keys are made from,
+so no state geometry is ever served another's KV. Their state is stored per chunk
+(:mod:`kvstore.connectors.vllm_hybrid`) when vLLM keeps it per block
+(``mamba_cache_mode="align"``, state blocks as large as attention's). Any other
+kind (chunked local attention, cross attention), or state vLLM does not keep per
+block, is not stored; since a prefix hit needs every layer's state, a model with
+such a group gets no kvstore hits at all, and says so at start-up.
 
 Engine-independent in its types: the specs are read by duck typing, so this
 module imports nothing of vLLM and is tested with plain objects.
@@ -30,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvstore.connectors.vllm_state import StateGroup, is_state_spec, state_fingerprint
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
@@ -115,6 +122,7 @@ class EngineGeometry:
     model_id: str
     tp_size: int
     pp_size: int = 1
+    states: tuple[StateGroup, ...] = ()
 
     @classmethod
     def from_vllm(
@@ -127,20 +135,11 @@ class EngineGeometry:
         if pp_size > 1:
             _check_even_stages(model, pp_size)
         all_groups = list(kv_cache_config.kv_cache_groups)
-        groups, skipped, shapes = [], [], set()
-        for index, group in enumerate(all_groups):
-            spec = group.kv_cache_spec
-            kind, window = _classify(spec)
-            if kind is None:
-                skipped.append(f"{len(group.layer_names)} {type(spec).__name__} layers")
-                continue
-            shapes.add(_shape(spec, kind))
-            names = tuple(sorted(group.layer_names, key=natural_key))
-            groups.append(AttentionGroup(index, kind, names, window))
+        groups, skipped, shapes, states = _read_groups(all_groups)
         if not groups:
+            has = "; ".join(skipped + [g.describe() for g in states]) or "no KV cache groups"
             raise ConfigError(
-                "KVStoreConnector found no attention layers it can store "
-                f"(the model has {'; '.join(skipped) or 'no KV cache groups'})"
+                f"KVStoreConnector found no attention layers it can store (the model has {has})"
             )
         if len(shapes) != 1:
             raise ConfigError(
@@ -148,6 +147,11 @@ class EngineGeometry:
                 f"dtype) across its attention groups; this model has {len(shapes)}"
             )
         (shape,) = shapes
+        skipped += [f"{g.describe()} ({why})" for g, why in _unserved(states, shape.block_size)]
+        model_id = model_id or _model_id(model)
+        fingerprint = state_fingerprint(tuple(states))
+        if fingerprint is not None:  # any state group's change gives other keys
+            model_id += f"|state={fingerprint}"
         return cls(
             layer_names=tuple(sorted((n for g in groups for n in g.layer_names), key=natural_key)),
             groups=tuple(groups),
@@ -159,9 +163,10 @@ class EngineGeometry:
             kv_factor=shape.kv_factor,
             dtype=shape.dtype,
             model_dtype=model.dtype,
-            model_id=model_id or _model_id(model),
+            model_id=model_id,
             tp_size=int(parallel.tensor_parallel_size),
             pp_size=pp_size,
+            states=tuple(states),
         )
 
     @property
@@ -197,8 +202,12 @@ class EngineGeometry:
             counts[g.kind, g.window] = counts.get((g.kind, g.window), 0) + len(g.layer_names)
             first.setdefault((g.kind, g.window), g)
         served = ", ".join(first[k].describe(n) for k, n in sorted(counts.items(), key=str))
-        if len(self.groups) > 1:
-            served += f" in {len(self.groups)} KV cache groups"
+        stored = len(self.groups)
+        if self.serves and self.states:
+            served += ", " + ", ".join(g.describe() for g in self.states)
+            stored += len(self.states)
+        if stored > 1:
+            served += f" in {stored} KV cache groups"
         if self.skipped:
             return (
                 f"kvstore stores nothing for this model: it cannot store {'; '.join(self.skipped)}"
@@ -218,6 +227,44 @@ class EngineGeometry:
             dtype=self.dtype,
             kv_factor=self.kv_factor,
         )
+
+
+def _read_groups(
+    all_groups: list[Any],
+) -> tuple[list[AttentionGroup], list[str], set[_SpecShape], list[StateGroup]]:
+    """vLLM's groups as (attention groups, descriptions of the groups not stored,
+    the attention groups' shapes, recurrent-state groups)."""
+    groups, skipped, shapes, states = [], [], set(), []
+    for index, group in enumerate(all_groups):
+        spec = group.kv_cache_spec
+        names = tuple(sorted(group.layer_names, key=natural_key))
+        if is_state_spec(spec):
+            states.append(StateGroup.from_spec(index, names, spec))
+            continue
+        kind, window = _classify(spec)
+        if kind is None:
+            skipped.append(f"{len(group.layer_names)} {type(spec).__name__} layers")
+            continue
+        shapes.add(_shape(spec, kind))
+        groups.append(AttentionGroup(index, kind, names, window))
+    return groups, skipped, shapes, states
+
+
+def _unserved(states: list[StateGroup], block_size: int) -> list[tuple[StateGroup, str]]:
+    """The state groups whose state cannot be stored per chunk, and why."""
+    out = []
+    for g in states:
+        if not g.cached_per_block:
+            out.append(
+                (
+                    g,
+                    f"vLLM keeps its state per block only with mamba_cache_mode "
+                    f"'align'; this engine runs {g.cache_mode!r}",
+                )
+            )
+        elif g.block_size != block_size:
+            out.append((g, f"state blocks of {g.block_size} tokens, attention's {block_size}"))
+    return out
 
 
 def _check_even_stages(model: Any, pp_size: int) -> None:

@@ -198,13 +198,21 @@ def test_geometry_of_mla_is_one_latent_shared_by_every_rank() -> None:
     assert "one copy shared by every TP rank" in geo.describe()
 
 
-def test_geometry_with_mamba_layers_serves_nothing_and_says_so() -> None:
+def test_geometry_with_mamba_layers_serves_them_only_in_align_mode() -> None:
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     geo = EngineGeometry.from_vllm(
         vllm_config(), kv_config(full(["a"]), KVCacheGroupSpec(["m"], mamba)), None
     )
-    assert not geo.serves
-    assert "1 MambaSpec layers" in geo.describe() and "recomputed" in geo.describe()
+    assert not geo.serves  # vLLM's default mamba_cache_mode keeps no state per block
+    assert "1 mamba2 state layers" in geo.describe() and "recomputed" in geo.describe()
+    aligned = MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align"
+    )
+    geo = EngineGeometry.from_vllm(
+        vllm_config(), kv_config(full(["a"]), KVCacheGroupSpec(["m"], aligned)), None
+    )
+    assert geo.serves and geo.states[0].layer_names == ("m",)
+    assert "|state=" in geo.model_id
 
 
 def test_geometry_refuses_what_it_cannot_key() -> None:
