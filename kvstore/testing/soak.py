@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from kvstore.client import Client, ClientOptions
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.store import KVStore
 from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
@@ -348,7 +349,21 @@ class _ServerSide:
             proc.wait()
 
     def sample(self) -> dict[str, Any]:
-        """Stop the clients, settle the server's store, read it."""
+        """Stop the clients, settle the server's store, read it; {} (an error, with the
+        server's last words) when the server does not answer."""
+        try:
+            return self._sample()
+        except KVStoreError as exc:
+            self.failed("sample", exc)
+            return {}
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Count an error of the server itself, with the end of its log."""
+        self.tally.add(f"errors.server.{what}")
+        self.tally.note(f"errors.server.{what}", f"{type(exc).__name__}: {exc}")
+        self.tally.note("server_log", self.server.log_tail(3000))
+
+    def _sample(self) -> dict[str, Any]:
         with self.gate.closed():
             time.sleep(_SETTLE_WAIT_S)  # loans and reservations of killed clients end
             control = Client(LAYOUT, self.options(False))
@@ -379,7 +394,10 @@ class _ServerSide:
         self.stop.set()
         for thread in self.threads:
             thread.join()
-        self.server.stop()
+        try:
+            self.server.stop()
+        except KVStoreError as exc:  # it hung: kill()ed by stop(); say so in the result
+            self.failed("stop", exc)
         return self.tally.snapshot()
 
 
@@ -447,7 +465,8 @@ def summarize(
     config: SoakConfig, samples: list[dict[str, Any]], tallies: list[Any]
 ) -> dict[str, Any]:
     """The soak's JSON: growth fields, errors, wrong bytes, operation counts, samples."""
-    measured = [s for s in samples if s["t"] >= config.warmup_minutes * 60 - 1 and s["store"]]
+    whole = [s for s in samples if s["store"] and s["server"]]
+    measured = [s for s in whole if s["t"] >= config.warmup_minutes * 60 - 1]
     counts: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
     for tally in tallies:
@@ -455,7 +474,7 @@ def summarize(
             counts[name] = counts.get(name, 0) + n
         examples.update(tally["examples"])
     errors = sum(n for name, n in counts.items() if name.startswith(("errors.", "unexpected.")))
-    errors += len(samples) - len([s for s in samples if s["store"]])
+    errors += len(samples) - len(whole)
     result: dict[str, Any] = {"minutes": config.minutes, "warmup_minutes": config.warmup_minutes}
     by_process: dict[str, dict[str, float]] = {}
     for side in ("store", "server"):
