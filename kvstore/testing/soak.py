@@ -442,10 +442,12 @@ def run_soak(
                 log(_brief(row))
             due += config.interval_s
     finally:
-        client_tally = server.close()
-        parent.send("stop")
-        store_tally = parent.recv()
-        store_proc.join(60)
+        try:
+            client_tally = server.close()
+        finally:  # the store process is stopped whatever the server did
+            parent.send("stop")
+            store_tally = parent.recv()
+            store_proc.join(60)
     return summarize(config, samples, [store_tally, client_tally])
 
 
