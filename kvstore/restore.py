@@ -325,8 +325,8 @@ class RestorerParts:
     find_later: Callable[[Sequence[BlockKey], int], bool] = lambda keys, levels: False
     #: ``later(job, not_before)``: run ``job`` in the background once ``time.monotonic()``
     #: reaches ``not_before()`` (asked again then); False if not queued.
-    later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: (
-        _run_now(job)
+    later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: _run_now(
+        job
     )
 
 
@@ -386,14 +386,27 @@ class Restorer:
         self.stats.planned(plan, costs.chunk_tokens)
         if plan.ready_s is not None:
             self._busy_until = max(self._busy_until, time.monotonic() + plan.ready_s)
-        if plan.warm and self.warming:
-            self._after_compute(self._warm_job([keys[i] for i in plan.warm]))
+        warm = [*self._loaded_remote(levels, plan), *plan.warm]
+        if warm and self.warming:
+            self._after_compute(self._warm_job([keys[i] for i in warm]))
         if hopeless and self.warming:
             search = functools.partial(self.parts.find_later, list(keys), hopeless)
             if self._after_compute(search):
                 self.stats.add("lookups_deferred")
         self._probe_stale(keys, levels, plan, costs)
         return plan
+
+    def _loaded_remote(self, levels: Sequence[int], plan: RestorePlan) -> list[int]:
+        """Chunks the plan loads from another machine's storage (a bucket, Redis, a
+        peer): the engine reads them into its own memory, which no tier of this store
+        sees, so they are copied up too, or the next request would find its head on the
+        slow tier again and recompute the whole prefix."""
+        media = self.parts.media
+        return [
+            i
+            for i in range(plan.first, plan.load)
+            if levels[i] < len(media) and media[levels[i]] not in ("memory", "disk")
+        ]
 
     def _warm_job(self, keys: list[BlockKey]) -> Callable[[], None]:
         def job() -> None:

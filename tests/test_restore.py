@@ -255,6 +255,27 @@ def test_warming_waits_for_the_compute_the_plans_expect() -> None:
     assert warmed == [4] and restorer.snapshot()["chunks_warming"] == 4
 
 
+def test_chunks_loaded_from_another_machines_storage_are_warmed_too() -> None:
+    """A bucket fast enough to pay: its chunks are loaded, and copied up as well (the
+    engine's copy is not the store's), so that the next request finds the head local."""
+    warmed: list[list[Any]] = []
+    speeds = [speed(1.0, 1.0), speed(10.0, 1.0)]
+    where = {bytes([i]) * 16: [1] if i < 2 else [0] for i in range(4)}
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: where[key],
+        lambda: speeds,
+        frozenset(),
+        lambda keys: warmed.append(list(keys)) or len(keys),
+        media=("disk", "shared"),
+    )
+    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1))
+    keys = list(where)
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert (plan.load, plan.warm) == (4, ())  # every chunk pays; none left behind
+    assert warmed == [keys[:2]]  # the two the bucket held, not the two on local disk
+
+
 def test_warming_starts_at_once_with_no_wait() -> None:
     queued: list[Any] = []
     speeds = [speed(10.0), speed(0.0001, 500.0)]
