@@ -22,6 +22,11 @@ from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Lev
 from kvstore.keys import BlockKey
 from kvstore.policy.placement import Placement
 
+#: How long a demotion waits for reads and copies of its blocks to end; blocks still
+#: in use then keep their place (a demotion is a hint). Bounded: it waits on a mover
+#: thread, which other background moves need.
+_TAKE_WAIT_S = 10.0
+
 __all__ = [
     "Reservation",
     "RetainedFn",
@@ -298,18 +303,29 @@ class RoomBooks:
     def take_keys(self, level: int, keys: Sequence[BlockKey]) -> Victims:
         """Those of ``keys`` that tier ``level`` holds readable, pinned and counted as
         leaving (the victims of a demotion a session hint asked for). Copies and reads
-        in flight are waited for, as a delete waits for them."""
+        in flight are waited for (up to ``_TAKE_WAIT_S``; blocks still in use then
+        stay), and the victims are chosen and claimed at once, after the wait.
+
+        Chosen one by one across the waits, a block picked before the wait could be
+        claimed meanwhile by another eviction (of another tier: a disk's) and then be
+        claimed a second time here: each eviction then waits, in ``drop_victims``, for
+        the other's pin to drop, forever, and every put waiting for room behind them
+        (``wait_room``) times out, so a kvstore-server stops answering.
+        """
         lv, bit = self._levels[level], 1 << level
+        unique = list(dict.fromkeys(keys))
+        deadline = time.monotonic() + _TAKE_WAIT_S
         with self._guard.locked():
             self._guard.check_open()
-            victims = []
-            for key in dict.fromkeys(keys):
-                entry = self._index.get(key)
-                if entry is None or entry.state != READY or not entry.tiers & bit:
-                    continue
-                self._pins(entry, 0)
-                if entry.state == READY and entry.tiers & bit:  # still, after the wait
-                    victims.append((key, entry))
+            while True:
+                self._pins(None, 0)  # expired leases end
+                held = [(k, e) for k in unique if (e := self._index.get(k)) is not None]
+                held = [(k, e) for k, e in held if e.state == READY and e.tiers & bit]
+                busy = any(e.pins for _, e in held)
+                if not busy or time.monotonic() >= deadline or self._guard.closed:
+                    break
+                self._guard.wait(0.05)  # nothing claimed while waiting
+            victims = [(k, e) for k, e in held if not e.pins]
             claim(lv, victims)
             return victims
 
