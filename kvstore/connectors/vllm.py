@@ -435,9 +435,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._reads = ReadDeltas(store)
         if self.geometry.states and self.geometry.serves:
-            states, dir_ = self.geometry.states, self.settings.stats_dir
+            # States go to the shared tiers only: no second host-memory reservation.
+            states, tiers = self.geometry.states, shared_tiers_config(config) or config
             self._states = StateTransfer(
-                states, config, rank, self.geometry.block_size, self.counters, audit_dir=dir_
+                states,
+                tiers,
+                rank,
+                self.geometry.block_size,
+                self.counters,
+                audit_dir=self.settings.stats_dir,
             )
         self._verifier = ShadowVerifier(self._worker, self.counters, self.settings.verify_tolerance)
 

@@ -36,7 +36,12 @@ from typing import Any
 
 import torch
 
-from kvstore.connectors.vllm_state import StateGroup, is_state_spec, state_fingerprint
+from kvstore.connectors.vllm_state import (
+    StateGroup,
+    describe_states,
+    is_state_spec,
+    state_fingerprint,
+)
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
@@ -204,7 +209,7 @@ class EngineGeometry:
         served = ", ".join(first[k].describe(n) for k, n in sorted(counts.items(), key=str))
         stored = len(self.groups)
         if self.serves and self.states:
-            served += ", " + ", ".join(g.describe() for g in self.states)
+            served += ", " + describe_states(self.states)
             stored += len(self.states)
         if stored > 1:
             served += f" in {stored} KV cache groups"

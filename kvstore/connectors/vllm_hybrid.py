@@ -15,9 +15,10 @@ stored prefix whose last chunk has its state (:class:`StateLookup`), never the
 whole prompt (the engine computes its last token itself, and a hit must end on a
 block boundary); the load writes the state into the block vLLM allocated there.
 
-State blocks live in a second :class:`~kvstore.store.KVStore` on the same tiers
-(its own layout directory on disk): one "layer" per state layer, one "token" per
-chunk, the layer's state as raw bytes (padded to the largest layer).
+State blocks live in a second :class:`~kvstore.store.KVStore` on the store's
+shared tiers (disk, Redis, S3...; its own layout directory on disk), so they take
+no host memory of their own: one "layer" per state layer, one "token" per chunk,
+the layer's state as raw bytes (padded to the largest layer).
 
 Engine-independent: vLLM's state caches are passed in as per-layer
 ``[num_blocks, ...]`` byte pages (the raw ``[B, 1, 1, page]`` int8 views vLLM

@@ -17,6 +17,7 @@ never served to another.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import xxhash
 
 from kvstore.errors import ConfigError
 
-__all__ = ["StateGroup", "is_state_spec", "state_fingerprint"]
+__all__ = ["StateGroup", "describe_states", "is_state_spec", "state_fingerprint"]
 
 
 def is_state_spec(spec: Any) -> bool:
@@ -100,12 +101,26 @@ class StateGroup:
             f"n{len(self.layer_names)}:[{tensors}]"
         )
 
-    def describe(self) -> str:
-        """E.g. ``3 mamba2 state layers (2 tensors, 49152 bytes each)``."""
+    def describe(self, layers: int | None = None) -> str:
+        """E.g. ``3 mamba2 state layers (2 tensors, 49152 bytes each)`` (``layers``: a
+        count other than this group's)."""
+        n = len(self.layer_names) if layers is None else layers
         return (
-            f"{len(self.layer_names)} {self.kind} state layers ({len(self.shapes)} tensors, "
+            f"{n} {self.kind} state layers ({len(self.shapes)} tensors, "
             f"{self.layer_nbytes} bytes each)"
         )
+
+
+def describe_states(groups: Sequence[StateGroup]) -> str:
+    """The state groups for the start-up log, alike ones together (vLLM puts each
+    state layer of a hybrid in a group of its own)."""
+    counts: dict[tuple[str, int, int], int] = {}
+    first: dict[tuple[str, int, int], StateGroup] = {}
+    for g in groups:
+        like = (g.kind, len(g.shapes), g.layer_nbytes)
+        counts[like] = counts.get(like, 0) + len(g.layer_names)
+        first.setdefault(like, g)
+    return ", ".join(first[k].describe(n) for k, n in counts.items())
 
 
 def state_fingerprint(groups: tuple[StateGroup, ...]) -> str | None:

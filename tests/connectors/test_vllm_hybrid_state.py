@@ -61,8 +61,8 @@ def test_state_groups_are_served_and_every_spec_is_in_the_keys() -> None:
     geo = geometry(MambaSpec(), MambaSpec())
     assert geo.serves and len(geo.states) == 2 and geo.layer_names == ("l.3",)
     assert geo.describe() == (
-        "kvstore serves 1 full-attention layers, 1 mamba2 state layers (2 tensors, 224 bytes"
-        " each), 1 mamba2 state layers (2 tensors, 224 bytes each) in 3 KV cache groups"
+        "kvstore serves 1 full-attention layers, 2 mamba2 state layers (2 tensors, 224 bytes"
+        " each) in 3 KV cache groups"
     )
     ids = {geo.model_id}
     for other in (
