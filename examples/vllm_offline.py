@@ -25,6 +25,13 @@ cached, its time to first token, and the connector's counters.
 
 vLLM's own prefix cache is off unless ``--prefix-caching``: every cached token
 then comes from kvstore, and a hit is compared against a full recompute.
+
+``--speculative eagle`` runs the Llama with a random EAGLE draft (written to
+``<workdir>/eagle``, ``--spec-tokens`` drafts a step). ``--probe-dir DIR`` records
+the KV bytes of each prompt's blocks when its prefill ends (examples/vllm_probe.py):
+with a store, kvstore's connector does so; without one, a connector that does nothing
+else is attached (the reference a kvstore hit is compared against, with
+``--prefix-caching``: vLLM's own hit).
 """
 
 from __future__ import annotations
@@ -155,9 +162,14 @@ def store_config(args: argparse.Namespace) -> dict[str, Any] | str:
 
 
 def connector_config(args: argparse.Namespace) -> Any:
-    """The KVTransferConfig that loads the kvstore connector on :func:`store_config`."""
+    """The KVTransferConfig that loads the kvstore connector on :func:`store_config`
+    (its probing form with ``--probe-dir``; without a store, the do-nothing probe)."""
     from vllm.config import KVTransferConfig
 
+    if not (args.store or args.store_config):
+        return KVTransferConfig(
+            kv_connector="ProbeConnector", kv_connector_module_path="vllm_probe", kv_role="kv_both"
+        )
     extra: dict[str, Any] = {
         "kvstore_config": store_config(args),
         "model_id": MODEL_IDS.get(args.model, f"kvstore-example-{args.model}"),
@@ -169,9 +181,10 @@ def connector_config(args: argparse.Namespace) -> Any:
         extra["stats_dir"] = args.stats_dir
     if args.connector_extra:  # more kv_connector_extra_config keys, e.g. {"flush": "close"}
         extra.update(json.loads(args.connector_extra))
+    probe = bool(args.probe_dir)
     return KVTransferConfig(
-        kv_connector="KVStoreConnector",
-        kv_connector_module_path="kvstore.connectors.vllm",
+        kv_connector="KVStoreProbeConnector" if probe else "KVStoreConnector",
+        kv_connector_module_path="vllm_probe" if probe else "kvstore.connectors.vllm",
         kv_role=args.kv_role,
         kv_connector_extra_config=extra,
     )
@@ -196,6 +209,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = model_path(args)
     connector = bool(args.store or args.store_config)
+    if args.probe_dir:  # the probe connectors live beside this file; engine processes import them
+        os.environ["KV_PROBE_DIR"] = str(Path(args.probe_dir).resolve())
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (here, os.environ.get("PYTHONPATH")) if p
+        )
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=True,
@@ -208,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend="mp" if workers(args) > 1 else None,
         max_num_seqs=args.max_num_seqs,
-        kv_transfer_config=connector_config(args) if connector else None,
+        kv_transfer_config=connector_config(args) if connector or args.probe_dir else None,
+        speculative_config=speculative_config(args),
         disable_log_stats=False,
         seed=0,
     )
@@ -241,6 +261,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "connector": connector,
         "results": repetitions[0],
         "repetitions": repetitions,
+    }
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--speculative eagle``: a random EAGLE draft beside the Llama (vLLM's spec dict)."""
+    if not args.speculative:
+        return None
+    import vllm_models
+
+    draft = vllm_models.write_eagle_draft(Path(args.workdir) / "eagle", MODEL)
+    return {
+        "method": "eagle",
+        "model": str(draft),
+        "num_speculative_tokens": args.spec_tokens,
+        # vLLM's own prefix hits drop their last block by default (recomputed, so the
+        # draft sees the next token); a kvstore hit keeps it, as this does.
+        "disable_eagle_block_drop": args.spec_keep_last_block,
     }
 
 
@@ -342,11 +379,23 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="llama",
-        choices=("llama", "mla", "gemma3", "granite_hybrid", "qwen3_next"),
+        choices=("llama", "mla", "gemma3", "gpt_oss", "granite_hybrid", "qwen3_next"),
         help="llama: 12-layer Llama; mla: DeepSeek-V2 geometry; gemma3: sliding + full "
-        "layers; granite_hybrid: Mamba2 layers + a full one; qwen3_next: gated delta-net + "
-        "a full one",
+        "layers; gpt_oss: sliding and full layers alternating, attention sinks, MoE; "
+        "granite_hybrid: Mamba2 layers + a full one; qwen3_next: gated delta-net + a full one",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("eagle",),
+        help="speculative decoding with a random EAGLE draft (the llama model only)",
+    )
+    parser.add_argument("--spec-tokens", type=int, default=2, help="draft tokens per step")
+    parser.add_argument(
+        "--spec-keep-last-block",
+        action="store_true",
+        help="vLLM's own prefix hits keep their last block under EAGLE (as kvstore's do)",
+    )
+    parser.add_argument("--probe-dir", help="record each prompt's KV block hashes here")
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -365,6 +414,8 @@ def main() -> None:
         parser.error("--repeat must be at least 1")
     if args.gap_s < 0:
         parser.error("--gap-s must be >= 0")
+    if args.speculative and args.model != "llama":
+        parser.error("--speculative runs with --model llama")
     bind_threads(workers(args))
     result = run(args)
     result["stats"] = read_stats(args.stats_dir)
