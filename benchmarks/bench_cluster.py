@@ -177,7 +177,7 @@ class Nodes:
             raise
         return self
 
-    def _wait_live(self, timeout: float = 30.0) -> None:
+    def _wait_live(self, timeout: float = 90.0) -> None:
         """Wait until every node has joined (a server accepts before it joins)."""
         with contextlib.closing(ClusterIndex(self.cluster)) as index:
             end = time.monotonic() + timeout
