@@ -174,8 +174,8 @@ class _Wire:
         """True once the server closes (anything it sends first is ignored)."""
         self.sock.settimeout(timeout)
         try:
-            while self.sock.recv(65536):
-                pass
+            while self.sock.recv(65536):  # what it sends before closing is read and dropped
+                continue
             return True
         except TimeoutError:
             return False
