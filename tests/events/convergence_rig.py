@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,16 @@ def events_config(tmp_path: Path) -> dict[str, Any]:
         "block_size": BLOCK,
         "token_journal": str(tmp_path / "tokens.journal"),
     }
+
+
+def opened_rig(tmp_path: Path) -> Iterator[Rig]:
+    """A fixture's body: a :class:`Rig` on free ports in ``tmp_path``, closed after."""
+    rig = Rig(tmp_path, events_config(tmp_path))
+    rig.open()
+    try:
+        yield rig
+    finally:
+        rig.close()
 
 
 @dataclass

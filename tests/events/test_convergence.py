@@ -12,17 +12,14 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from convergence_rig import Rig, converged, events_config, soak
+from convergence_rig import Rig, converged, opened_rig, soak
 
 from kvstore.testing.event_view import EventView, compare
 
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    rig = Rig(tmp_path, events_config(tmp_path))
-    rig.open()
-    yield rig
-    rig.close()
+    yield from opened_rig(tmp_path)
 
 
 def test_a_view_from_events_alone_equals_the_tiers_after_faults_and_restarts(rig: Rig) -> None:

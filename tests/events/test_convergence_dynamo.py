@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from convergence_rig import BLOCK, Rig, converged, dynamo_prefix, events_config, soak
+from convergence_rig import BLOCK, Rig, converged, dynamo_prefix, opened_rig, soak
 from dynamo_indexer import DynamoIndexer, dynamo_marks
 
 from kvstore.testing.event_view import EventView
@@ -23,10 +23,7 @@ WORKER = 11
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    rig = Rig(tmp_path, events_config(tmp_path))
-    rig.open()
-    yield rig
-    rig.close()
+    yield from opened_rig(tmp_path)
 
 
 def test_dynamos_indexer_answers_the_prefix_lengths_the_tiers_hold(rig: Rig) -> None:
