@@ -23,4 +23,4 @@ parallel=()
 if [ "$workers" -gt 1 ]; then
   parallel=(-n "$workers" --dist loadfile)
 fi
-exec "$bin/python" -m pytest -p no:cacheprovider "${parallel[@]}" "$@"
+exec "$bin/python" -m pytest -p no:cacheprovider --durations=40 "${parallel[@]}" "$@"
