@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 __all__ = ["map_or_inline", "call_or_inline"]
@@ -23,8 +23,21 @@ R = TypeVar("R")
 def _exiting(exc: RuntimeError) -> bool:
     # Once the interpreter exits, the main thread counts as stopped (before any atexit
     # handler runs); a pool whose workers already quit then says "after shutdown", one
-    # that never started any "after interpreter shutdown".
-    return not threading.main_thread().is_alive() or "interpreter shutdown" in str(exc)
+    # that never started any "after interpreter shutdown". Earlier, while the exit hook
+    # of concurrent.futures joins the pools' workers (the main thread still alive), each
+    # worker it woke has marked its own pool shut down: a thread still working (a flush
+    # job writing to a disk tier) hears "after shutdown" from a pool nobody closed. A
+    # fresh pool tells that apart from a pool its owner shut down: it refuses too.
+    if not threading.main_thread().is_alive() or "interpreter shutdown" in str(exc):
+        return True
+    probe = ThreadPoolExecutor(1, thread_name_prefix="kvstore-exit-probe")
+    try:
+        probe.submit(int).result()
+    except RuntimeError:
+        return True
+    finally:
+        probe.shutdown(wait=False)
+    return False
 
 
 def map_or_inline(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:

@@ -83,11 +83,6 @@ else:
 """
 
 
-@pytest.mark.xfail(
-    reason="failed once in the clean-clone CI run (its subprocess's stderr: 'tier disk failed "
-    "to store 4 blocks'); under investigation, issue 32",
-    strict=False,
-)
 def test_a_store_left_open_over_a_full_disk_tier_exits(tmp_path: Path) -> None:
     """The flush at exit fills the disk tier past its watermark, which queues an
     eviction after the interpreter has shut thread pools down: the eviction runs in

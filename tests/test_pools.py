@@ -42,3 +42,32 @@ def test_at_exit_they_run_in_the_callers_thread() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["pool started", "[(1, True), (2, True)] (3, True)"]
+
+
+def test_a_pool_its_worker_marked_shut_down_at_exit_runs_them_in_the_callers_thread() -> None:
+    """While the exit hook of concurrent.futures joins the workers, a pool whose idle
+    worker already left says "after shutdown" to a thread still working (a flush job
+    writing to a disk tier): the interpreter exits, so the calls run in that thread."""
+    script = """
+        import threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from kvstore.pools import call_or_inline, map_or_inline
+        idle = ThreadPoolExecutor(1)
+        idle.submit(int).result()  # its worker started; it leaves first at exit
+        busy = ThreadPoolExecutor(1)
+        started = threading.Event()
+        def job():
+            started.set()
+            time.sleep(0.5)  # the interpreter starts exiting meanwhile
+            try:
+                print(map_or_inline(idle, lambda x: x * 2, [1, 2]), call_or_inline(idle, int))
+            except RuntimeError as exc:
+                print("refused:", exc)
+        busy.submit(job)
+        started.wait()
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[2, 4] 0"]
