@@ -269,6 +269,8 @@ class _Load:
     in_flight: list[Event] = field(default_factory=list)
     staging: list[tuple[torch.Tensor, Event | None]] = field(default_factory=list)
     queued: int = 0  # steps already queued (the first, on the caller's thread)
+    slow_layers: int = 1  # layers read a call from slower tiers (layer order)
+    slow_until: int = 0  # layers of the slower tiers' blocks read so far (layer order)
 
 
 class Prefetcher:
@@ -353,6 +355,7 @@ class Prefetcher:
         load.sources = self._sources(load)
         handle = load.handle
         if load.order == "layer":
+            load.slow_layers = self._slow_layers(load)
             for first in range(0, self.num_layers, load.step):
                 last = min(self.num_layers, first + load.step)
                 if not self._step(load, (0, handle.valid_blocks), (first, last)):
@@ -370,6 +373,25 @@ class Prefetcher:
         for key, level in zip(load.handle.keys, self.books.fastest(entries), strict=False):
             sources.append(self.io.view(level, key) if level >= 0 else None)
         return sources
+
+    def _slow_layers(self, load: _Load) -> int:
+        """Layers a call reads of the blocks only slower tiers hold: enough that a slow
+        link's latency is paid once a block, not once a layer (the most any of their
+        tiers wants: :meth:`SpeedEstimate.layers_per_call`)."""
+        entries = load.lease.entries
+        levels = {
+            level
+            for level, source in zip(self.books.fastest(entries), load.sources, strict=False)
+            if source is None and level >= 0
+        }
+        most = load.step
+        for level in levels:
+            speed = self.io.speed(level)
+            if speed is not None:
+                most = max(
+                    most, speed.layers_per_call(self.io.layout.layer_nbytes, self.num_layers)
+                )
+        return most
 
     def _step(self, load: _Load, blocks: tuple[int, int], layers: tuple[int, int] | None) -> bool:
         """Queue one step; False when the load must stop (cancelled or nothing left)."""
@@ -427,6 +449,12 @@ class Prefetcher:
             else:
                 slow.append(i)
         bad = None
+        if layers is not None:  # read ahead as many layers as a call of their tiers takes
+            if first < load.slow_until:
+                return pairs, None  # read with an earlier step's layers
+            last = max(last, min(self.num_layers, first + load.slow_layers))
+            load.slow_until = last
+            layers = (first, last)
         if slow:
             keys = [load.handle.keys[i] for i in slow]
             entries = [load.lease.entries[i] for i in slow]

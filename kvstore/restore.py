@@ -4,13 +4,14 @@ A lookup says which leading chunks of a prompt are stored and where; a
 :class:`RestorePlan` says how many of them to load. Loading chunks
 ``[first, n)`` from their tiers costs ``load(n)`` (each tier's live read speed:
 its latency a call plus its bytes over its bandwidth, tiers one after another; one
-call per tier, or one a layer for a load that runs layer by layer); recomputing what
+call per tier, or, for a load that runs layer by layer, one per group of layers read
+together: a layer for a fast tier, a whole chunk behind a slow link); recomputing what
 is not loaded costs the engine's prefill of tokens ``[n * chunk_tokens, prompt_tokens)``
 (:class:`~kvstore.speeds.PrefillSpeed`).
 The plan picks the ``n`` with the least time to a ready prompt:
 
-    load(n) + prefill(n)                                   loads before compute
-    max(load(n), prefill(n)) + load(n) / layers            loads overlapping compute layer by layer
+    load(n) + prefill(n)                                     loads before compute
+    max(load(n) + prefill(n) / g, prefill(n) + load(n) / g)  loads under compute, in g groups
 
 so a hit is never expected to be slower than a miss. Ties go to the longer load;
 a plan never loads less than the leading chunks in the store's fast (memory) tiers;
@@ -156,11 +157,23 @@ def restore_request(
     return RestoreRequest((), prompt_tokens, computed_tokens, bool(overlap), True, chunk_tokens)
 
 
-def _load_seconds(per_level: dict[int, int], costs: RestoreCosts, calls: int) -> float:
-    """Seconds to read ``per_level[level]`` chunks from each level: ``calls`` calls per
-    level (one for a whole read; one a layer for a load that runs layer by layer)."""
+def _calls(level: int, costs: RestoreCosts, overlap: bool) -> int:
+    """Calls a load makes to read a chunk from ``level``: one for a whole read; for a load
+    that runs layer by layer, one per group of layers the prefetcher reads together from
+    that tier (:meth:`SpeedEstimate.layers_per_call`: a slow link's latency is paid once
+    a chunk, a fast tier's a layer)."""
+    layers = max(1, costs.num_layers)
+    if not overlap:
+        return 1
+    per_call = costs.speeds[level].layers_per_call(costs.chunk_bytes // layers, layers)
+    return -(-layers // per_call)
+
+
+def _load_seconds(per_level: dict[int, int], costs: RestoreCosts, overlap: bool) -> float:
+    """Seconds to read ``per_level[level]`` chunks from each level (the levels one after
+    another, each level's chunks read side by side)."""
     return sum(
-        costs.speeds[level].seconds_for(n * costs.chunk_bytes, calls)
+        costs.speeds[level].seconds_for(n * costs.chunk_bytes, _calls(level, costs, overlap))
         for level, n in per_level.items()
     )
 
@@ -174,12 +187,12 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
     floor = first
     while floor < stored and request.levels[floor] in costs.fast:
         floor += 1
-    loads, per_level = [0.0], dict[int, int]()
-    # A load under compute reads each tier a layer at a time: a call, and its latency, a layer.
-    calls = max(1, costs.num_layers) if request.overlap else 1
+    loads, groups, per_level = [0.0], [max(1, costs.num_layers)], dict[int, int]()
     for i in range(first, stored):
-        per_level[request.levels[i]] = per_level.get(request.levels[i], 0) + 1
-        loads.append(_load_seconds(per_level, costs, calls))
+        level = request.levels[i]
+        per_level[level] = per_level.get(level, 0) + 1
+        loads.append(_load_seconds(per_level, costs, request.overlap))
+        groups.append(min(groups[-1], _calls(level, costs, request.overlap)))
     prefill = costs.prefill
 
     def ready(n: int) -> float | None:
@@ -188,7 +201,10 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
             return None
         load = loads[n - first]
         if request.overlap:
-            return max(load, compute) + load / max(1, costs.num_layers)
+            # A pipeline of ``g`` groups of layers: the engine computes a group once it
+            # has arrived, so the slower side runs whole and the other adds one group.
+            g = groups[n - first]
+            return max(load + compute / g, compute + load / g)
         return load + compute
 
     nocache = ready(first)

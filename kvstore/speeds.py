@@ -25,6 +25,7 @@ the engine's own step times.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ __all__ = ["DecayedFit", "PrefillEstimate", "PrefillSpeed", "ReadSpeed", "SpeedE
 #: Sizes must spread by this fraction of their mean for the fit to separate latency
 #: from bandwidth (below it the two are indistinguishable from noise).
 _SPREAD = 0.1
+
+#: A layer-by-layer read takes enough layers a call that the call's latency is at most
+#: 1 / (1 + this) of it (a quarter).
+_LATENCY_SHARE = 3.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,20 @@ class SpeedEstimate:
     def seconds_for(self, nbytes: float, calls: int = 1) -> float:
         """Expected seconds to read ``nbytes`` in ``calls`` calls."""
         return calls * self.latency_ms / 1e3 + nbytes / (self.gbps * 1e9)
+
+    def layers_per_call(self, layer_bytes: int, num_layers: int, least: int = 1) -> int:
+        """Layers of a block that a layer-by-layer load reads from this tier in one call:
+        enough that the call's latency is at most a quarter of it (``least`` at least,
+        the whole block at most). A bucket behind 50 ms of latency that moves a layer in
+        13 ms is read a whole block a call: twelve calls a block would cost 0.6 s of
+        latency alone. A local disk or memory moves a layer a call, so that the engine
+        computes layer ``i`` while ``i + 1`` is read."""
+        per_layer_s = layer_bytes / (self.gbps * 1e9)
+        latency_s = self.latency_ms / 1e3
+        if per_layer_s <= 0:
+            return max(1, num_layers)
+        wanted = math.ceil(_LATENCY_SHARE * latency_s / per_layer_s - 1e-9)  # 3.0000001 is 3
+        return max(1, min(num_layers, max(least, wanted)))
 
     def as_stats(self) -> dict[str, Any]:
         """The figures as ``stats()`` shows them."""

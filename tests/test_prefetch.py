@@ -26,8 +26,13 @@ class SteppedTier(HostTier):
     (a step per call) rather than handing views to the copy engine.
     """
 
-    def __init__(self, layout: KVLayout, blocks: int) -> None:
-        super().__init__(HostTierConfig(capacity=blocks * layout.block_nbytes), layout)
+    def __init__(self, layout: KVLayout, blocks: int, latency_ms: float = 0.0) -> None:
+        # No latency: a call a layer (a prefetch reads a tier with latency more layers a
+        # call, so that the latency is at most a quarter of each: test_prefetch_slow_link).
+        config = HostTierConfig(
+            capacity=blocks * layout.block_nbytes, read_gbps=0.02, read_latency_ms=latency_ms
+        )
+        super().__init__(config, layout)
         self.allowed = threading.Semaphore(0)
         self.calls: list[LayerRange] = []
 
@@ -43,10 +48,10 @@ class SteppedTier(HostTier):
 
 
 def stepped_store(
-    n: int = 3, **config: object
+    n: int = 3, latency_ms: float = 0.0, **config: object
 ) -> tuple[KVStore, SteppedTier, list[bytes], torch.Tensor]:
     layout = small_layout()
-    tier = SteppedTier(layout, 16)
+    tier = SteppedTier(layout, 16, latency_ms)
     store = KVStore(
         layout, StoreConfig.from_dict({"tiers": [{"kind": "host"}], **config}), tiers=[tier]
     )
@@ -54,6 +59,24 @@ def stepped_store(
     kv = random_blocks(layout, n)
     store.put(keys, kv)
     return store, tier, keys, kv
+
+
+def test_a_tier_with_latency_is_read_several_layers_a_call() -> None:
+    """A layer of small_layout (1 KiB at 20 MB/s: 51 us) behind 0.3 ms of latency: 18
+    layers a call would keep the latency to a quarter of it, so the prefetch reads each
+    block whole (3 layers), in one call, still handing the engine the layers in order."""
+    store, tier, keys, kv = stepped_store(latency_ms=0.3)
+    layout = store.layout
+    assert layout.num_layers == 3 and layout.layer_nbytes == 1024
+    out = torch.zeros(layout.tensor_shape(len(keys)), dtype=layout.dtype)
+    handle = store.prefetch(keys, out)
+    assert not handle.wait_layer(0, timeout=0.05)
+    tier.allowed.release()
+    assert handle.wait(timeout=10) and handle.blocks_ready == 3
+    assert tier.calls == [(0, 3)]  # one call for every layer of every block
+    assert [s.last_layer for s in handle.steps] == [1, 2, 3]  # the layers, in order
+    assert torch.equal(out, kv)
+    store.close()
 
 
 def test_layers_arrive_in_order_and_wait_layer_sees_each() -> None:

@@ -102,7 +102,27 @@ def test_overlap_counts_loads_under_compute() -> None:
     overlapped = RestoreRequest([1] * 4, prompt_tokens=12 * CT, overlap=True)
     plan = plan_restore(overlapped, costs(overlap_layers=32))
     assert plan.load == 4
-    assert plan.ready_s == pytest.approx(8 * 0.0256 + plan.load_s / 32)
+    # A layer (1 MB) reads in 1 ms behind 1 ms of latency: 3 layers a call keep the
+    # latency to a quarter of it, so 11 calls a chunk, the chunks read side by side; the
+    # compute runs whole and waits for the last group of layers only.
+    assert plan.load_s == pytest.approx(11 * 0.001 + 4 * 32 * MB / 1e9)
+    assert plan.ready_s == pytest.approx(8 * 0.0256 + plan.load_s / 11)
+
+
+def test_a_load_under_compute_reads_a_slow_link_a_whole_chunk_a_call() -> None:
+    # The bucket (50 ms a call, 1 MB a layer in 50 ms at 0.02 GB/s) is read 3 layers a call;
+    # one a layer would pay 32 latencies a chunk. With layers of 0.25 MB, 12.5 ms each, a
+    # call takes 12 layers: a 128-layer chunk in 11 calls, not 128.
+    slow = speed(0.02, 50.0)
+    assert slow.layers_per_call(1 * MB, 32) == 3
+    assert slow.layers_per_call(MB // 4, 32) == 12
+    assert slow.layers_per_call(MB // 100, 32) == 32  # never more than the block
+    assert speed(10.0).layers_per_call(1 * MB, 32) == 1  # memory: a layer a call
+    assert speed(10.0).layers_per_call(1 * MB, 32, least=4) == 4
+    request = RestoreRequest([2], prompt_tokens=CT, overlap=True)
+    plan = plan_restore(request, costs(rate=100, overlap_layers=128))  # 2.56 s to compute
+    assert plan.load == 1  # 11 calls: 2.15 s; one a layer, 8 s
+    assert plan.load_s == pytest.approx(11 * 0.05 + 32 * MB / 0.02e9)
 
 
 def test_tokens_the_engine_holds_are_neither_loaded_nor_counted() -> None:
