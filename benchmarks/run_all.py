@@ -232,6 +232,26 @@ REGISTRY: tuple[Bench, ...] = (
         ),
     ),
     Bench(
+        "encrypt",
+        "bench_encrypt.py",
+        tuple(
+            _ratio(
+                f"encrypt_{op}_ratio.{medium}",
+                f"{what}, plain",
+                ">= 0.8",
+                f"{medium}.plain_{op}_gbps",
+                "GB/s",
+            )
+            for medium, what in (
+                ("disk", "disk tier (O_DIRECT)"),
+                ("s3", "S3 tier (moto)"),
+                ("server", "kvstore-server, disk tier"),
+            )
+            for op in ("put", "get")
+        ),
+        quick_timeout_s=240,
+    ),
+    Bench(
         "server",
         "bench_server.py",
         (

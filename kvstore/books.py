@@ -108,6 +108,11 @@ class Books:
         return self._guard.closed
 
     @property
+    def closing(self) -> bool:
+        """True once the store began closing (background sweeps stop then)."""
+        return self._guard.closing
+
+    @property
     def num_levels(self) -> int:
         """How many tiers there are."""
         return len(self._levels)

@@ -17,6 +17,18 @@ Layout of an encoded block (all integers little-endian)::
     ...           zero padding to a multiple of 64
     H             payload: layer 0, layer 1, ... (each compressed on its own)
 
+An encrypted block (:mod:`kvstore.crypt`, encryption at rest) has format
+version 2 and flag bit 0 set; 44 more bytes follow the layer table, before
+the header checksum::
+
+    52+12L  32    key id (ASCII, zero-padded): which key of the keyring sealed it
+    84+12L  12    the block's nonce (layer i is sealed under it with i folded in)
+
+and each layer's stored bytes are its AES-256-GCM ciphertext followed by its
+16-byte tag, so a layer (or a range of layers) is read and opened on its own.
+The per-layer checksums stay the plaintext's (the stored bytes before sealing),
+checked after opening. Plain blocks are unchanged (version 1).
+
 Checksums are per layer so that a ranged read of a few layers (layerwise
 loading from S3) is verified without fetching the rest. Every decode checks
 the magic, the header checksum, the layout fingerprint, the key and every
@@ -44,7 +56,12 @@ import torch
 import xxhash
 
 from kvstore.copies import engine_for
-from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
+from kvstore.errors import (
+    CorruptBlockError,
+    DecryptError,
+    InvalidInputError,
+    LayoutMismatchError,
+)
 from kvstore.layout import KVLayout
 
 __all__ = [
@@ -58,6 +75,7 @@ __all__ = [
     "choose_codec",
     "decode_block",
     "decode_into",
+    "decode_layer",
     "encode_block",
     "header_size",
     "layer_pieces",
@@ -68,6 +86,13 @@ __all__ = [
 
 MAGIC = b"KVSB"
 VERSION = 1
+#: The format version of encrypted blocks (the key id and nonce follow the layer table).
+SEALED_VERSION = 2
+FLAG_SEALED = 1
+KEY_ID_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+_SEALED = struct.Struct(f"<{KEY_ID_BYTES}s{NONCE_BYTES}s")
 HEADER_ALIGN = 64
 _FIXED = struct.Struct("<4sHBBI8s16sQQ")
 _LAYER = struct.Struct("<IQ")
@@ -105,9 +130,10 @@ class Codec(enum.IntEnum):
             ) from None
 
 
-def header_size(num_layers: int) -> int:
-    """Bytes of the (padded) header of a block with ``num_layers`` layers."""
-    raw = _FIXED.size + _LAYER.size * num_layers + _CHECK.size
+def header_size(num_layers: int, sealed: bool = False) -> int:
+    """Bytes of the (padded) header of a block with ``num_layers`` layers (``sealed``:
+    of an encrypted block)."""
+    raw = _FIXED.size + _LAYER.size * num_layers + _CHECK.size + (_SEALED.size if sealed else 0)
     return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -122,6 +148,15 @@ class BlockHeader:
     payload_nbytes: int
     layer_nbytes: tuple[int, ...]
     layer_checksums: tuple[int, ...]
+    #: Encrypted blocks: the id of the key that sealed it ("" for a plain block) ...
+    key_id: str = ""
+    #: ... and the block's nonce.
+    nonce: bytes = b""
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the payload is encrypted (each stored layer: ciphertext, then tag)."""
+        return bool(self.key_id)
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +166,7 @@ class BlockHeader:
     @property
     def header_nbytes(self) -> int:
         """Size of the encoded header, padding included."""
-        return header_size(self.num_layers)
+        return header_size(self.num_layers, self.sealed)
 
     @property
     def total_nbytes(self) -> int:
@@ -149,9 +184,9 @@ class BlockHeader:
         """Encode this header (with checksum and padding)."""
         fixed = _FIXED.pack(
             MAGIC,
-            VERSION,
+            SEALED_VERSION if self.sealed else VERSION,
             int(self.codec),
-            0,
+            FLAG_SEALED if self.sealed else 0,
             self.num_layers,
             self.layout_fp,
             self.key,
@@ -162,8 +197,10 @@ class BlockHeader:
             _LAYER.pack(n, c) for n, c in zip(self.layer_nbytes, self.layer_checksums, strict=True)
         )
         body = fixed + table
+        if self.sealed:
+            body += _SEALED.pack(self.key_id.encode("ascii"), self.nonce)
         body += _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-        return body + bytes(header_size(self.num_layers) - len(body))
+        return body + bytes(self.header_nbytes - len(body))
 
 
 def parse_header(
@@ -188,22 +225,29 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     view = memoryview(data).cast("B")
     if len(view) < _FIXED.size:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes is shorter than a header")
-    magic, version, codec, _flags, nlayers, layout_fp, bkey, raw_n, payload_n = _FIXED.unpack_from(
+    magic, version, codec, flags, nlayers, layout_fp, bkey, raw_n, payload_n = _FIXED.unpack_from(
         view
     )
     if magic != MAGIC:
         raise CorruptBlockError(f"not a kvstore block (magic {bytes(magic)!r})")
-    if version != VERSION:
+    sealed = version == SEALED_VERSION and flags & FLAG_SEALED
+    if version != VERSION and not sealed:
         raise CorruptBlockError(f"unsupported block format version {version}")
     if not 0 < nlayers <= _MAX_LAYERS:
         raise CorruptBlockError(f"implausible layer count {nlayers} in header")
-    table_end = _FIXED.size + _LAYER.size * nlayers
+    table_end = _FIXED.size + _LAYER.size * nlayers + (_SEALED.size if sealed else 0)
     if len(view) < table_end + _CHECK.size:
+        if sealed:  # read as far as a plain header goes: a store without its key
+            raise DecryptError("the block is encrypted; this store reads it without a key")
         raise CorruptBlockError("block truncated inside its header")
     (stored_check,) = _CHECK.unpack_from(view, table_end)
     if xxhash.xxh3_64_intdigest(view[:table_end]) != stored_check:
         raise CorruptBlockError("block header checksum mismatch")
     layers = [_LAYER.unpack_from(view, _FIXED.size + i * _LAYER.size) for i in range(nlayers)]
+    key_id, nonce = "", b""
+    if sealed:
+        raw_id, nonce = _SEALED.unpack_from(view, _FIXED.size + _LAYER.size * nlayers)
+        key_id = raw_id.rstrip(b"\0").decode("ascii", "replace") or "?"
     header = BlockHeader(
         codec=_codec_or_corrupt(codec),
         layout_fp=bytes(layout_fp),
@@ -212,6 +256,8 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         payload_nbytes=payload_n,
         layer_nbytes=tuple(n for n, _ in layers),
         layer_checksums=tuple(c for _, c in layers),
+        key_id=key_id,
+        nonce=bytes(nonce),
     )
     return header
 
@@ -237,7 +283,8 @@ def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> N
         or sum(header.layer_nbytes) != header.payload_nbytes
     ):
         raise CorruptBlockError("block header sizes are inconsistent with its layout")
-    if header.codec == Codec.RAW and header.payload_nbytes != header.raw_nbytes:
+    tags = TAG_BYTES * header.num_layers if header.sealed else 0
+    if header.codec == Codec.RAW and header.payload_nbytes != header.raw_nbytes + tags:
         raise CorruptBlockError("raw block payload size differs from the layout's block size")
 
 
@@ -292,6 +339,8 @@ def verify_layers(header: BlockHeader, pieces: list[list[memoryview]], first: in
     Used after reading a RAW payload straight into its destination: the
     caller must not use the destination if this raises :class:`CorruptBlockError`.
     """
+    if header.sealed:
+        raise DecryptError(f"block {header.key.hex()} is encrypted; open it with its key")
     if header.codec != Codec.RAW:
         raise CorruptBlockError("in-place verification needs a raw block")
     for offset, layer in enumerate(pieces):
@@ -457,19 +506,36 @@ def decode_into(
         raise InvalidInputError(
             f"decode target has shape {tuple(out.shape)}, expected {expected_shape}"
         )
+    if header.sealed:
+        raise DecryptError(f"block {header.key.hex()} is encrypted; open it with its key")
     offset = 0
     for i in range(first, last):
         n = header.layer_nbytes[i]
-        stored = view[offset : offset + n]
-        if xxhash.xxh3_64_intdigest(stored) != header.layer_checksums[i]:
-            raise CorruptBlockError(f"checksum mismatch in layer {i} of block {header.key.hex()}")
-        if header.codec == Codec.RAW:
-            raw = np.frombuffer(stored, dtype=np.uint8)
-        else:
-            raw = _decompress_layer(stored, header.codec, layout.layer_nbytes, layout.itemsize)
-        _copy_bytes_into(out[i - first], raw)
+        decode_layer(header, i, view[offset : offset + n], layout, out[i - first])
         offset += n
     return out
+
+
+def decode_layer(
+    header: BlockHeader,
+    index: int,
+    stored: bytes | bytearray | memoryview,
+    layout: KVLayout,
+    out: torch.Tensor,
+) -> None:
+    """Verify layer ``index``'s stored (plain: decrypted) bytes against its checksum and
+    decode them into ``out`` (one layer's shape)."""
+    if xxhash.xxh3_64_intdigest(stored) != header.layer_checksums[index]:
+        raise CorruptBlockError(f"checksum mismatch in layer {index} of block {header.key.hex()}")
+    if header.codec == Codec.RAW:
+        if len(stored) != layout.layer_nbytes:
+            raise CorruptBlockError(f"layer {index} of block {header.key.hex()} has a wrong size")
+        raw = np.frombuffer(stored, dtype=np.uint8)
+    else:
+        raw = _decompress_layer(
+            memoryview(stored), header.codec, layout.layer_nbytes, layout.itemsize
+        )
+    _copy_bytes_into(out, raw)
 
 
 def _copy_bytes_into(dst: torch.Tensor, src: np.ndarray) -> None:

@@ -13,6 +13,9 @@ parsing messages:
   stored. Also a ``KeyError``.
 - :class:`CorruptBlockError` -- bytes read from outside process memory
   failed verification (bad magic, header or payload checksum, truncation).
+  :class:`DecryptError` is the special case of an encrypted block this store
+  cannot open (no key for it, a tag that does not verify, or a plain block where
+  encryption is on): a miss that is counted, and that deletes nothing.
 - :class:`TierError` -- a storage medium failed (I/O error, full disk,
   unreachable server). The store turns these into misses for the caller.
 - :class:`CapacityError` -- no tier could make room (every candidate block
@@ -36,6 +39,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CorruptBlockError",
+    "DecryptError",
     "InvalidInputError",
     "KVStoreError",
     "LayoutMismatchError",
@@ -69,6 +73,11 @@ class BlockNotFoundError(KVStoreError, KeyError):
 
 class CorruptBlockError(KVStoreError):
     """Bytes read from outside process memory failed verification."""
+
+
+class DecryptError(CorruptBlockError):
+    """An encrypted block could not be opened (no key for it, or its tag does not
+    verify), or a plain block was read where encryption is on."""
 
 
 class TierError(KVStoreError):

@@ -320,6 +320,15 @@ class BlockManager:
         ]
         return self.migrations.demote_later(chosen, memory)
 
+    def reencrypt(self) -> int:
+        """Rewrite, in the background, blocks sealed under older keys with the active
+        key, in every tier that encrypts; how many blocks are queued to be checked."""
+        return sum(
+            self.migrations.reencrypt(level)
+            for level, tier in enumerate(self.io.tiers)
+            if tier.cipher is not None
+        )
+
     def warm(self, keys: Sequence[BlockKey]) -> int:
         """Copy those of ``keys`` the fastest tier lacks into it, in the background; how
         many copies were queued."""

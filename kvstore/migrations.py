@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
+
 from kvstore.books import Books
 from kvstore.index import Entry
 from kvstore.keys import BlockKey
@@ -134,6 +136,57 @@ class Migrations:
         finally:
             self.books.unpin([entry for _, entry in pinned])
             self.schedule(follow)
+
+    # -- re-encryption --------------------------------------------------------------
+    def reencrypt(self, level: int, batch: int = 8) -> int:
+        """Queue the background rewrite, under the active key, of the blocks tier
+        ``level`` holds sealed under an older key (encryption at rest): every block
+        the books list there is read back (which tells the tier its key id) and those
+        under an older key are put again; how many blocks are queued to be checked."""
+        cipher = self.io.tiers[level].cipher
+        if cipher is None or not cipher.old_keys:  # one key: nothing can be under another
+            return 0
+        keys = self.books.stored_keys()
+        if not keys:
+            return 0
+        job = functools.partial(self._reencrypt, level, keys, batch)
+        if not self.mover.submit(job, key=("reencrypt", level)):
+            return 0
+        cipher.count("reencrypt_pending", len(keys))
+        return len(keys)
+
+    def _reencrypt(self, level: int, keys: list[BlockKey], batch: int, rounds: int = 16) -> None:
+        """Check ``rounds`` batches, then queue the rest as a new job (other moves run
+        in between)."""
+        bit, cipher = 1 << level, self.io.tiers[level].cipher
+        for _ in range(rounds):
+            if self.books.closing:  # the rest waits for the next open (it sweeps again)
+                cipher.count("reencrypt_pending", -len(keys))
+                return
+            now, keys = keys[:batch], keys[batch:]
+            pinned = self.books.pin_where(now, lambda entry: bool(entry.tiers & bit))
+            try:
+                if pinned:
+                    self._rewrite(level, [key for key, _ in pinned])
+            finally:
+                self.books.unpin([entry for _, entry in pinned])
+                cipher.count("reencrypt_pending", -len(now))
+            if not keys:
+                return
+        if not self.mover.submit(functools.partial(self._reencrypt, level, keys, batch)):
+            cipher.count("reencrypt_pending", -len(keys))  # closing: the rest waits for a reopen
+
+    def _rewrite(self, level: int, keys: list[BlockKey]) -> None:
+        """Read ``keys`` from tier ``level``; put back those it read under an older key."""
+        layout = self.io.layout
+        blocks = [torch.empty(layout.block_shape, dtype=layout.dtype) for _ in keys]
+        got = self.io.get(level, keys, blocks) or [False] * len(keys)
+        read = [key for key, ok in zip(keys, got, strict=True) if ok]
+        stale = set(self.io.tiers[level].stale_keys(read))
+        todo = [(key, block) for key, block in zip(keys, blocks, strict=True) if key in stale]
+        if todo:
+            done = self.io.put(level, [key for key, _ in todo], [block for _, block in todo])
+            self.io.tiers[level].cipher.count("reencrypted", sum(done or []))
 
     # -- persist and flush ----------------------------------------------------------
     def persist(self, keys: Sequence[BlockKey]) -> list[bool]:

@@ -84,6 +84,7 @@ class KVStore:
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.config = StoreConfig.load(config)
+        keys = _encryption_keys(self.config)  # before any tier opens: a bad keyring changes nothing
         built: list[Tier] = list(tiers) if tiers is not None else []
         try:
             for tier in built:
@@ -94,11 +95,15 @@ class KVStore:
                 if self.config.cluster.enabled:  # peers answer faster than S3 or Redis
                     at = next((i for i, t in enumerate(built) if not t.local), len(built))
                     built.insert(at, _cluster_tier(layout, self.config))
+            if keys is not None:
+                _encrypt(built, self.config, keys)
             self._manager = BlockManager(layout, built, self.config, clock)
         except BaseException:
             for tier in built:
                 tier.close()
             raise
+        if keys is not None and self.config.encryption.reencrypt:
+            self._manager.reencrypt()  # blocks under older keys: rewritten in the background
         self._namespaces: dict[str, Namespace] = {}
         self._events: StoreEventsOwner | None = None
         if self.config.events.enabled or events is not None:
@@ -549,6 +554,13 @@ class KVStore:
             **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 
+    def reencrypt(self) -> int:
+        """Rewrite blocks sealed under older keys with the active key, in the background
+        (a store does it at open when ``encryption.reencrypt`` is on); how many blocks
+        are queued to be checked. Progress: ``reencrypt_pending`` and ``reencrypted``
+        in each encrypting tier's ``stats()``."""
+        return self._manager.reencrypt()
+
     def flush(self) -> int:
         """Copy blocks that only memory tiers hold into the first persistent tier.
 
@@ -608,3 +620,18 @@ def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
             f"{install_hint('redis')}"
         ) from exc
     return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)
+
+
+def _encryption_keys(config: StoreConfig) -> Any:
+    """The store's tenant and keys when encryption is on (the keyring read now); None."""
+    if not config.encryption.enabled:
+        return None
+    from kvstore.crypt import store_keys  # imports cryptography only where it is used
+
+    return store_keys(config.encryption, config.cluster.namespace)
+
+
+def _encrypt(tiers: Sequence[Tier], config: StoreConfig, keys: Any) -> None:
+    from kvstore.crypt import encrypt_tiers
+
+    encrypt_tiers(tiers, config.encryption, keys)

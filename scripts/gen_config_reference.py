@@ -69,6 +69,7 @@ DEFAULT_TEXT: dict[tuple[str, str], str] = {
     ("DeviceTierConfig", "capacity"): "required",
     ("S3TierConfig", "bucket"): "required",
     ("ClusterConfig", "node_id"): "the host name",
+    ("EncryptionConfig", "tiers"): "`[disk, redis, s3]`",
 }
 
 

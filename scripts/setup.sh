@@ -2,11 +2,12 @@
 # Create the virtualenv and install kvstore with its dev tools. Idempotent:
 # re-runs only when pyproject.toml changed. Needs only python3 (>= 3.10) and pip.
 #   KVSTORE_VENV   where the virtualenv lives (default: .venv in the repo)
-#   KVSTORE_EXTRAS pip extras to install (default: dev)
+#   KVSTORE_EXTRAS pip extras to install (default: dev,encrypt: the dev tools, and
+#                  cryptography for encryption at rest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KVSTORE_VENV:-.venv}"
-extras="${KVSTORE_EXTRAS:-dev}"
+extras="${KVSTORE_EXTRAS:-dev,encrypt}"
 python="${PYTHON:-python3}"
 stamp="$venv/.kvstore-installed"
 want="$(sha256sum pyproject.toml | cut -c1-16)-$extras"

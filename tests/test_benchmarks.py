@@ -131,6 +131,21 @@ def test_bench_codec() -> None:
             assert 1.0 <= row["ratio"] < 1.01  # raw bytes plus a header
 
 
+@pytest.mark.timeout(240)
+def test_bench_encrypt() -> None:
+    result = run_bench("bench_encrypt.py", timeout=230)
+    assert result["benchmark"] == "encrypt"
+    assert_positive(result, "aes_gcm_encrypt_gbps", "aes_gcm_decrypt_gbps", "block_nbytes")
+    assert result["target_ratio"] == 0.8
+    for medium in ("disk", "s3", "server"):
+        for op in ("put", "get"):
+            assert_positive(result[medium], f"plain_{op}_gbps", f"encrypted_{op}_gbps")
+            assert result[f"encrypt_{op}_ratio"][medium] == result[medium][f"encrypt_{op}_ratio"]
+            assert isinstance(result["meets_target"][f"{medium}_{op}"], bool)
+    assert isinstance(result["disk"]["o_direct"], bool)
+    assert_reps(result)
+
+
 @pytest.mark.timeout(120)
 def test_bench_remote_tiers() -> None:
     result = run_bench("bench_remote_tiers.py")

@@ -52,6 +52,7 @@ from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
+from kvstore.config.encryption import EncryptionConfig
 from kvstore.config.events import EventsConfig
 from kvstore.config.restore import check_prefill_table, parse_prefill_table
 from kvstore.config.server import ServerConfig, TokenConfig
@@ -75,6 +76,7 @@ __all__ = [
     "ClusterConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
+    "EncryptionConfig",
     "EventsConfig",
     "HintsConfig",
     "HostTierConfig",
@@ -319,6 +321,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
     "cluster": ClusterConfig,
     "events": EventsConfig,
+    "encryption": EncryptionConfig,
 }
 _SCALARS: dict[str, Parser] = {"lease_s": parse_float, "mover_threads": parse_int}
 
@@ -347,6 +350,8 @@ class StoreConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     #: KV events in vLLM's format for routers (Dynamo, llm-d); off by default.
     events: EventsConfig = field(default_factory=EventsConfig)
+    #: Encryption at rest of the disk, Redis and S3 tiers; off by default.
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     #: Seconds a lease pins blocks (prefetches, layerwise writes) unless renewed or released.
     lease_s: float = 30.0
     #: Threads moving blocks between tiers in the background.
@@ -368,6 +373,7 @@ class StoreConfig:
         self.server.validate("server")
         self.cluster.validate("cluster")
         self.events.validate("events")
+        self.encryption.validate("encryption")
 
         _check_positive(self, "config", "lease_s", "mover_threads")
 
@@ -492,6 +498,7 @@ class StoreConfig:
             "server": self.server.to_dict(),
             "cluster": self.cluster.to_dict(),
             "events": self.events.to_dict(),
+            "encryption": self.encryption.to_dict(),
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }

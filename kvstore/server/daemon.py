@@ -104,6 +104,10 @@ class Server:
     def __init__(self, config: StoreConfig) -> None:
         config.server.check_startable()
         _check_tiers(config)
+        if config.encryption.enabled:  # a bad keyring is said at start, not per client
+            from kvstore.crypt import store_keys
+
+            store_keys(config.encryption, config.cluster.namespace)
         self.config = config
         cfg = config.server
         self.metrics = ServerMetrics()

@@ -271,6 +271,7 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
     _metric(lines, "kvstore_tier_read_speed", "gauge", speed_samples)
     _restore_metrics(lines, stores)
     _cluster_metrics(lines, stores)
+    _crypt_metrics(lines, stores)
 
 
 #: Restore planning counters (kvstore/restore.py): stats key, metric name.
@@ -322,6 +323,42 @@ def _cluster_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
             unreachable.append((labels, float(len(tier.get("unreachable_peers", [])))))
     _metric(lines, "kvstore_cluster_peer_errors_total", "counter", errors)
     _metric(lines, "kvstore_cluster_unreachable_peers", "gauge", unreachable)
+
+
+#: Encryption at rest (kvstore/crypt.py), per tier: stats key, metric name, about.
+_CRYPT = (
+    (
+        "decrypt_failures",
+        "kvstore_tier_decrypt_failures_total",
+        "Blocks a tier could not open (tampered, or no key for them): misses.",
+    ),
+    (
+        "reencrypted",
+        "kvstore_tier_reencrypted_total",
+        "Blocks rewritten under the active key by the background re-encryption.",
+    ),
+    (
+        "reencrypt_pending",
+        "kvstore_tier_reencrypt_pending",
+        "Blocks the background re-encryption has still to check.",
+    ),
+)
+
+
+def _crypt_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
+    """Each encrypting (or once-encrypted) tier's decrypt failures and re-encryption."""
+    for key, name, about in _CRYPT:
+        samples = []
+        for stats in stores:
+            for i, tier in enumerate(stats.get("tiers", [])):
+                if isinstance(tier.get(key), (int, float)):
+                    labels = (
+                        f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}",'
+                        f'tier="{i}",kind="{tier.get("kind", "")}"'
+                    )
+                    samples.append((labels, float(tier[key])))
+        kind = "gauge" if key == "reencrypt_pending" else "counter"
+        _metric(lines, name, kind, samples, about)
 
 
 class MetricsEndpoint:

@@ -59,10 +59,26 @@ class Tier(ABC):
     #: False for a tier whose blocks the manager must not copy up on reads by
     #: itself (another node's blocks: the cluster decides where copies go).
     promotable: bool = True
+    #: The :class:`~kvstore.crypt.BlockCipher` sealing what this tier stores
+    #: (encryption at rest, set by :meth:`encrypt_with`); None: blocks are stored plain.
+    cipher: Any = None
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
         self.layout = layout
+
+    def encrypt_with(self, cipher: Any) -> None:
+        """Seal every block stored from now on with ``cipher`` (a
+        :class:`~kvstore.crypt.BlockCipher`), and open only sealed ones; set before
+        the store indexes the tier. Tiers that keep blocks at rest override this."""
+        raise ConfigError(f"the {self.kind} tier does not encrypt (it is not at rest)")
+
+    def stale_keys(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Of ``keys``, just read, those sealed under a key that is no longer the
+        active one (the re-encryption rewrites them); none for a plain tier."""
+        if self.cipher is None:
+            return []
+        return [BlockKey(k) for k in self.cipher.take_stale(keys)]
 
     # -- sizes --------------------------------------------------------------
     def blocks_in(self, capacity: int, unit: int | None = None, what: str = "block") -> int:

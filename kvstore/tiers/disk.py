@@ -63,11 +63,12 @@ from kvstore.codec import (
     verify_layers,
 )
 from kvstore.config import DiskTierConfig, TierConfig
-from kvstore.errors import ConfigError, CorruptBlockError, LayoutMismatchError
+from kvstore.errors import ConfigError, CorruptBlockError, DecryptError, LayoutMismatchError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.pools import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.disk_sealed import SealedFiles
 from kvstore.tiers.files import FileOps, Tree, read_exact, write_all
 
 __all__ = ["DiskTier", "check_path", "unusable_path"]
@@ -190,6 +191,8 @@ class DiskTier(Tier):
         self._counts_lock = threading.Lock()  # guards _counts only
         self._local = threading.local()  # per-thread O_DIRECT staging buffers
         self._closed = False
+        #: How block files are sealed and opened once :meth:`encrypt_with` is called.
+        self._sealed: SealedFiles | None = None
         #: Why files cannot be created here (EROFS, EACCES), None while they can.
         self._write_error: str | None = None
         #: True from a write the full disk refused until one fits again: said once each way.
@@ -285,6 +288,14 @@ class DiskTier(Tier):
             return max(1, room)
         return blocks
 
+    def encrypt_with(self, cipher: Any) -> None:
+        """Seal blocks with ``cipher`` (encryption at rest: :mod:`kvstore.tiers.disk_sealed`)."""
+        self.cipher = cipher
+        self._sealed = SealedFiles(self.layout, cipher, self._buffer)
+        self._data_offset = self._sealed.data_offset
+        self._file_nbytes = self._sealed.file_nbytes
+        self._capacity = self._fit_capacity(self.disk_config.capacity)
+
     # -- Tier interface -------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
@@ -335,6 +346,8 @@ class DiskTier(Tier):
             "o_direct": self._o_direct,
             "writable": self._write_error is None,
             "write_error": self._write_error,
+            "decrypt_failures": 0,
+            **(self.cipher.stats() if self.cipher is not None else {}),
             **counts,
         }
 
@@ -368,14 +381,17 @@ class DiskTier(Tier):
         # (compressing bf16 at ~0.1 GB/s wherever shuffle+lz4 saves 10%).
         codec = self._codec if self._codec is not None else choose_codec(block, self.layout)
         encoded = encode_block(key, self.layout, block, codec)
-        parts: list[Any] = [
-            encoded.header_bytes,
-            bytes(self._data_offset - len(encoded.header_bytes)),
-        ]
-        parts += list(encoded.payload)
+        staged = self._sealed is not None
+        if self._sealed is not None:
+            encoded, image = self._sealed.image(encoded)
+            parts: list[Any] = [image]
+        else:
+            parts = [encoded.header_bytes, bytes(self._data_offset - len(encoded.header_bytes))]
+            parts += list(encoded.payload)
         temp = self._tree.temp_path(key, next(self._nonce))
         try:
-            self._write_file(temp, parts, self._data_offset + encoded.header.payload_nbytes)
+            total = self._data_offset + encoded.header.payload_nbytes
+            self._write_file(temp, parts, total, staged)
             self._ops.rename(temp, self._tree.block_path(key))
         except OSError as exc:
             self._discard(temp)
@@ -417,13 +433,15 @@ class DiskTier(Tier):
             changed, self._full = self._full != full, full
         return changed
 
-    def _write_file(self, path: str, parts: list[Any], total: int) -> None:
-        """Create ``path`` and write ``parts`` to it (recreating a vanished directory)."""
-        direct = self._o_direct and self._codec == Codec.RAW
+    def _write_file(self, path: str, parts: list[Any], total: int, staged: bool = False) -> None:
+        """Create ``path`` and write ``parts`` to it (recreating a vanished directory);
+        ``staged``: ``parts`` is one page-aligned buffer, padded for O_DIRECT already."""
+        direct = self._o_direct and (staged or self._codec == Codec.RAW)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if direct:
             flags |= os.O_DIRECT
-            parts = self._direct_parts(parts, total)
+            if not staged:
+                parts = self._direct_parts(parts, total)
         try:
             fd = self._ops.open(path, flags)
         except FileNotFoundError:  # someone removed the directory: make it again
@@ -492,9 +510,12 @@ class DiskTier(Tier):
         self, key: BlockKey, out: torch.Tensor, layers: LayerRange, buffered: bool = False
     ) -> bool:
         path = self._tree.block_path(key)
-        direct = None if buffered else self._direct_target(out, layers)
+        direct = None if buffered or self.cipher else self._direct_target(out, layers)
+        # A sealed block is read whole, with O_DIRECT, into a page-aligned buffer.
+        whole = self.cipher is not None and self._o_direct and layers is None and not buffered
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct or whole else 0)
         try:
-            fd = self._ops.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+            fd = self._ops.open(path, flags)
         except FileNotFoundError:
             self._count("misses")
             return False
@@ -504,12 +525,18 @@ class DiskTier(Tier):
             return False
         again = False
         try:
-            if direct is not None:
+            if self._sealed is not None:
+                nbytes = self._sealed.read(self._ops, fd, key, out, layers)
+            elif direct is not None:
                 nbytes = self._read_direct(fd, key, direct)
             else:
                 nbytes = self._read_block(fd, key, out, layers)
         except _NotRaw:  # compressed by another writer: read it through the page cache
             again = True
+        except DecryptError as exc:  # a key problem, not a bad medium: delete nothing
+            self._count("decrypt_failures")
+            log.warning("disk tier: block %s cannot be opened: %s", key.hex(), exc)
+            return False
         except (CorruptBlockError, LayoutMismatchError) as exc:
             self._count("corrupt")
             log.warning("disk tier: block %s failed verification (%s); deleting it", key.hex(), exc)
@@ -520,7 +547,7 @@ class DiskTier(Tier):
             log.warning("disk tier: cannot read block %s: %s", key.hex(), exc)
             return False
         finally:
-            if self._bypass and direct is None:
+            if self._bypass and direct is None and not whole:
                 self._drop_cached(fd)
             self._ops.close(fd)
         if again:

@@ -39,12 +39,13 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.codec import BlockHeader, EncodedBlock, decode_into, parse_header
+from kvstore.codec import TAG_BYTES, BlockHeader, EncodedBlock, header_size, parse_header
 from kvstore.config import RedisTierConfig, TierConfig
 from kvstore.errors import (
     ClosedError,
     ConfigError,
     CorruptBlockError,
+    DecryptError,
     LayoutMismatchError,
     TierError,
 )
@@ -58,6 +59,7 @@ from kvstore.tiers.remote_common import (
     Counters,
     check_get_args,
     check_put_args,
+    decode_layers,
     decode_value,
     encode_value,
     key_from_hex,
@@ -82,6 +84,7 @@ _COUNTERS = (
     "outages",
     "reconnects",
     "corrupt",
+    "decrypt_failures",
     "misses",
     "blocks_put",
     "blocks_got",
@@ -147,6 +150,11 @@ class RedisTier(Tier):
         self._closed = False
         self._ping_at_open()
 
+    def encrypt_with(self, cipher: Any) -> None:
+        """Seal values with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
+        self.cipher = cipher
+        self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
+
     # -- names and sizes ----------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
@@ -179,21 +187,38 @@ class RedisTier(Tier):
         encoded = [
             encode_value(k, self.layout, b, codec) for k, b in zip(keys, blocks, strict=True)
         ]
-        if self.cfg.cluster:
-            replies = self._put_copied(keys, encoded)
-        else:
-            names = [self.key_name(k) for k in keys]
-            replies = self._run(lambda client: self._put_zero_copy(client, names, encoded))
+        sealing: list[bytearray] = []
+        if self.cipher is not None:
+            encoded = [self._seal(e, sealing) for e in encoded]
+        sizes = [e.nbytes for e in encoded]
+        try:
+            if self.cfg.cluster:
+                replies = self._put_copied(keys, encoded)
+            else:
+                names = [self.key_name(k) for k in keys]
+                replies = self._run(lambda client: self._put_zero_copy(client, names, encoded))
+        finally:
+            encoded = []  # drop the views before the buffers are reused
+            self._buffers.give(sealing)
         if replies is None:
             return False
-        for i, block, reply in zip(idxs, encoded, replies, strict=True):
+        for i, nbytes, reply in zip(idxs, sizes, replies, strict=True):
             done[i] = reply is True or reply == b"OK"
             if done[i]:
                 self._counters.add("blocks_put")
-                self._counters.add("bytes_out", block.nbytes)
+                self._counters.add("bytes_out", nbytes)
             else:
                 self._command_failed("put", reply)
         return True
+
+    def _seal(self, block: EncodedBlock, bufs: list[bytearray]) -> EncodedBlock:
+        """``block`` sealed into a reused buffer (kept in ``bufs`` until sent)."""
+        from kvstore.crypt import seal  # imports cryptography: only where a tier encrypts
+
+        size = block.header.payload_nbytes + TAG_BYTES * block.header.num_layers
+        buf = self._buffers.take(size)
+        bufs.append(buf)
+        return seal(block, self.cipher, memoryview(buf))
 
     def _put_copied(self, keys: list[BlockKey], encoded: list[EncodedBlock]) -> list[Any] | None:
         """SETs through redis-py's pipeline: each value copied into one (reused) buffer."""
@@ -343,7 +368,10 @@ class RedisTier(Tier):
             self._command_failed("get", value)
             return False
         try:
-            decode_value(value, self.layout, key, out, layers)
+            decode_value(value, self.layout, key, out, layers, self.cipher)
+        except DecryptError as exc:
+            self._decrypt_failed(key, exc)
+            return False
         except (CorruptBlockError, LayoutMismatchError) as exc:
             self._note_corrupt(key, exc)
             corrupt.append(key)
@@ -422,7 +450,13 @@ class RedisTier(Tier):
             self._counters.add("misses")
             return None
         try:
-            return parse_header(reply, self.layout, key)
+            header = parse_header(reply, self.layout, key)
+            if self.cipher is not None:
+                self.cipher.check(header)
+            return header
+        except DecryptError as exc:
+            self._decrypt_failed(key, exc)
+            return None
         except (CorruptBlockError, LayoutMismatchError) as exc:
             self._note_corrupt(key, exc)
             corrupt.append(key)
@@ -435,12 +469,18 @@ class RedisTier(Tier):
             self._command_failed("get", payload)
             return False
         try:
-            decode_into(header, payload, self.layout, out, layers)
+            decode_layers(header, payload, self.layout, out, layers, self.cipher)
         except CorruptBlockError:
             return False  # the caller reads the whole value to tell a rewrite from rot
         self._counters.add("blocks_got")
         self._counters.add("bytes_in", len(payload) + self._header_nbytes)
         return True
+
+    def _decrypt_failed(self, key: BlockKey, exc: Exception) -> None:
+        """A value this tier cannot open: a miss, counted, and kept (another process
+        holding the right key may share this Redis)."""
+        self._counters.add("decrypt_failures")
+        log.warning("redis tier: value %s cannot be opened: %s", self.key_name(key), exc)
 
     def _note_corrupt(self, key: BlockKey, exc: Exception) -> None:
         self._counters.add("corrupt")
@@ -590,6 +630,7 @@ class RedisTier(Tier):
             "url": _redact(self.cfg.url),
             "cluster": self.cfg.cluster,
             "codec": self.cfg.codec,
+            **(self.cipher.stats() if self.cipher is not None else {}),
         }
 
     def close(self) -> None:

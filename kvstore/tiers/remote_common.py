@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,12 +38,16 @@ from kvstore.layout import KVLayout
 from kvstore.retry import Breaker
 from kvstore.tiers.base import LayerRange
 
+if TYPE_CHECKING:
+    from kvstore.crypt import BlockCipher
+
 __all__ = [
     "Breaker",
     "BufferPool",
     "Counters",
     "check_get_args",
     "check_put_args",
+    "decode_layers",
     "decode_span",
     "decode_value",
     "encode_value",
@@ -141,11 +146,14 @@ def decode_value(
     key: BlockKey,
     out: torch.Tensor,
     layers: LayerRange = None,
+    cipher: BlockCipher | None = None,
 ) -> None:
-    """Verify a whole stored value and copy it (or its ``layers``) into ``out``.
+    """Verify a whole stored value and copy it (or its ``layers``) into ``out``
+    (``cipher``: the tier encrypts; the value is opened with it).
 
     Raises :class:`CorruptBlockError` (or ``LayoutMismatchError`` for a valid
-    block of another layout); ``out`` may be partly written when it raises.
+    block of another layout; ``DecryptError`` for one that cannot be opened);
+    ``out`` may be partly written when it raises.
     """
     header = parse_header(data, layout, key)
     body = memoryview(data).cast("B")[header.header_nbytes :]
@@ -153,7 +161,7 @@ def decode_value(
         raise CorruptBlockError(
             f"block has {len(body)} payload bytes, its header says {header.payload_nbytes}"
         )
-    decode_span(header, body, layout, out, layers)
+    decode_span(header, body, layout, out, layers, cipher)
 
 
 def decode_span(
@@ -162,14 +170,33 @@ def decode_span(
     layout: KVLayout,
     out: torch.Tensor,
     layers: LayerRange,
+    cipher: BlockCipher | None = None,
 ) -> None:
     """Verify and decode ``layers`` from a whole ``payload`` into ``out``."""
-    if layers is None:
-        decode_into(header, payload, layout, out)
+    view = memoryview(payload).cast("B")
+    if layers is not None:
+        offset, nbytes = header.layer_span(*layers)
+        view = view[offset : offset + nbytes]
+    decode_layers(header, view, layout, out, layers, cipher)
+
+
+def decode_layers(
+    header: BlockHeader,
+    payload: bytes | bytearray | memoryview,
+    layout: KVLayout,
+    out: torch.Tensor,
+    layers: LayerRange,
+    cipher: BlockCipher | None,
+) -> None:
+    """:func:`~kvstore.codec.decode_into` for a tier that may encrypt: ``payload``
+    holds exactly ``layers``' stored bytes; a sealed one is opened with ``cipher``
+    (:class:`DecryptError` without one, or for a plain block with one)."""
+    if cipher is None:
+        decode_into(header, payload, layout, out, layers)
         return
-    offset, nbytes = header.layer_span(*layers)
-    view = memoryview(payload).cast("B")[offset : offset + nbytes]
-    decode_into(header, view, layout, out, layers)
+    from kvstore.crypt import open_into  # imports cryptography: only where a tier encrypts
+
+    open_into(header, payload, layout, out, layers, cipher)
 
 
 def check_put_args(

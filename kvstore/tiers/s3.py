@@ -47,9 +47,11 @@ import botocore.exceptions
 import torch
 
 from kvstore.codec import (
+    TAG_BYTES,
     BlockHeader,
     Codec,
-    decode_into,
+    EncodedBlock,
+    header_size,
     layer_pieces,
     parse_header,
     verify_layers,
@@ -59,6 +61,7 @@ from kvstore.errors import (
     ClosedError,
     ConfigError,
     CorruptBlockError,
+    DecryptError,
     LayoutMismatchError,
     TierError,
 )
@@ -81,6 +84,7 @@ from kvstore.tiers.remote_common import (
     Counters,
     check_get_args,
     check_put_args,
+    decode_layers,
     decode_value,
     encode_value,
     key_from_hex,
@@ -101,6 +105,7 @@ _COUNTERS = (
     "corrupt",
     "corrupt_deleted",
     "corrupt_kept",
+    "decrypt_failures",
     "damaged_in_transit",
     "misses",
     "blocks_put",
@@ -172,6 +177,15 @@ class S3Tier(Tier):
         except BaseException:
             self._s3.close()
             raise
+
+    def encrypt_with(self, cipher: Any) -> None:
+        """Seal objects with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
+        self.cipher = cipher
+        self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
+        tags = TAG_BYTES * self.layout.num_layers
+        self._large = self.layout.block_nbytes + tags + self._header_nbytes > (
+            self.cfg.multipart_threshold
+        )
 
     # -- names and sizes ----------------------------------------------------
     @property
@@ -260,21 +274,41 @@ class S3Tier(Tier):
     # -- put ----------------------------------------------------------------
     def _put_one(self, key: BlockKey, block: torch.Tensor, deadline_at: float) -> bool:
         encoded = encode_value(key, self.layout, block, self.cfg.codec)
-        buf = self._buffers.take(encoded.nbytes, exact=True)  # the body must be exactly it
+        size = encoded.nbytes
+        if self.cipher is not None:
+            size = self._header_nbytes + encoded.header.payload_nbytes
+            size += TAG_BYTES * encoded.header.num_layers
+        buf = self._buffers.take(size, exact=True)  # the body must be exactly it
         try:
-            pack_into(encoded, buf)
+            self._pack(encoded, buf)
             self._put_object(self.object_name(key), buf, deadline_at)
         except Exception as exc:
             self._failed("put", key, exc)
             return False
         finally:
             self._buffers.give([buf])
-        self._stored(key, encoded.nbytes)
+        self._stored(key, size)
         return True
+
+    def _pack(self, encoded: EncodedBlock, buf: bytearray) -> None:
+        """``encoded`` into ``buf``: copied, or sealed straight into it."""
+        if self.cipher is None:
+            pack_into(encoded, buf)
+            return
+        from kvstore.crypt import seal  # imports cryptography: only where a tier encrypts
+
+        start = self._header_nbytes
+        sealed = seal(encoded, self.cipher, memoryview(buf)[start:])
+        buf[:start] = sealed.header_bytes
 
     def _put_large(self, key: BlockKey, block: torch.Tensor, deadline_at: float) -> bool:
         try:
-            data = encode_value(key, self.layout, block, self.cfg.codec).tobytes()
+            encoded = encode_value(key, self.layout, block, self.cfg.codec)
+            if self.cipher is not None:
+                from kvstore.crypt import seal
+
+                encoded = seal(encoded, self.cipher)
+            data = encoded.tobytes()
             name = self.object_name(key)
             if len(data) <= self.cfg.multipart_threshold:  # compression brought it under
                 call_or_inline(self._s3.pool, lambda: self._put_object(name, data, deadline_at))
@@ -307,9 +341,12 @@ class S3Tier(Tier):
             if layers is not None:
                 self._get_layers(key, out, layers, deadline_at, use_cache=True)
             elif self._large:
-                decode_value(self._fetch_ranged(key, deadline_at), self.layout, key, out)
+                data = self._fetch_ranged(key, deadline_at)
+                decode_value(data, self.layout, key, out, None, self.cipher)
             else:
                 self._get_whole(key, out, deadline_at)
+        except DecryptError as exc:
+            return self._decrypt_failed(key, exc)
         except (CorruptBlockError, LayoutMismatchError) as exc:
             return self._corrupt(key, exc, Target(out, layers, deadline_at))
         except Exception as exc:
@@ -361,9 +398,12 @@ class S3Tier(Tier):
         if reader.fill([memoryview(head)]) < len(head):
             raise CorruptBlockError("object is shorter than a block header")
         header = parse_header(head, self.layout, key)
+        if self.cipher is not None:
+            self.cipher.check(header)
         if etag:  # saves a request per later layerwise get
             self._headers.put(key, header, etag)
-        pieces = layer_pieces(out) if header.codec == Codec.RAW else None
+        plain = header.codec == Codec.RAW and self.cipher is None
+        pieces = layer_pieces(out) if plain else None
         if pieces is not None and size == header.total_nbytes:
             flat = [p for row in pieces for p in row]
             if reader.fill(flat) < header.payload_nbytes or not reader.at_end():
@@ -376,7 +416,12 @@ class S3Tier(Tier):
         view = memoryview(buf)[:rest]
         if reader.fill([view]) < rest or not reader.at_end():
             raise CorruptBlockError(f"object body is not the {size} bytes announced")
-        decode_value(head + view, self.layout, key, out)
+        if self.cipher is None:
+            decode_value(head + view, self.layout, key, out)
+        elif rest != header.payload_nbytes:
+            raise CorruptBlockError("object body has a different length than its header")
+        else:  # opened straight from the body buffer
+            decode_layers(header, view, self.layout, out, None, self.cipher)
 
     def _fetch_ranged(self, key: BlockKey, deadline_at: float) -> bytearray:
         """A large object in ``part_size`` ranged GETs, all but the first in parallel."""
@@ -438,7 +483,7 @@ class S3Tier(Tier):
             raise
         self._counters.add("ranged_gets")
         self._counters.add("bytes_in", len(payload))
-        decode_into(header, payload, self.layout, out, layers)
+        decode_layers(header, payload, self.layout, out, layers, self.cipher)
 
     def _fetch_header(self, key: BlockKey, deadline_at: float) -> tuple[BlockHeader, str]:
         name, size = self.object_name(key), self._header_nbytes
@@ -446,6 +491,8 @@ class S3Tier(Tier):
         self._counters.add("ranged_gets")
         self._counters.add("bytes_in", len(data))
         header = parse_header(data, self.layout, key)
+        if self.cipher is not None:
+            self.cipher.check(header)
         if total != header.total_nbytes:  # cut short or appended to by someone else
             raise CorruptBlockError(
                 f"object is {total} bytes; its header says {header.total_nbytes}"
@@ -546,7 +593,9 @@ class S3Tier(Tier):
         name = self.object_name(key)
         try:
             body, etag = self._s3.call(lambda: self._whole(name), target.deadline_at)
-            decode_value(body, self.layout, key, target.out, target.layers)
+            decode_value(body, self.layout, key, target.out, target.layers, self.cipher)
+        except DecryptError as again:
+            return self._decrypt_failed(key, again)
         except (CorruptBlockError, LayoutMismatchError) as again:
             if etag_matches(body, etag):
                 self._counters.add("corrupt_deleted")
@@ -563,6 +612,13 @@ class S3Tier(Tier):
         self._counters.add("damaged_in_transit")
         self._counters.add("blocks_got")
         return True
+
+    def _decrypt_failed(self, key: BlockKey, exc: Exception) -> bool:
+        """An object this tier cannot open: a miss, counted, and kept (the bucket is
+        shared: a node holding the right key may read it)."""
+        self._counters.add("decrypt_failures")
+        log.warning("s3 tier: %s cannot be opened: %s", self.object_name(key), exc)
+        return False
 
     def _whole(self, name: str) -> tuple[bytes, str]:
         """The whole object ``name`` and its ETag (one GET)."""
@@ -589,6 +645,7 @@ class S3Tier(Tier):
             "prefix": self._dir,
             "concurrency": self.cfg.concurrency,
             "codec": self.cfg.codec,
+            **(self.cipher.stats() if self.cipher is not None else {}),
         }
 
     def close(self) -> None:
