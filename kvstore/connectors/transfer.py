@@ -7,7 +7,8 @@ this order each step: :meth:`~TransferWorker.start_load` before the forward
 pass; per attention layer :meth:`~TransferWorker.wait_layer` (before it runs)
 and :meth:`~TransferWorker.save_layer` (after); then
 :meth:`~TransferWorker.finish_load`, :meth:`~TransferWorker.finish_save` and
-:meth:`~TransferWorker.take_load_errors`.
+:meth:`~TransferWorker.take_load_errors` (under speculative decoding, before the
+draft's layers run: their loaded KV is put in place then, ``LayerGroups.late``).
 
 Two modes, same hooks:
 
@@ -92,6 +93,9 @@ class LayerGroups:
 
     of_layer: tuple[int, ...] = ()
     sliding: frozenset[int] = frozenset()
+    #: Layers the engine runs after it has taken the step's load errors: a speculative
+    #: draft's, whose forward follows the target's (see TransferWorker.finish_load).
+    late: frozenset[int] = frozenset()
 
     def group(self, layer: int) -> int:
         """The group of ``layer``."""
@@ -274,31 +278,41 @@ class TransferWorker:
     def wait_layer(self, layer: int) -> None:
         """Layer ``layer`` is about to run: put its loaded KV in place first."""
         self.counters.add("layers_waited")
+        if not 0 <= layer < self.layout.num_layers:
+            return
         for load in self._loads:
-            if layer in load.scattered or not 0 <= layer < self.layout.num_layers:
-                continue
-            try:
-                # On a GPU the engine's stream waits for the layer's copies there; the
-                # thread only waits until they are queued (valid_blocks is final then).
-                load.handle.wait_layer_on(layer)
-                end = self._valid_end(load)
-                start = load.spec.token_start
-                if end > start and load.handle.out is not None:
-                    lo = start - load.spec.first_chunk * self.layout.block_tokens
-                    src = load.handle.out[layer, :, lo : lo + end - start]
-                    self._scatter_range(layer, load.spec, (start, end), src, load.pages)
-                load.scattered[layer] = end
-            except Exception:  # the layer stays unscattered: finish_load reports it
-                log.exception("kvstore: loading layer %d failed", layer)
+            if layer not in load.scattered:
+                self._scatter_layer(load, layer)
+
+    def _scatter_layer(self, load: _Load, layer: int) -> None:
+        """Put layer ``layer`` of a layerwise load in place (what arrived of it)."""
+        try:
+            # On a GPU the engine's stream waits for the layer's copies there; the
+            # thread only waits until they are queued (valid_blocks is final then).
+            load.handle.wait_layer_on(layer)
+            end = self._valid_end(load)
+            start = load.spec.token_start
+            if end > start and load.handle.out is not None:
+                lo = start - load.spec.first_chunk * self.layout.block_tokens
+                src = load.handle.out[layer, :, lo : lo + end - start]
+                self._scatter_range(layer, load.spec, (start, end), src, load.pages)
+            load.scattered[layer] = end
+        except Exception:  # the layer stays unscattered: finish_load reports it
+            log.exception("kvstore: loading layer %d failed", layer)
 
     def _valid_end(self, load: _Load) -> int:
         valid = load.spec.first_chunk + load.handle.valid_blocks
         return min(load.spec.token_end, valid * self.layout.block_tokens)
 
     def finish_load(self) -> None:
-        """After the forward pass: whatever did not reach every layer is a load error."""
+        """After the forward pass: whatever did not reach every layer is a load error.
+        A speculative draft's layers (``LayerGroups.late``) run after the engine took
+        the errors: their KV is put in place here, before their forward reads it."""
         for load in self._loads:
             spec = load.spec
+            for layer in sorted(self.groups.late - load.scattered.keys()):
+                self.counters.add("load_late_layers")
+                self._scatter_layer(load, layer)
             try:
                 load.handle.wait()
                 end = self._valid_end(load)

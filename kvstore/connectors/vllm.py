@@ -33,7 +33,8 @@ done whole by the workers before the request computes, and reported per request
 Hybrids' recurrent state (Mamba2, gated delta-net) is stored per chunk beside
 its KV when vLLM keeps it per block (``mamba_cache_mode="align"``;
 :mod:`kvstore.connectors.vllm_hybrid`). A model with layers whose state kvstore
-does not store is served no prefix at all, as the start-up log says.
+does not store is served no prefix at all, as the start-up log says. A speculative
+draft's layers (EAGLE, MTP) are stored and loaded with the target's, the draft in the keys.
 
 KV events: with ``events: {enabled: true}`` in the store config, the scheduler
 reports the chunks kvstore holds for this engine through ``take_events()``, and
@@ -457,7 +458,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.geometry.replicated:  # MLA: [blocks, block_size, latent] -> one "head"
             caches = [c.unsqueeze(1) if c.dim() == 3 else c for c in caches]
         page_map = self._page_map(caches[0])
-        groups = LayerGroups(tuple(self.geometry.layer_groups()), self.geometry.sliding_groups())
+        groups = LayerGroups(
+            tuple(self.geometry.layer_groups()),
+            self.geometry.sliding_groups(),
+            late=self.geometry.draft_indices(),
+        )
         self._worker.register(PagedKV(caches, page_map, self.geometry.block_size), groups)
         if self._states is not None:
             self._states.register(kv_caches)

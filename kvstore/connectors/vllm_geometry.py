@@ -128,6 +128,9 @@ class EngineGeometry:
     tp_size: int
     pp_size: int = 1
     states: tuple[StateGroup, ...] = ()
+    #: Served layers of a speculative draft (EAGLE, MTP): vLLM runs them after the
+    #: target's forward, in the target's KV cache groups.
+    draft_layers: tuple[str, ...] = ()
 
     @classmethod
     def from_vllm(
@@ -154,11 +157,15 @@ class EngineGeometry:
         (shape,) = shapes
         skipped += [f"{g.describe()} ({why})" for g, why in _unserved(states, shape.block_size)]
         model_id = model_id or _model_id(model)
+        names = tuple(sorted((n for g in groups for n in g.layer_names), key=natural_key))
+        draft, drafts = _draft(vllm_config, names)
+        if draft:  # the draft's layers hold its KV: another draft, other keys
+            model_id += f"|draft={draft}"
         fingerprint = state_fingerprint(tuple(states))
         if fingerprint is not None:  # any state group's change gives other keys
             model_id += f"|state={fingerprint}"
         return cls(
-            layer_names=tuple(sorted((n for g in groups for n in g.layer_names), key=natural_key)),
+            layer_names=names,
             groups=tuple(groups),
             skipped=tuple(skipped),
             num_groups=len(all_groups),
@@ -172,6 +179,7 @@ class EngineGeometry:
             tp_size=int(parallel.tensor_parallel_size),
             pp_size=pp_size,
             states=tuple(states),
+            draft_layers=drafts,
         )
 
     @property
@@ -194,6 +202,10 @@ class EngineGeometry:
         """vLLM group index of each served layer, in our layer order."""
         owner = {name: g.index for g in self.groups for name in g.layer_names}
         return [owner[name] for name in self.layer_names]
+
+    def draft_indices(self) -> frozenset[int]:
+        """Our indices of the speculative draft's layers."""
+        return frozenset(self.layer_names.index(name) for name in self.draft_layers)
 
     def sliding_groups(self) -> frozenset[int]:
         """vLLM indices of the sliding-window groups (their freed blocks are vLLM's null block)."""
@@ -220,6 +232,8 @@ class EngineGeometry:
                 "recomputed"
             )
         extra = " (one copy shared by every TP rank)" if self.replicated else ""
+        if self.draft_layers:
+            extra += f" ({len(self.draft_layers)} of them the speculative draft's)"
         return f"kvstore serves {served}{extra}"
 
     def layout(self, chunk_tokens: int) -> KVLayout:
@@ -270,6 +284,27 @@ def _unserved(states: list[StateGroup], block_size: int) -> list[tuple[StateGrou
         elif g.block_size != block_size:
             out.append((g, f"state blocks of {g.block_size} tokens, attention's {block_size}"))
     return out
+
+
+def _draft(vllm_config: Any, names: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """The speculative draft model (``name@revision|method``) and which of ``names`` are
+    its layers: vLLM numbers a draft's layers (EAGLE, MTP) after the target's."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None:
+        return None, ()
+    method = getattr(spec, "method", None)
+    ident = f"{draft.model}@{getattr(draft, 'revision', None) or 'default'}|{method}"
+    model = vllm_config.model_config
+    total = getattr(model, "get_total_num_hidden_layers", None)
+    if callable(total):
+        target = int(total())
+    else:
+        config = getattr(model, "hf_text_config", None) or model.hf_config
+        target = int(config.num_hidden_layers)
+    found = (re.search(r"layers\.(\d+)\.", name) for name in names)
+    indices = [int(m.group(1)) if m else -1 for m in found]
+    return ident, tuple(n for n, i in zip(names, indices, strict=True) if i >= target)
 
 
 def _check_even_stages(model: Any, pp_size: int) -> None:

@@ -1,0 +1,143 @@
+"""Two vLLM processes on one model, for a kvstore hit against vLLM's own prefix-cache hit.
+
+Both run the same two prompts one at a time (``max_num_seqs`` 1, prefill steps of one
+256-token chunk): a *seed* of exactly two chunks, then a *target* that extends it by
+100 tokens, so the target's full chunks are the seed.
+
+- ``reference``: vLLM's own prefix caching with the do-nothing probe connector
+  (examples/vllm_probe.py): the target is vLLM's own hit of the seed's blocks.
+- ``kvstore``: kvstore's connector (with the probe), vLLM's prefix caching off: the
+  seed misses and is stored, the target is a kvstore hit loaded from the store.
+
+Each run's probe records every full block of each prompt, per KV cache group and
+layer, at the step its prefill ends; :func:`compare_blocks` matches them up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_venv import DRIVER, VLLM_PYTHON
+
+CHUNK = 256
+SEED_TOKENS = 2 * CHUNK
+TARGET_TOKENS = SEED_TOKENS + 100
+MAX_TOKENS = 16
+
+
+def prompts(vocab: int = 2048) -> list[list[int]]:
+    """The seed (two whole chunks) and the target (the seed and 100 more tokens)."""
+    rng = random.Random(11)
+    seed = [rng.randrange(3, vocab) for _ in range(SEED_TOKENS)]
+    return [seed, seed + [rng.randrange(3, vocab) for _ in range(TARGET_TOKENS - SEED_TOKENS)]]
+
+
+def drive(work: Path, name: str, core: str, extra: list[str]) -> dict[str, Any]:
+    """One driver process (``reference`` or ``kvstore``); its JSON result, log and probes."""
+    out, log, probe = work / f"{name}.json", work / f"{name}.log", work / f"{name}-probe"
+    (work / "prompts.json").write_text(json.dumps(prompts()))
+    cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), *extra]
+    cmd += ["--prompts-file", str(work / "prompts.json"), "--probe-dir", str(probe)]
+    cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", "--max-num-seqs", "1"]
+    cmd += ["--max-num-batched-tokens", str(CHUNK), "--out", str(out)]
+    if name == "kvstore":
+        cmd += ["--store", str(work / "store"), "--stats-dir", str(work / "stats")]
+    else:
+        cmd += ["--prefix-caching"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: rc {proc.returncode}\n{log.read_text()[-6000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - start
+    result["log"] = log.read_text()
+    result["probes"] = read_probes(probe)
+    return result
+
+
+def read_probes(directory: Path) -> dict[int, dict[str, Any]]:
+    """The probe's records by prompt length (each prompt's prefill is recorded once)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted(directory.glob("probe-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            out[int(record["prompt_tokens"])] = record
+    return out
+
+
+def run_pair(work: Path, extra: list[str]) -> dict[str, Any]:
+    """The reference and kvstore runs side by side (a core each where there are two);
+    a run that failed is its exception, for the tests to report with its log."""
+    cores = sorted(os.sched_getaffinity(0))
+    out: dict[str, Any] = {}
+    write_models(work, extra)  # once, before two processes would write them at once
+
+    def one(name: str, core: int) -> None:
+        try:
+            out[name] = drive(work, name, str(core), extra)
+        except Exception as exc:
+            out[name] = exc
+
+    names = ("reference", "kvstore")
+    if len(cores) >= 2:
+        threads = [threading.Thread(target=one, args=(n, cores[i])) for i, n in enumerate(names)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for n in names:
+            one(n, cores[0])
+    return out
+
+
+def write_models(work: Path, extra: list[str]) -> None:
+    """Write the checkpoints the runs of ``extra`` use (``--model``, ``--speculative``)."""
+    model = extra[extra.index("--model") + 1]
+    code = "import vllm_offline as o, vllm_models as m; from pathlib import Path; w = Path(%r)\n"
+    code %= str(work)
+    if model == "llama":
+        code += "o.write_model(w / 'model')\n"
+    else:
+        code += f"m.write({model!r}, w / 'model-{model}')\n"
+    if "--speculative" in extra:
+        code += "m.write_eagle_draft(w / 'eagle', o.MODEL)\n"
+    env = dict(os.environ, PYTHONPATH=str(DRIVER.parent))
+    subprocess.run([str(VLLM_PYTHON), "-c", code], check=True, env=env, timeout=300)
+
+
+def compare_blocks(
+    loaded: dict[str, Any], source: dict[str, Any], hit_tokens: int
+) -> dict[str, dict[str, Any]]:
+    """Per KV cache group of ``loaded`` (the target's probe): the blocks of the hit that
+    vLLM holds, how many of them equal ``source``'s (a probe of the same tokens' blocks),
+    and the layers compared. A block vLLM freed (a sliding window's) is not compared."""
+    out: dict[str, dict[str, Any]] = {}
+    for gid, group in loaded["groups"].items():
+        size = int(group["block_size"])
+        held = equal = 0
+        for layer, hashes in group["layers"].items():
+            theirs = source["groups"][gid]["layers"][layer]
+            for j, h in enumerate(hashes[: hit_tokens // size]):
+                if h is None:
+                    continue
+                held += 1
+                equal += int(j < len(theirs) and theirs[j] == h)
+        out[gid] = {
+            "kind": group["kind"],
+            "block_size": size,
+            "layers": sorted(group["layers"]),
+            "blocks_held": held,
+            "blocks_equal": equal,
+        }
+    return out
