@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,9 @@ def test_server_with_encrypted_disk(tmp_path: Path) -> None:
     layout = small_layout()
     key_file = write_keyring(tmp_path / "keys.json", {"s1": new_key()}, "s1")
     work = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")  # a short Unix socket path
-    config = server_test_config(work)
+    config = server_test_config(work, [{"kind": "disk", "capacity": "256MiB"}])
     config["encryption"] = encryption_section(key_file, "disk")
+    config["server"]["metrics_listen"] = "127.0.0.1:0"
     server = ServerThread(StoreConfig.from_dict(config, environ={})).start()
     kv = random_blocks(layout, 4)
     step = layout.block_tokens
@@ -169,7 +171,22 @@ def test_server_with_encrypted_disk(tmp_path: Path) -> None:
             outs = [torch.empty_like(b) for b in blocks]
             assert client.get(keys, outs) == [True] * 4
             assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
-        assert key_ids(Path(work) / "disk") == ["s1"] * 4
+            assert key_ids(Path(work) / "disk") == ["s1"] * 4
+            # A flipped ciphertext byte on the server's disk: a miss, counted in /metrics.
+            path = next(Path(work).rglob(f"{keys[0].hex()}{BLOCK_SUFFIX}"))
+            data = bytearray(path.read_bytes())
+            data[4096 + 10] ^= 1
+            path.write_bytes(data)
+            assert client.get(keys, outs) == [False, True, True, True]
+        url = f"http://{server.server.addresses['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        failures = [
+            line
+            for line in text.splitlines()
+            if line.startswith("kvstore_tier_decrypt_failures_total{") and 'kind="disk"' in line
+        ]
+        assert failures and failures[0].endswith(" 1"), failures
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
