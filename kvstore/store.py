@@ -23,6 +23,7 @@ import torch
 
 from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
+from kvstore.crypt import encrypt_tiers, store_keys
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
@@ -84,7 +85,8 @@ class KVStore:
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.config = StoreConfig.load(config)
-        keys = _encryption_keys(self.config)  # before any tier opens: a bad keyring changes nothing
+        # The keyring is read before any tier opens: a bad one changes nothing.
+        keys = store_keys(self.config.encryption, self.config.cluster.namespace)
         built: list[Tier] = list(tiers) if tiers is not None else []
         try:
             for tier in built:
@@ -96,7 +98,7 @@ class KVStore:
                     at = next((i for i, t in enumerate(built) if not t.local), len(built))
                     built.insert(at, _cluster_tier(layout, self.config))
             if keys is not None:
-                _encrypt(built, self.config, keys)
+                encrypt_tiers(built, self.config.encryption, keys)
             self._manager = BlockManager(layout, built, self.config, clock)
         except BaseException:
             for tier in built:
@@ -620,18 +622,3 @@ def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
             f"{install_hint('redis')}"
         ) from exc
     return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)
-
-
-def _encryption_keys(config: StoreConfig) -> Any:
-    """The store's tenant and keys when encryption is on (the keyring read now); None."""
-    if not config.encryption.enabled:
-        return None
-    from kvstore.crypt import store_keys  # imports cryptography only where it is used
-
-    return store_keys(config.encryption, config.cluster.namespace)
-
-
-def _encrypt(tiers: Sequence[Tier], config: StoreConfig, keys: Any) -> None:
-    from kvstore.crypt import encrypt_tiers
-
-    encrypt_tiers(tiers, config.encryption, keys)
