@@ -200,6 +200,7 @@ async def reserve(conn: Session, frame: Frame, meta: bytes) -> None:
     """Room for new blocks: a shared-memory offset each, or INLINE (send in COMMIT)."""
     hosted = conn.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
+    await _expire_abandoned(conn)
     if len(conn.reservations) >= conn.ctx.server.max_inflight_requests:
         raise Refused(Status.BUSY, "too many reservations waiting for COMMIT")
     pending = await conn.run(hosted.store.begin_put, keys)
@@ -224,9 +225,13 @@ async def commit(conn: Session, frame: Frame, meta: bytes) -> None:
     each = wire_nbytes(layout)
     try:
         ident, written = decode_commit_request(meta, conn.ctx.server.max_batch_blocks)
+        await _expire_abandoned(conn)
         res = conn.reservations.get(ident)
         if res is None:
-            raise ProtocolError(f"no reservation {ident} on this connection")
+            raise ProtocolError(
+                f"no reservation {ident} on this connection (a reservation not committed "
+                f"within server.io_timeout_s, {conn.ctx.server.io_timeout_s:g} s, is dropped)"
+            )
         if len(written) != len(res.slots):
             raise ProtocolError(f"COMMIT lists {len(written)} keys, RESERVE had {len(res.slots)}")
         inline = [i for i, (s, _) in enumerate(res.slots) if s == SlotStatus.INLINE and written[i]]
@@ -257,6 +262,18 @@ def expire_reservations(conn: Session, older_than: float) -> list[PendingPut]:
     """Forget reservations made before ``older_than`` (loop time); their puts, to abort."""
     old = [k for k, r in conn.reservations.items() if r.created < older_than]
     return [conn.reservations.pop(k).pending for k in old]
+
+
+async def _expire_abandoned(conn: Session) -> None:
+    """Abort the reservations of this connection that waited longer than
+    ``server.io_timeout_s`` for their COMMIT: a client that reserves and never commits
+    (a bug, or a crash of the thread that wrote the shared memory) would otherwise pin
+    their slots until it disconnects. Asked at each RESERVE and COMMIT, so a client that
+    goes on working frees them; one that goes quiet is cut off at ``idle_timeout_s``."""
+    older_than = conn.loop.time() - conn.ctx.server.io_timeout_s
+    for pending in expire_reservations(conn, older_than):
+        conn.ctx.metrics.add("reservations_expired")
+        await conn.run(pending.abort)
 
 
 # -- GET / RELEASE --------------------------------------------------------------

@@ -251,6 +251,29 @@ def test_abandoned_reservations_and_loans_end_with_the_connection(
     assert store.contains(make_keys(3, salt=1)[0]) is False
 
 
+def test_a_reservation_never_committed_is_aborted_at_the_next_reserve(
+    kv_server: Start, raw: Any
+) -> None:
+    """A client that reserves and never commits, but goes on working, pinned the slots
+    until it disconnected; after ``io_timeout_s`` its next RESERVE aborts them."""
+    server = kv_server(io_timeout_s=0.3)
+    conn = raw(server.address)
+    conn.handshake(LAYOUT)
+    frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(3, salt=2)))
+    abandoned, _slots = decode_reserve_reply(meta, 3)
+    store = hosted_store(server)
+    assert frame.status == Status.OK and store.manager.pinned_blocks() == 3
+    time.sleep(0.5)
+    frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(1, salt=3)))
+    assert frame.status == Status.OK
+    assert store.manager.pinned_blocks() == 1  # the new one only
+    assert server.stats()["reservations_expired"] == 1
+    commit = encode_commit_request(abandoned, [True, True, True])
+    frame, meta, _ = conn.call(Op.COMMIT, commit)
+    assert frame.status != Status.OK and b"io_timeout_s" in meta
+    assert not any(store.contains(k) for k in make_keys(3, salt=2))
+
+
 def test_a_delete_of_blocks_its_own_connection_holds_is_refused_at_once(
     kv_server: Start, raw: Any
 ) -> None:
