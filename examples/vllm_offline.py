@@ -31,7 +31,10 @@ then comes from kvstore, and a hit is compared against a full recompute.
 the KV bytes of each prompt's blocks when its prefill ends (examples/vllm_probe.py):
 with a store, kvstore's connector does so; without one, a connector that does nothing
 else is attached (the reference a kvstore hit is compared against, with
-``--prefix-caching``: vLLM's own hit).
+``--prefix-caching``: vLLM's own hit). ``--dense-window-cache`` makes vLLM's own cache
+keep every sliding-window block, as kvstore does (vLLM 0.32 keeps a sliding window's
+blocks only where a resend of the same prompt could hit: a longer prompt that extends
+a block-aligned one then hits a block short).
 """
 
 from __future__ import annotations
@@ -230,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_transfer_config=connector_config(args) if connector or args.probe_dir else None,
         speculative_config=speculative_config(args),
         disable_log_stats=False,
+        **({"prefix_cache_retention_interval": None} if args.dense_window_cache else {}),
         seed=0,
     )
     params = SamplingParams(
@@ -394,6 +398,12 @@ def main() -> None:
         "--spec-keep-last-block",
         action="store_true",
         help="vLLM's own prefix hits keep their last block under EAGLE (as kvstore's do)",
+    )
+    parser.add_argument(
+        "--dense-window-cache",
+        action="store_true",
+        help="vLLM's own prefix cache keeps every sliding-window block (its default keeps "
+        "them only at each prompt's replay boundary: prefix_cache_retention_interval 0)",
     )
     parser.add_argument("--probe-dir", help="record each prompt's KV block hashes here")
     parser.add_argument(
