@@ -279,6 +279,7 @@ def run(args: Any) -> dict[str, Any]:
     layout = bench_layout(args.layers, args.tokens)
     blocks = [make_block(layout, "realish", seed=i) for i in range(args.blocks)]
     media = [m.strip() for m in args.media.split(",") if m.strip()]
+    load_before = os.getloadavg()[0]
     result: dict[str, Any] = {
         "benchmark": "encrypt",
         "block_nbytes": layout.block_nbytes,
@@ -315,6 +316,8 @@ def run(args: Any) -> dict[str, Any]:
         for op in ("put", "get")
     }
     result["reps"] = reps
+    # Other jobs on the machine compete for the CPU that sealing needs: say how busy it was.
+    result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     result["environment"] = environment()
     return result
 
