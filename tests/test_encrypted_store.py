@@ -234,3 +234,31 @@ def test_missing_cryptography_says_how_to_install(
     with pytest.raises(ConfigError, match=r"kvstore-tiers\[encrypt\]"):
         KVStore(small_layout(), disk_config(tmp_path / "d", key_file))
     assert not (tmp_path / "d").exists()
+
+
+def test_rotation_rewrites_redis_blocks(tmp_path: Path, redis_server: Any) -> None:
+    """The background re-encryption works on a shared tier too (Redis here)."""
+    import redis
+
+    layout = small_layout()
+    k1, k2 = new_key(), new_key()
+    key_file = write_keyring(tmp_path / "keys.json", {"k1": k1}, "k1")
+    prefix = f"enc{uuid.uuid4().hex[:10]}"
+    tier = {"kind": "redis", "url": redis_server.url, "key_prefix": prefix, "capacity": "16MiB"}
+    config = {"tiers": [tier], "encryption": encryption_section(key_file, "redis")}
+    kv = random_blocks(layout, 3)
+    with KVStore(layout, config) as store:
+        keys = store.hash_tokens(list(range(3 * layout.block_tokens)), "m")
+        assert store.put(keys, kv) == 3
+    write_keyring(key_file, {"k1": k1, "k2": k2}, "k2")
+    with KVStore(layout, config) as store:
+        assert store._manager.drain(timeout=10)
+        stats = store.stats()["tiers"][0]
+        assert stats["reencrypted"] == 3 and stats["reencrypt_pending"] == 0
+    client = redis.Redis.from_url(redis_server.url)
+    values = [client.get(n) for n in client.scan_iter(match=f"{prefix}:*")]
+    client.close()
+    assert sorted(read_header(v).key_id for v in values if v) == ["k2"] * 3
+    write_keyring(key_file, {"k2": k2}, "k2")
+    with KVStore(layout, config) as store:
+        assert torch.equal(store.get(keys), kv)
