@@ -262,3 +262,15 @@ def test_rotation_rewrites_redis_blocks(tmp_path: Path, redis_server: Any) -> No
     write_keyring(key_file, {"k2": k2}, "k2")
     with KVStore(layout, config) as store:
         assert torch.equal(store.get(keys), kv)
+
+
+def test_server_refuses_a_bad_keyring_at_start(tmp_path: Path) -> None:
+    from kvstore.server import ServerThread
+    from kvstore.testing.kvserver import server_test_config
+
+    key_file = write_keyring(tmp_path / "keys.json", {"k1": new_key()}, "k1")
+    os.chmod(key_file, 0o604)
+    config = server_test_config(str(tmp_path), [{"kind": "disk", "capacity": "256MiB"}])
+    config["encryption"] = encryption_section(key_file, "disk")
+    with pytest.raises(ConfigError, match="readable by every user"):
+        ServerThread(StoreConfig.from_dict(config, environ={}))
