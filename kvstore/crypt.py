@@ -75,8 +75,9 @@ __all__ = [
 DEFAULT_TENANT = "default"
 _AAD = b"kvstore-aead-v1\0"
 _LAYER_CODEC = struct.Struct("<IB")
-#: Keys read under an older key id, remembered for the re-encryption (bounded).
-_MAX_STALE = 1 << 20
+#: Keys read under an older key id, remembered for the re-encryption, which takes them
+#: right after its own reads: a full set is emptied (reads outside a sweep fill it too).
+_MAX_STALE = 1 << 16
 
 TenantResolver = Callable[[str], str]
 _resolver: TenantResolver = lambda namespace: DEFAULT_TENANT  # noqa: E731
@@ -230,8 +231,9 @@ class BlockCipher:
             self._counts["opened"] += 1
             if header.key_id != self.active:
                 self._counts["opened_old_key"] += 1
-                if len(self._stale) < _MAX_STALE:
-                    self._stale.add(header.key)
+                if len(self._stale) >= _MAX_STALE:
+                    self._stale.clear()
+                self._stale.add(header.key)
 
     def take_stale(self, keys: Iterable[bytes]) -> list[bytes]:
         """Of ``keys``, those last read under an older key (forgotten as they are taken)."""
