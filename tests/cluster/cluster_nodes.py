@@ -34,6 +34,7 @@ class NodeOptions:
 
     heartbeat_s: float = HEARTBEAT
     tokens: dict[str, str] = field(default_factory=dict)  # node -> its server token
+    key_file: str | None = None  # encryption at rest of every node's disk and S3 tiers
 
 
 class Nodes:
@@ -102,7 +103,10 @@ class Nodes:
             },
             self.s3_tier(self.cluster.name),
         ]
-        return {"tiers": tiers, "cluster": cluster}
+        config: dict[str, Any] = {"tiers": tiers, "cluster": cluster}
+        if self.options.key_file is not None:
+            config["encryption"] = {"key_file": self.options.key_file}
+        return config
 
     def start(self) -> Nodes:
         for proc in self.procs.values():
