@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None) -> Any:
     args = parser.parse_args(argv)
     if args.quick:
         args.blocks, args.layers, args.tokens, args.reps = 4, 8, 64, 1
-    args.rounds = args.rounds or (3 if args.quick else 7)
+    args.rounds = args.rounds or (1 if args.quick else 7)  # quick: a smoke run only
     return args
 
 
