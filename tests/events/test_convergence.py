@@ -45,6 +45,9 @@ def test_a_view_without_the_replay_socket_misses_what_was_sent_before_it(rig: Ri
         assert rig.store is not None
         rig.store.flush()
         diff = compare(view.view(), rig.truth())
-        assert diff.missed and view.stats()["gaps_unfilled"] >= 1
+        # Not converged. Which way depends on where the restarts fell: usually blocks
+        # announced while it was away are missed; on a loaded machine the events it lost
+        # were removals and moves instead (phantom and wrong-medium blocks, none missed).
+        assert not diff.none and view.stats()["gaps_unfilled"] >= 1, diff.counts()
     finally:
         view.close()

@@ -34,6 +34,7 @@ from dynamo_indexer import DYNAMO_VENV, dynamo_marks
 
 from kvstore import KVStore
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.servers import free_port
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
@@ -52,13 +53,6 @@ def setup_block() -> str:
     section = text[text.index("## Three set-ups") :]
     blocks = re.findall(r"^```bash\n(.*?)^```", section, re.M | re.S)
     return next(b for b in blocks if "dynamo.indexer" in b)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def localize(block: str, ports: dict[int, int], work: Path) -> str:
