@@ -185,7 +185,8 @@ def test_matched_tokens_follow_the_restore_plan(runs: dict[str, dict[str, Any]])
     # every token the hits run loaded (but the last of a whole-prompt hit) was planned away
     assert scheduler["plan_recompute_tokens"] >= hit_tokens
     assert scheduler.get("lookup_hit_tokens", 0) == 0
-    assert planned["stats"]["worker"].get("load_tokens", 0) == 0
+    # A worker that loaded nothing may report no counters at all (no "worker" entry).
+    assert planned["stats"].get("worker", {}).get("load_tokens", 0) == 0
 
 
 def test_first_run_stored_its_prefixes(runs: dict[str, dict[str, Any]]) -> None:
