@@ -17,7 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm_probe_runs import SEED_TOKENS, TARGET_TOKENS, compare_blocks, run_pair
+from vllm_probe_runs import (
+    SEED_TOKENS,
+    TARGET_TOKENS,
+    assert_same_outputs,
+    compare_blocks,
+    run_of,
+    run_pair,
+)
 from vllm_venv import vllm_marks
 
 pytestmark = vllm_marks(1200)
@@ -31,13 +38,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_pair(work, extra)
 
 
-def run_of(runs: dict[str, Any], name: str) -> dict[str, Any]:
-    got = runs[name]
-    if isinstance(got, Exception):
-        pytest.fail(str(got))
-    return dict(got)
-
-
 def test_the_draft_runs_and_its_layer_is_served(runs: dict[str, Any]) -> None:
     for name in ("reference", "kvstore"):
         assert "EAGLE drafter KV cache initialized for CPU backend" in run_of(runs, name)["log"]
@@ -45,16 +45,7 @@ def test_the_draft_runs_and_its_layer_is_served(runs: dict[str, Any]) -> None:
 
 
 def test_a_kvstore_hit_equals_vllms_own_hit(runs: dict[str, Any]) -> None:
-    ref, kv = run_of(runs, "reference"), run_of(runs, "kvstore")
-    print(
-        f"\neagle: reference {ref['wall_s']:.0f} s, kvstore {kv['wall_s']:.0f} s; cached "
-        f"{[x['num_cached_tokens'] for x in ref['results']]} vs "
-        f"{[x['num_cached_tokens'] for x in kv['results']]}; worker {kv['stats'].get('worker')}"
-    )
-    assert [x["output"] for x in kv["results"]] == [x["output"] for x in ref["results"]]
-    assert [x["logprobs"] for x in kv["results"]] == [x["logprobs"] for x in ref["results"]]
-    assert all(len(x["output"]) == 16 for x in kv["results"])
-    assert kv["results"][0]["output"] != kv["results"][1]["output"]
+    assert_same_outputs(runs, "eagle")
 
 
 def test_the_hit_covers_the_prompts_full_chunks(runs: dict[str, Any]) -> None:

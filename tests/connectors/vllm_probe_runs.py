@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from vllm_venv import DRIVER, VLLM_PYTHON
 
 CHUNK = 256
@@ -141,3 +142,26 @@ def compare_blocks(
             "blocks_equal": equal,
         }
     return out
+
+
+def run_of(runs: dict[str, Any], name: str) -> dict[str, Any]:
+    """Run ``name`` of :func:`run_pair`'s result; the test fails with its error if it failed."""
+    got = runs[name]
+    if isinstance(got, Exception):
+        pytest.fail(str(got))
+    return dict(got)
+
+
+def assert_same_outputs(runs: dict[str, Any], label: str) -> None:
+    """The kvstore hit gave vLLM's own hit's 16 greedy tokens and logprobs, request by
+    request (and the two requests differ)."""
+    ref, kv = run_of(runs, "reference"), run_of(runs, "kvstore")
+    print(
+        f"\n{label}: reference {ref['wall_s']:.0f} s, kvstore {kv['wall_s']:.0f} s; cached "
+        f"{[x['num_cached_tokens'] for x in ref['results']]} vs "
+        f"{[x['num_cached_tokens'] for x in kv['results']]}; worker {kv['stats'].get('worker')}"
+    )
+    assert [x["output"] for x in kv["results"]] == [x["output"] for x in ref["results"]]
+    assert [x["logprobs"] for x in kv["results"]] == [x["logprobs"] for x in ref["results"]]
+    assert all(len(x["output"]) == 16 for x in kv["results"])
+    assert kv["results"][0]["output"] != kv["results"][1]["output"]
