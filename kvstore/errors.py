@@ -22,7 +22,9 @@ parsing messages:
   is pinned).
 - :class:`ClosedError` -- the store was used after :meth:`KVStore.close`.
 - :class:`AccessDeniedError` -- a ``kvstore-server`` refused a token, or a
-  namespace the token does not open.
+  namespace the token does not open. :class:`ScopeError` is the special case of
+  an operation beyond the token's scopes (read, write, admin): the token itself
+  is still good.
 - :class:`ProtocolError` -- bytes off the wire are not a valid frame (the
   server answers with an error and changes nothing).
 
@@ -44,6 +46,7 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatchError",
     "ProtocolError",
+    "ScopeError",
     "TierError",
 ]
 
@@ -98,3 +101,7 @@ class AccessDeniedError(KVStoreError):
 
 class ProtocolError(KVStoreError):
     """A frame read off the wire is malformed, oversized or out of order."""
+
+
+class ScopeError(AccessDeniedError):
+    """An operation beyond the token's scopes (a read-only token's PUT, say)."""

@@ -87,6 +87,9 @@ class Namespace:
         tp_size: tensor-parallel world size (None: unsharded).
         adapter: LoRA/adapter id, if any.
         salt: a user salt (e.g. per-tenant isolation).
+        tenant: the kvstore-server tenant the chunks belong to (the AUTH reply names
+            it): the same prompt under two tenants gives different keys. None
+            leaves the seed exactly as it was before tenants existed.
     """
 
     model: str
@@ -95,6 +98,7 @@ class Namespace:
     tp_size: int | None = None
     adapter: str | None = None
     salt: str | None = None
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -105,7 +109,7 @@ class Namespace:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"namespace {name} must be an int >= 0, got {value!r}")
-        for name in ("adapter", "salt"):
+        for name in ("adapter", "salt", "tenant"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInputError(f"namespace {name} must be a str, got {value!r}")
@@ -126,7 +130,7 @@ class Namespace:
 
 @lru_cache(maxsize=1024)
 def _namespace_seed(ns: Namespace) -> bytes:
-    fields = (
+    fields: tuple[str | None, ...] = (
         "kvstore.ns.v1",
         ns.model,
         ns.layout.fingerprint.hex(),
@@ -136,6 +140,8 @@ def _namespace_seed(ns: Namespace) -> bytes:
         ns.adapter,
         ns.salt,
     )
+    if ns.tenant is not None:  # only then: seeds without a tenant stay what they were
+        fields = (*fields, "tenant", ns.tenant)
     # Length-prefixed fields, so ("ab", "c") and ("a", "bc") differ; an absent
     # field (None) is encoded apart from an empty string.
     packed = b"".join(

@@ -17,6 +17,7 @@ from kvstore.errors import (
     InvalidInputError,
     KVStoreError,
     ProtocolError,
+    ScopeError,
     TierError,
 )
 from kvstore.hints import Hint, HintAnswer, checked_hint
@@ -223,8 +224,10 @@ def error_for(status: int, message: str) -> KVStoreError:
     """The exception a server's error reply means."""
     name = Status(status).name if status in _KNOWN_STATUSES else str(status)
     text = f"kvstore-server: {message} ({name})"
-    if status in (Status.UNAUTHENTICATED, Status.FORBIDDEN):
-        exc: KVStoreError = AccessDeniedError(text)
+    if status == Status.NOT_PERMITTED:
+        exc: KVStoreError = ScopeError(text)
+    elif status in (Status.UNAUTHENTICATED, Status.FORBIDDEN):
+        exc = AccessDeniedError(text)
     elif status in (Status.BAD_REQUEST, Status.TOO_LARGE):
         exc = InvalidInputError(text)
     elif status == Status.UNSUPPORTED_VERSION:

@@ -40,18 +40,25 @@ class Dead(TierError):
 
 
 class Connection:
-    """One authenticated connection with a store opened (used by one thread at a time)."""
+    """One authenticated connection with a store opened (used by one thread at a time).
 
-    def __init__(self, options: ClientOptions, layout: KVLayout) -> None:
+    ``layout`` None: no store is opened (a control connection: STATS, ADMIN).
+    """
+
+    def __init__(self, options: ClientOptions, layout: KVLayout | None) -> None:
         self.options = options
         self.layout = layout
         self._ids = 0
         #: The client's mapping of this server's shared memory (None: move bytes by socket).
         self.shm: shm.Mapping | None = None
+        #: The AUTH reply: the token's name, tenant, scopes, namespaces ({}: no token).
+        self.identity: dict[str, Any] = {}
+        self.opened: dict[str, Any] = {}
         self.sock = self._connect()
         with handshake(options, self.close):
             self.hello = self._handshake()
-            self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
+            if layout is not None:
+                self.opened = self.call_json(Op.OPEN, open_meta(options.namespace, layout))
 
     def _connect(self) -> socket.socket:
         opts = self.options
@@ -76,7 +83,7 @@ class Connection:
         hello = self.call_json(Op.HELLO, hello_meta())
         answer = auth_meta(hello, self.options.token)
         if answer is not None:
-            self.call(Op.AUTH, answer)
+            self.identity = decode_json(self.call(Op.AUTH, answer)[1])
         return hello
 
     @property

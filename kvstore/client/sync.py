@@ -50,6 +50,7 @@ from kvstore.errors import (
     InvalidInputError,
     LayoutMismatchError,
     ProtocolError,
+    ScopeError,
     TierError,
 )
 from kvstore.hints import Hint, HintAnswer
@@ -176,6 +177,8 @@ class Client:
             result = retry_call(
                 attempt, lambda e: isinstance(e, Dead), _STALE, on_retry=self._retry
             )
+        except ScopeError:
+            raise  # this op only: the token is good for the others
         except AccessDeniedError as exc:
             # A refused token is not retried on every call (each try is an AUTH the
             # server logs): one probe per retry_interval, like an outage. Whoever

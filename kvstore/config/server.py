@@ -12,6 +12,13 @@ secrets: a token is given inline (``token``), or better in a file
       tokens:
         - {name: team-a, token_file: /etc/kvstore/a.token, namespaces: [team-a]}
         - {name: team-b, token_file: /etc/kvstore/b.token, namespaces: [team-b, shared]}
+
+Tenants (``tenants``, :mod:`kvstore.config.tenants`) own namespaces and tokens
+with scopes. The older forms map onto them: ``token`` / ``token_file`` is the
+operator's token (tenant ``default``, every namespace, scopes read, write and
+admin); each ``tokens`` entry is a tenant of its own named after the token
+(scopes read and write) whose namespaces are those it lists, or, when it lists
+none, every namespace no tenant of ``tenants`` owns.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kvstore._values import (
     parse_str,
 )
 from kvstore.config._fields import build, check_positive, opt
+from kvstore.config.tenants import SCOPES, TenantConfig, check_unique, parse_tenants
 from kvstore.config.tiers import check_address, check_namespace
 from kvstore.errors import ConfigError
 
@@ -42,11 +50,18 @@ MIN_TOKEN_CHARS = 16
 
 @dataclass(frozen=True)
 class Credential:
-    """A token the server accepts: its secret and the namespaces it opens (None: all)."""
+    """A token the server accepts: its secret, the namespaces it opens (None: every
+    namespace no tenant owns, or every one with the admin scope), its tenant and scopes."""
 
     name: str
     secret: bytes
     namespaces: frozenset[str] | None
+    tenant: str = "default"
+    scopes: frozenset[str] = frozenset({"read", "write"})
+
+    def may(self, scope: str) -> bool:
+        """Whether this token carries ``scope``."""
+        return scope in self.scopes
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,8 @@ class TokenConfig:
     def credential(self, path: str) -> Credential:
         """Read the secret (from the file if one is named)."""
         secret = _read_secret(self.token, self.token_file, path)
-        return Credential(self.name or path, secret, frozenset(self.namespaces) or None)
+        name = self.name or path
+        return Credential(name, secret, frozenset(self.namespaces) or None, tenant=name)
 
 
 def _read_secret(token: str | None, token_file: str | None, path: str) -> bytes:
@@ -148,6 +164,10 @@ class ServerConfig:
 
     ``tokens``: more tokens, each limited to some namespaces.
 
+    ``tenants``: tenants owning namespaces and tokens with scopes
+    (:mod:`kvstore.config.tenants`); changed at run time by an admin request
+    or a reload (SIGHUP).
+
     ``tls_cert`` / ``tls_key``: a PEM certificate chain and its private key:
     TCP connections then use TLS.
 
@@ -188,6 +208,7 @@ class ServerConfig:
     token: str | None = opt(None, parse_optional_str)
     token_file: str | None = opt(None, parse_optional_str)
     tokens: tuple[TokenConfig, ...] = opt((), _parse_tokens)
+    tenants: tuple[TenantConfig, ...] = opt((), parse_tenants)
     tls_cert: str | None = opt(None, parse_optional_str)
     tls_key: str | None = opt(None, parse_optional_str)
     shared_memory: bool = opt(True, parse_bool)
@@ -219,6 +240,7 @@ class ServerConfig:
             raise ConfigError(f"{path}.tls_key: TLS needs both tls_cert and tls_key")
         for i, token in enumerate(self.tokens):
             token.validate(f"{path}.tokens[{i}]")
+        self._check_tenants(path)
         check_positive(
             self,
             path,
@@ -235,10 +257,29 @@ class ServerConfig:
             "threads",
         )
 
+    def _check_tenants(self, path: str) -> None:
+        """Tenants valid and apart; no older token names a namespace a tenant owns."""
+        for tenant in self.tenants:
+            tenant.validate(f"{path}.tenants.{tenant.name}")
+        check_unique(self.tenants, f"{path}.tenants")
+        owned = self.owners()
+        for i, token in enumerate(self.tokens):
+            for ns in token.namespaces:
+                if ns in owned:
+                    raise ConfigError(
+                        f"{path}.tokens[{i}].namespaces: {ns!r} belongs to tenant "
+                        f"{owned[ns]!r}; give the token to that tenant instead"
+                    )
+
+    def owners(self) -> dict[str, str]:
+        """The tenant that owns each namespace named in ``tenants``."""
+        return {ns: t.name for t in self.tenants for ns in t.namespaces}
+
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-friendly dict that the config reads back to an equal section."""
         data = dataclasses.asdict(self)
         data["tokens"] = [{**t, "namespaces": list(t["namespaces"])} for t in data["tokens"]]
+        data["tenants"] = {t.name: t.to_dict() for t in self.tenants}
         return data
 
     def credentials(self) -> list[Credential]:
@@ -246,8 +287,15 @@ class ServerConfig:
         creds = []
         if self.token is not None or self.token_file is not None:
             secret = _read_secret(self.token, self.token_file, "server.token")
-            creds.append(Credential("default", secret, None))
+            creds.append(Credential("default", secret, None, "default", frozenset(SCOPES)))
         creds += [t.credential(f"server.tokens[{i}]") for i, t in enumerate(self.tokens)]
+        for tenant in self.tenants:
+            for i, token in enumerate(tenant.tokens):
+                where = f"server.tenants.{tenant.name}.tokens[{i}]"
+                secret = _read_secret(token.token, token.token_file, where)
+                name = token.name or where
+                opens = frozenset(tenant.namespaces)
+                creds.append(Credential(name, secret, opens, tenant.name, frozenset(token.scopes)))
         secrets = [c.secret for c in creds]
         if len(set(secrets)) != len(secrets):
             raise ConfigError("server.tokens: two entries have the same token")
@@ -265,6 +313,7 @@ class ServerConfig:
         that is not there, or a token that cannot be read (before anything is opened)."""
         why = self.exposure()
         has_token = self.token is not None or self.token_file is not None or bool(self.tokens)
+        has_token = has_token or any(t.tokens for t in self.tenants)
         if why and not has_token:
             raise ConfigError(
                 f"refusing to start: {why} and no token is set. Set server.token_file "

@@ -123,10 +123,10 @@ def _version() -> str:
     return __version__
 
 
-async def _serve(config: Any) -> None:
+async def _serve(config: Any, args: argparse.Namespace) -> None:
     from kvstore.server.daemon import Server
 
-    server = Server(config)
+    server = Server(config, reloader=lambda: _config(args))
     await server.start()
     server.install_signal_handlers()
     print(_describe(config, server.addresses, server.cluster), flush=True)
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             runner: Any = uvloop.run
         except ImportError:
             runner = asyncio.run
-        runner(_serve(config))
+        runner(_serve(config, args))
     except KVStoreError as exc:
         print(f"kvstore-server: error: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ from kvstore.server import handlers
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.session import Refused, Reservation, ServerContext
 from kvstore.server.stores import HostedStore
+from kvstore.server.tenants import check_scope
 from kvstore.wire import auth, shm
 from kvstore.wire.protocol import (
     FRAME,
@@ -227,8 +228,10 @@ class Connection:
             self.busy -= 1
             if refused.fatal:
                 self.cut(f"{refused.status.name}: {refused}")
+            elif frame.payload_len:  # refused for its scope: its payload is skipped
+                await self.chan.discard(frame.payload_len, self.deadline(frame.payload_len))
             await self.error(frame, refused.status, str(refused))
-            return not refused.fatal  # a refused request that carries no payload is consumed
+            return not refused.fatal
         self.ctx.metrics.request(_op_name(frame.op))
         self.ctx.metrics.add("bytes_received", frame.meta_len + frame.payload_len)
         if frame.op in _PAYLOAD_OPS or frame.op == Op.RELEASE or self.state < State.OPEN:
@@ -305,10 +308,31 @@ class Connection:
             return
         if self.state < State.AUTHED:
             raise Refused(Status.UNAUTHENTICATED, "authenticate first (AUTH)", fatal=True)
-        if op in (Op.OPEN, Op.STATS):
+        self._check_token(op)
+        if op in (Op.OPEN, Op.STATS, Op.ADMIN):
             return
         if self.state < State.OPEN:
             raise Refused(Status.NOT_OPEN, "OPEN a namespace and layout first", fatal=True)
+
+    def _check_token(self, op: Op) -> None:
+        """The token as the server's tokens stand now: still accepted, its scopes cover
+        ``op``, and it still opens the namespace this connection opened."""
+        if self.credential is None:
+            return
+        try:
+            self.credential = check_scope(self.ctx.authenticator, self.credential, op)
+        except AccessDeniedError as exc:
+            gone = self.ctx.authenticator.current(self.credential) is None
+            status = Status.UNAUTHENTICATED if gone else Status.NOT_PERMITTED
+            raise Refused(status, str(exc), fatal=gone) from None
+        if self.hosted is not None and not self.ctx.authenticator.allows(
+            self.credential, self.hosted.namespace
+        ):
+            raise Refused(
+                Status.FORBIDDEN,
+                f"this token no longer opens namespace {self.hosted.namespace!r}",
+                fatal=True,
+            )
 
     # -- requests ---------------------------------------------------------------
     async def _inline(self, frame: Frame, meta: bytes) -> None:
@@ -324,6 +348,8 @@ class Connection:
             await self._open(frame, meta)
         elif op == Op.STATS:
             await self._stats(frame)
+        elif op == Op.ADMIN:
+            await self._admin(frame, meta)
         elif op == Op.PUT:
             await handlers.put(self, frame, meta)
         elif op == Op.COMMIT:
@@ -344,6 +370,8 @@ class Connection:
             await self._attach(frame)
         elif frame.op == Op.STATS:
             await self._stats(frame)
+        elif frame.op == Op.ADMIN:
+            await self._admin(frame, meta)
         elif frame.op == Op.PING:
             await self.reply(frame)
         else:
@@ -377,7 +405,9 @@ class Connection:
         self.credential = cred
         self.state = State.AUTHED
         names = None if cred.namespaces is None else sorted(cred.namespaces)
-        await self.reply(frame, encode_json({"name": cred.name, "namespaces": names}))
+        scopes = sorted(cred.scopes)
+        info = {"name": cred.name, "namespaces": names, "tenant": cred.tenant, "scopes": scopes}
+        await self.reply(frame, encode_json(info))
 
     async def _open(self, frame: Frame, meta: bytes) -> None:
         if self.state == State.OPEN:
@@ -393,7 +423,8 @@ class Connection:
         self.state = State.OPEN
         hosted = self.hosted
         shared = None
-        if hosted.segment is not None:
+        writes = self.credential is None or self.credential.may("write")
+        if hosted.segment is not None and writes:  # a mapping is writable: not for readers
             shared = {"id": hosted.segment_id, "nbytes": hosted.segment.nbytes}
         reply = {
             "capacity_blocks": max(t.capacity_blocks for t in hosted.store.manager.tiers),
@@ -415,10 +446,22 @@ class Connection:
         await self.reply(frame, info)
 
     async def _stats(self, frame: Frame) -> None:
-        allowed = None if self.credential is None else self.credential.namespaces
+        cred, auth = self.credential, self.ctx.authenticator
+        allowed = None
+        if cred is not None:
+            hosted = self.ctx.registry.hosted()
+            allowed = frozenset(h.namespace for h in hosted if auth.allows(cred, h.namespace))
         stores = await self.run(self.ctx.registry.stats, allowed)
-        body = {"server": self.ctx.metrics.snapshot(), "stores": stores}
+        body: dict[str, Any] = {"stores": stores}
+        if cred is None or cred.may("admin") or cred.tenant not in self.ctx.tenant_names():
+            body["server"] = self.ctx.metrics.snapshot()  # every tenant's traffic: not theirs
         await self.reply(frame, encode_json(body))
+
+    async def _admin(self, frame: Frame, meta: bytes) -> None:
+        if self.ctx.admin is None:
+            raise Refused(Status.BAD_REQUEST, "this server takes no ADMIN requests")
+        answer = self.ctx.admin.handle(decode_json(meta))
+        await self.reply(frame, encode_json(answer))
 
     # -- the end --------------------------------------------------------------
     async def _teardown(self) -> None:

@@ -5,6 +5,10 @@ on TCP (plain, or TLS with a certificate), on a Unix socket, and optionally
 serves Prometheus metrics over HTTP. Store operations run on ``server.threads``
 worker threads, never on the loop.
 
+Tenants and tokens change at run time: an ADMIN request (admin scope), or
+SIGHUP, which reads the config file again (:meth:`Server.reload`); only the
+``server`` section's tokens and tenants are taken, and stores are untouched.
+
 Stopping (SIGTERM, SIGINT, or :meth:`Server.stop`) drains: listeners close at
 once, requests in flight get up to ``drain_timeout_s`` to finish, then the
 connections close and every store flushes its memory tiers to disk, so the
@@ -28,17 +32,19 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import Connection
 from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
 from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
+from kvstore.server.tenants import AdminDesk
 from kvstore.wire.auth import Authenticator
 
 if TYPE_CHECKING:
@@ -98,16 +104,38 @@ def _check_tiers(config: StoreConfig) -> None:
             create_tier(tier, probe).close()
 
 
-class Server:
-    """One kvstore-server (see the module docstring). Start it with :meth:`start`."""
+def _check_keys(config: StoreConfig, auth: Authenticator) -> None:
+    """With encryption on, each store seals with its tenant's keys: install the
+    namespace-to-tenant mapping and check the keyring now (a missing tenant's keys
+    are said at start, not per client)."""
+    if not config.encryption.enabled:
+        return
+    from kvstore.crypt import store_keys, use_tenant_resolver
 
-    def __init__(self, config: StoreConfig) -> None:
+    if config.server.tenants:
+        use_tenant_resolver(auth.tenant_of)
+    store_keys(config.encryption, config.cluster.namespace)
+    for tenant in config.server.tenants:
+        for namespace in tenant.namespaces[:1]:
+            store_keys(config.encryption, namespace)
+
+
+class Server:
+    """One kvstore-server (see the module docstring). Start it with :meth:`start`.
+
+    ``reloader``: reads the config again, for SIGHUP and the ADMIN ``reload``
+    (None: this server has no file to reload).
+    """
+
+    def __init__(
+        self, config: StoreConfig, reloader: Callable[[], StoreConfig] | None = None
+    ) -> None:
         config.server.check_startable()
         _check_tiers(config)
-        if config.encryption.enabled:  # a bad keyring is said at start, not per client
-            from kvstore.crypt import store_keys
-
-            store_keys(config.encryption, config.cluster.namespace)
+        self._authenticator = Authenticator(config.server.credentials(), config.server.owners())
+        _check_keys(config, self._authenticator)
+        self.admin = AdminDesk(config, self._authenticator, reloader)
+        self.admin.on_change = self._tenants_changed
         self.config = config
         cfg = config.server
         self.metrics = ServerMetrics()
@@ -120,7 +148,6 @@ class Server:
         self.cluster: Any = None
         self._load = _RequestRate(self.metrics)
         self._ctx: ServerContext | None = None
-        self._authenticator = Authenticator(cfg.credentials())
         self._listeners: list[socket.socket] = []
         self._tls_servers: list[asyncio.AbstractServer] = []
         self._accepting: list[asyncio.Task[None]] = []
@@ -150,6 +177,7 @@ class Server:
             budget=ByteBudget(cfg.max_inflight_bytes),
             executor=self._executor,
             staging=StagingPool(_STAGING_IDLE),
+            admin=self.admin,
         )
         binding = "events.endpoint"  # which setting the listener being bound comes from
         try:
@@ -363,10 +391,27 @@ class Server:
         self._listeners.clear()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain the server (main thread only)."""
+        """SIGTERM and SIGINT drain the server, SIGHUP reloads its tenants and tokens
+        (main thread only)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+    def reload(self) -> bool:
+        """Take the config file's tokens and tenants now; a bad file is logged in one
+        line and changes nothing. True when they were taken."""
+        try:
+            self.admin.reload()
+        except KVStoreError as exc:
+            log.error("reload refused, tenants and tokens unchanged: %s", exc)
+            return False
+        return True
+
+    def _tenants_changed(self, server: Any) -> None:
+        self.config = dataclasses.replace(self.config, server=server)
+        if self._ctx is not None:
+            self._ctx.config = self.config
 
 
 class _RequestRate:

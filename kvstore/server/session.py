@@ -28,6 +28,7 @@ from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
+from kvstore.server.tenants import AdminDesk
 from kvstore.wire.auth import Authenticator
 from kvstore.wire.protocol import Frame, Status
 
@@ -150,6 +151,13 @@ class ServerContext:
     staging: StagingPool
     draining: bool = False
     connections: set[Session] = field(default_factory=set)
+    #: Serves ADMIN requests and reloads (None: a server made without one).
+    admin: AdminDesk | None = None
+
+    def tenant_names(self) -> frozenset[str]:
+        """The tenants of ``server.tenants`` as they stand now."""
+        server = self.admin.server if self.admin is not None else self.config.server
+        return frozenset(t.name for t in server.tenants)
 
     @property
     def server(self) -> ServerConfig:

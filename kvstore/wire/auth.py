@@ -33,10 +33,34 @@ def answer(token: bytes, nonce: bytes) -> bytes:
 
 
 class Authenticator:
-    """The tokens a server accepts (none: every client is trusted, all namespaces)."""
+    """The tokens a server accepts (none: every client is trusted, all namespaces).
 
-    def __init__(self, credentials: Sequence[Credential]) -> None:
+    ``owned``: namespaces that tenants own (namespace: tenant); a token without a
+    namespace list opens none of them. A token with the admin scope opens every one. The tokens
+    change at run time with :meth:`replace` (connections re-check theirs with
+    :meth:`current` on every request).
+    """
+
+    def __init__(
+        self, credentials: Sequence[Credential], owned: dict[str, str] | None = None
+    ) -> None:
         self._credentials = list(credentials)
+        self._by_secret = {c.secret: c for c in self._credentials}
+        self._owned = dict(owned or {})
+
+    def replace(self, credentials: Sequence[Credential], owned: dict[str, str]) -> None:
+        """Accept these tokens from now on (swapped whole: no request sees half)."""
+        by_secret = {c.secret: c for c in credentials}
+        self._credentials, self._by_secret, self._owned = list(credentials), by_secret, dict(owned)
+
+    def current(self, credential: Credential) -> Credential | None:
+        """``credential`` as the tokens stand now: changed scopes or namespaces, or None
+        when its token was removed."""
+        return self._by_secret.get(credential.secret)
+
+    def tenant_of(self, namespace: str) -> str:
+        """The tenant owning ``namespace`` (``default`` when none does)."""
+        return self._owned.get(namespace, "default")
 
     @property
     def required(self) -> bool:
@@ -51,9 +75,10 @@ class Authenticator:
                 found = cred
         return found
 
-    @staticmethod
-    def allows(credential: Credential | None, namespace: str) -> bool:
+    def allows(self, credential: Credential | None, namespace: str) -> bool:
         """Whether ``credential`` (None: an unauthenticated server) opens ``namespace``."""
-        if credential is None or credential.namespaces is None:
+        if credential is None or credential.may("admin"):  # the operator opens them all
             return True
+        if credential.namespaces is None:
+            return namespace not in self._owned
         return namespace in credential.namespaces

@@ -92,6 +92,7 @@ class Op(enum.IntEnum):
     SHM_ATTACH = 4  # -> JSON {pid, fd, nbytes, inode, boot_id}; the memfd itself over Unix sockets
     PING = 5
     STATS = 6  # -> JSON
+    ADMIN = 7  # JSON {action, ...} -> JSON (tokens with the admin scope only)
     PUT = 16  # keys; payload: header + block per key -> per-key status
     RESERVE = 17  # keys -> reservation id, per key (status, shared-memory offset)
     COMMIT = 18  # reservation id, per-key written flags; payload: inline blocks -> statuses
@@ -130,6 +131,7 @@ class Status(enum.IntEnum):
     UNKNOWN_OP = 9
     SHUTTING_DOWN = 10
     INTERNAL = 11
+    NOT_PERMITTED = 12  # the token's scopes do not cover this op
 
 
 class SlotStatus(enum.IntEnum):

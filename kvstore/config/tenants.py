@@ -1,0 +1,201 @@
+"""The ``server.tenants`` section: who shares a kvstore-server, with which tokens and scopes.
+
+A tenant owns namespaces (no two tenants own the same one) and tokens; each
+token maps to that one tenant and carries scopes among ``read`` (OPEN, GET,
+EXISTS, LOOKUP, LIST, STATS), ``write`` (PUT, RESERVE/COMMIT, DELETE, TOKENS,
+HINT, shared memory) and ``admin`` (the ADMIN request: list, change and reload
+tenants and tokens)::
+
+    server:
+      tenants:
+        team-a:
+          namespaces: [team-a]
+          tokens:
+            - {name: a-engine, token_file: /etc/kvstore/a.token}           # read, write
+            - {name: a-reader, token_file: /etc/kvstore/a-ro.token, scopes: [read]}
+        ops:
+          tokens:
+            - {name: ops, token_file: /etc/kvstore/ops.token, scopes: [read, write, admin]}
+
+A tenant's token opens only the tenant's namespaces. ``admin`` is the
+operator's scope: it manages every tenant. The list form (``- {name: team-a,
+...}``) is accepted too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore._values import parse_optional_str, parse_str
+from kvstore.config._fields import build, opt
+from kvstore.config.tiers import check_namespace
+from kvstore.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_SCOPES",
+    "SCOPES",
+    "TenantConfig",
+    "TenantToken",
+    "check_tenant_name",
+    "parse_tenants",
+]
+
+#: Every scope a token may carry.
+SCOPES = ("read", "write", "admin")
+#: A token's scopes when its entry names none.
+DEFAULT_SCOPES = ("read", "write")
+
+
+def check_tenant_name(name: object, path: str) -> str:
+    """``name`` if it may name a tenant (a namespace's rules), else ConfigError."""
+    return check_namespace(name, path)
+
+
+def _scopes(value: Any, path: str) -> tuple[str, ...]:
+    if value is None:
+        return DEFAULT_SCOPES
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{path}: expected a list of scopes among {', '.join(SCOPES)}")
+    for scope in value:
+        if scope not in SCOPES:
+            raise ConfigError(f"{path}: unknown scope {scope!r}; scopes: {', '.join(SCOPES)}")
+    return tuple(s for s in SCOPES if s in value)
+
+
+@dataclass(frozen=True)
+class TenantToken:
+    """One token of a tenant: its secret (inline or in a file) and its scopes.
+
+    ``name``: what the server calls it (logs, the AUTH reply); default
+    ``server.tenants.<tenant>.tokens[i]``.
+
+    ``token`` / ``token_file``: the secret, inline or in a file (its first
+    line, whitespace stripped): exactly one of the two, at least 16 characters.
+
+    ``scopes``: among ``read``, ``write`` and ``admin`` (default read, write).
+    """
+
+    name: str = opt("", parse_str)
+    token: str | None = opt(None, parse_optional_str)
+    token_file: str | None = opt(None, parse_optional_str)
+    scopes: tuple[str, ...] = DEFAULT_SCOPES
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for a secret given twice or not at all."""
+        if (self.token is None) == (self.token_file is None):
+            raise ConfigError(f"{path}: give exactly one of token and token_file")
+        _scopes(list(self.scopes), f"{path}.scopes")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """A tenant: the namespaces it owns and the tokens that act for it.
+
+    ``name``: the tenant's name (the key of its entry in ``server.tenants``):
+    1-64 letters, digits, ``-``, ``_`` or ``.``.
+
+    ``namespaces``: the namespaces it owns (no other tenant may own one); its
+    tokens open these and no others (a token with the admin scope opens all).
+
+    ``tokens``: the tokens that act for it, each with its scopes.
+    """
+
+    name: str
+    namespaces: tuple[str, ...] = ()
+    tokens: tuple[TenantToken, ...] = ()
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` naming ``path`` for a bad name, namespace or token."""
+        check_tenant_name(self.name, f"{path}.name")
+        for i, ns in enumerate(self.namespaces):
+            check_namespace(ns, f"{path}.namespaces[{i}]")
+        if len(set(self.namespaces)) != len(self.namespaces):
+            raise ConfigError(f"{path}.namespaces: a namespace is listed twice")
+        for i, token in enumerate(self.tokens):
+            token.validate(f"{path}.tokens[{i}]")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-friendly form (secrets included: for config files, not replies)."""
+        return {
+            "namespaces": list(self.namespaces),
+            "tokens": [_token_dict(t) for t in self.tokens],
+        }
+
+
+def _token_dict(token: TenantToken) -> dict[str, Any]:
+    named = {"name": token.name} if token.name else {}  # unnamed: named by its place
+    secret = {"token": token.token, "token_file": token.token_file}
+    return {**named, **secret, "scopes": list(token.scopes)}
+
+
+def _names(value: Any, path: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list of names, got {type(value).__name__}")
+    return tuple(value)
+
+
+def _token(item: Any, path: str) -> TenantToken:
+    if not isinstance(item, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(item).__name__}")
+    rest = {k: v for k, v in item.items() if k != "scopes"}
+    token: TenantToken = build(TenantToken, rest, path)
+    scopes = _scopes(item.get("scopes"), f"{path}.scopes")
+    return TenantToken(token.name, token.token, token.token_file, scopes)
+
+
+def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
+    """One tenant from its mapping (``namespaces``, ``tokens``); ConfigError if malformed."""
+    if not isinstance(body, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(body).__name__}")
+    unknown = set(body) - {"name", "namespaces", "tokens"}
+    if unknown:
+        raise ConfigError(f"{path}.{sorted(unknown)[0]}: unknown key; allowed: namespaces, tokens")
+    namespaces = _names(body.get("namespaces"), f"{path}.namespaces")
+    raw = body.get("tokens") or []
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(f"{path}.tokens: expected a list of tokens")
+    tokens = tuple(_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
+    tenant = TenantConfig(name, namespaces, tokens)
+    tenant.validate(path)
+    return tenant
+
+
+def parse_tenants(value: Any, path: str) -> tuple[TenantConfig, ...]:
+    """``server.tenants`` as a mapping (name: body) or a list of bodies with ``name``."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = [(str(k), v, f"{path}.{k}") for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for i, body in enumerate(value):
+            name = body.get("name") if isinstance(body, Mapping) else None
+            items.append((check_tenant_name(name, f"{path}[{i}].name"), body, f"{path}[{i}]"))
+    else:
+        raise ConfigError(f"{path}: expected a mapping of tenants, got {type(value).__name__}")
+    tenants = tuple(parse_tenant(name, body, where) for name, body, where in items)
+    check_unique(tenants, path)
+    return tenants
+
+
+def check_unique(tenants: tuple[TenantConfig, ...], path: str) -> None:
+    """Raise ConfigError for two tenants of one name or one namespace owned twice."""
+    owner: dict[str, str] = {}
+    seen: set[str] = set()
+    for tenant in tenants:
+        if tenant.name in seen:
+            raise ConfigError(f"{path}: tenant {tenant.name!r} is given twice")
+        seen.add(tenant.name)
+        for ns in tenant.namespaces:
+            if ns in owner:
+                raise ConfigError(
+                    f"{path}.{tenant.name}.namespaces: namespace {ns!r} "
+                    f"already belongs to tenant {owner[ns]!r}"
+                )
+            owner[ns] = tenant.name

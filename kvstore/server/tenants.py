@@ -1,0 +1,162 @@
+"""Tenants at run time: what each request's token may do, and the ADMIN request.
+
+Every request past AUTH is checked here (:func:`check_scope`): the token is
+looked up again among the tokens the server accepts *now* (a token removed at
+run time stops working on its open connections at their next request), then
+the request's op must be within its scopes (:data:`OP_SCOPES`). A connection
+that opened a namespace its token no longer opens is refused too.
+
+The ADMIN request (admin scope) lists the tenants, adds or replaces one,
+removes one, or reloads them from the config file (what SIGHUP does). A change
+swaps the server's tokens whole (:meth:`Authenticator.replace`); stores and
+their blocks are untouched: a removed tenant's blocks stay in its namespaces,
+readable again once a tenant owns them. Changes made by ADMIN last until the
+next reload or restart, which read the config file: put them there to keep them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.config.server import Credential, ServerConfig
+from kvstore.config.tenants import TenantConfig, check_tenant_name, parse_tenant
+from kvstore.errors import AccessDeniedError, ConfigError, InvalidInputError
+from kvstore.wire.auth import Authenticator
+from kvstore.wire.protocol import Op
+
+__all__ = ["OP_SCOPES", "AdminDesk", "check_scope", "describe"]
+
+log = logging.getLogger(__name__)
+
+#: The scope each op needs. PING, HELLO and AUTH need none; shared memory is
+#: writable by whoever maps it, so attaching it needs ``write``.
+OP_SCOPES: dict[int, str] = {
+    Op.OPEN: "read",
+    Op.STATS: "read",
+    Op.GET: "read",
+    Op.RELEASE: "read",
+    Op.EXISTS: "read",
+    Op.LOOKUP: "read",
+    Op.LIST: "read",
+    Op.PUT: "write",
+    Op.RESERVE: "write",
+    Op.COMMIT: "write",
+    Op.DELETE: "write",
+    Op.TOKENS: "write",
+    Op.HINT: "write",
+    Op.SHM_ATTACH: "write",
+    Op.ADMIN: "admin",
+}
+
+
+def check_scope(auth: Authenticator, credential: Credential, op: int) -> Credential:
+    """``credential`` as it stands now, if it may send ``op``; else AccessDeniedError
+    (a removed token: the caller closes the connection)."""
+    now = auth.current(credential)
+    if now is None:
+        raise AccessDeniedError("this token is no longer accepted")
+    scope = OP_SCOPES.get(op)
+    if scope is not None and not now.may(scope):
+        raise AccessDeniedError(
+            f"token {now.name!r} lacks the {scope} scope needed by {Op(op).name} "
+            f"(it has: {', '.join(sorted(now.scopes))})"
+        )
+    return now
+
+
+def describe(server: ServerConfig) -> dict[str, Any]:
+    """The tenants and tokens, without their secrets (the ``tenants`` admin answer)."""
+    tenants = {
+        t.name: {
+            "namespaces": list(t.namespaces),
+            "tokens": [{"name": k.name, "scopes": list(k.scopes)} for k in t.tokens],
+        }
+        for t in server.tenants
+    }
+    tokens = [
+        {"name": t.name or f"tokens[{i}]", "namespaces": list(t.namespaces)}
+        for i, t in enumerate(server.tokens)
+    ]
+    has_default = server.token is not None or server.token_file is not None
+    return {"tenants": tenants, "tokens": tokens, "operator_token": has_default}
+
+
+Reloader = Callable[[], StoreConfig]
+
+
+class AdminDesk:
+    """Serves ADMIN requests and reloads; holds the server section in force now.
+
+    ``config``: the server's config at start. ``auth``: the authenticator whose
+    tokens change. ``reloader``: reads the config file again (None: nothing to
+    reload). Loop-only: no lock.
+    """
+
+    def __init__(self, config: StoreConfig, auth: Authenticator, reloader: Reloader | None) -> None:
+        self.server = config.server
+        self._auth = auth
+        self._reloader = reloader
+        #: Called with the new server section after each change (the context follows it).
+        self.on_change: Callable[[ServerConfig], None] | None = None
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One ADMIN request: ``{"action": tenants | put_tenant | remove_tenant | reload}``."""
+        action = request.get("action")
+        if action == "tenants":
+            return describe(self.server)
+        if action == "put_tenant":
+            return self._put(request.get("tenant"))
+        if action == "remove_tenant":
+            return self._remove(request.get("name"))
+        if action == "reload":
+            return self.reload()
+        raise InvalidInputError(
+            f"admin: unknown action {action!r}; actions: tenants, put_tenant, remove_tenant, reload"
+        )
+
+    def _put(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise InvalidInputError("admin put_tenant: give 'tenant': {name, namespaces, tokens}")
+        name = check_tenant_name(body.get("name"), "tenant.name")
+        tenant = parse_tenant(name, body, f"tenant {name}")
+        kept = tuple(t for t in self.server.tenants if t.name != name)
+        self._apply(dataclasses.replace(self.server, tenants=(*kept, tenant)))
+        log.info("admin: tenant %r set (%d tokens)", name, len(tenant.tokens))
+        return describe(self.server)
+
+    def _remove(self, name: Any) -> dict[str, Any]:
+        kept: tuple[TenantConfig, ...] = tuple(t for t in self.server.tenants if t.name != name)
+        if len(kept) == len(self.server.tenants):
+            raise InvalidInputError(f"admin remove_tenant: no tenant {name!r}")
+        self._apply(dataclasses.replace(self.server, tenants=kept))
+        log.info("admin: tenant %r removed (its blocks stay)", name)
+        return describe(self.server)
+
+    def reload(self) -> dict[str, Any]:
+        """Read the config file again and take its tokens and tenants (nothing else:
+        other settings need a restart). A bad file changes nothing (ConfigError)."""
+        if self._reloader is None:
+            raise InvalidInputError("admin reload: this server was not started from a config file")
+        fresh = self._reloader().server
+        fields = ("token", "token_file", "tokens", "tenants")
+        changes = {name: getattr(fresh, name) for name in fields}
+        self._apply(dataclasses.replace(self.server, **changes))
+        log.info("reloaded tenants and tokens: %d tenants", len(self.server.tenants))
+        return describe(self.server)
+
+    def _apply(self, server: ServerConfig) -> None:
+        """Check ``server`` whole, read its secrets, then swap (or raise, changing nothing)."""
+        try:
+            server.validate("server")
+            server.check_startable()
+            credentials = server.credentials()
+        except ConfigError as exc:
+            raise InvalidInputError(f"admin: {exc}") from None
+        self._auth.replace(credentials, server.owners())
+        self.server = server
+        if self.on_change is not None:
+            self.on_change(server)

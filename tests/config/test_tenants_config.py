@@ -1,0 +1,77 @@
+"""The ``server.tenants`` section: forms accepted, one-line refusals, the credentials made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+
+A = "a-token-0123456789abcdef"
+B = "b-token-0123456789abcdef"
+OPS = "ops-token-0123456789abcdef"
+
+
+def load(server: dict[str, Any]) -> StoreConfig:
+    return StoreConfig.from_dict({"server": server}, environ={})
+
+
+def test_mapping_and_list_forms_give_the_same_tenants() -> None:
+    body = {"namespaces": ["ns-a"], "tokens": [{"name": "a", "token": A, "scopes": "read"}]}
+    by_map = load({"tenants": {"team-a": body}}).server.tenants
+    by_list = load({"tenants": [{"name": "team-a", **body}]}).server.tenants
+    assert by_map == by_list
+    assert by_map[0].tokens[0].scopes == ("read",)
+
+
+def test_credentials_carry_tenant_scopes_and_namespaces() -> None:
+    server = load(
+        {
+            "token": OPS,
+            "tokens": [{"name": "legacy", "token": B, "namespaces": ["other"]}],
+            "tenants": {"team-a": {"namespaces": ["ns-a"], "tokens": [{"token": A}]}},
+        }
+    ).server
+    creds = {c.name: c for c in server.credentials()}
+    assert creds["default"].scopes == {"read", "write", "admin"}
+    assert creds["legacy"].tenant == "legacy" and creds["legacy"].namespaces == {"other"}
+    tenant_token = creds["server.tenants.team-a.tokens[0]"]
+    assert tenant_token.tenant == "team-a" and tenant_token.namespaces == {"ns-a"}
+    assert tenant_token.scopes == {"read", "write"}
+    assert server.owners() == {"ns-a": "team-a"}
+    assert load(server.to_dict()).server == server  # to_dict reads back
+
+
+@pytest.mark.parametrize(
+    ("server", "match"),
+    [
+        ({"tenants": "x"}, r"server\.tenants: expected a mapping"),
+        ({"tenants": {"t": {"colour": 1}}}, r"server\.tenants\.t\.colour: unknown key"),
+        ({"tenants": {"bad name": {}}}, r"server\.tenants\.bad name\.name"),
+        ({"tenants": {"t": {"tokens": [{"token": A, "scopes": ["root"]}]}}}, "unknown scope"),
+        ({"tenants": {"t": {"tokens": [{"token": A, "token_file": "/x"}]}}}, "exactly one"),
+        (
+            {"tenants": {"t": {"namespaces": ["n"]}, "u": {"namespaces": ["n"]}}},
+            "namespace 'n' already belongs to tenant 't'",
+        ),
+        (
+            {
+                "tenants": {"t": {"namespaces": ["n"]}},
+                "tokens": [{"token": B, "namespaces": ["n"]}],
+            },
+            r"server\.tokens\[0\]\.namespaces: 'n' belongs to tenant 't'",
+        ),
+    ],
+)
+def test_bad_tenants_are_one_line_errors(server: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        load(server)
+    assert "\n" not in str(info.value)
+
+
+def test_two_tenants_with_one_secret_are_refused() -> None:
+    server = load({"tenants": {"t": {"tokens": [{"token": A}]}, "u": {"tokens": [{"token": A}]}}})
+    with pytest.raises(ConfigError, match="same token"):
+        server.server.credentials()
