@@ -9,11 +9,12 @@ The rules are plain functions over a :class:`~kvstore.index.Level` and the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.counters import ManagerCounters
 from kvstore.errors import CapacityError
@@ -21,6 +22,9 @@ from kvstore.guard import Guard
 from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Level
 from kvstore.keys import BlockKey
 from kvstore.policy.placement import Placement
+
+if TYPE_CHECKING:
+    from kvstore.quota import QuotaHook
 
 #: How long a demotion waits for reads and copies of its blocks to end; blocks still
 #: in use then keep their place (a demotion is a hint). Bounded: it waits on a mover
@@ -57,18 +61,28 @@ class Reservation:
     excess: int = 0
 
 
-def reserve(level: Level, n: int, find: Callable[[int], Victims]) -> Reservation:
+def reserve(
+    level: Level, n: int, find: Callable[[int], Victims], quota: QuotaHook | None = None
+) -> Reservation:
     """Reserve room for up to ``n`` blocks in ``level``; pick (and claim) the victims
     that must go first, with ``find(count)``.
 
     Only the room needed now is freed on the caller's path: copies already on
     their way out count as freed, and a tier past its high watermark is
     brought down to its low one later, in the background.
+
+    ``quota``: the owner accounting of a store that shares its tiers with others
+    (:mod:`kvstore.quota`): it may ask for more of this store's own blocks to go
+    (its owner past its limit, or past its share under pressure); blocks that
+    cannot be freed for it are not granted, and counted as refused.
     """
     must, _ = level.marks.plan(level.resident, n)
-    need = max(0, must - level.leaving)
+    owed = quota.must_evict(level, n) if quota is not None else 0
+    need = max(0, max(must, owed) - level.leaving)
     victims = find(need) if need else []
     grant = max(0, n - (need - len(victims)))
+    if quota is not None and owed > must and grant < n:
+        quota.refuse(n - grant)
     claim(level, victims)
     older = len(level.policy) - level.leaving  # held before this reservation, not leaving
     level.resident += grant
@@ -213,6 +227,18 @@ class RoomBooks:
         self._heat = heat
         self._counters = counters
         self._pins = pins
+        #: Owner accounting shared with other stores (None: this store's tiers are its own).
+        self._quota: QuotaHook | None = None
+
+    def use_quota(self, hook: QuotaHook | None) -> None:
+        """Grant room in every tier through ``hook`` from now on (:mod:`kvstore.quota`)."""
+        with self._guard.locked():
+            self._quota = hook
+
+    @property
+    def levels(self) -> list[Level]:
+        """The tiers' books (a quota hook reads their room)."""
+        return list(self._levels)
 
     def admit(self, level: int, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> list[int]:
         """Positions of the blocks tier ``level`` takes now: its admission rule, and no
@@ -230,7 +256,10 @@ class RoomBooks:
         counted as leaving) that must go first; see :func:`kvstore.room.reserve`."""
         with self._guard.locked():
             self._pins(None, 0)
-            return reserve(self._levels[level], n, self._victim_finder(level))
+            quota = self._quota
+            shared = quota.ledger.lock if quota is not None else contextlib.nullcontext()
+            with shared:  # the books' lock, then the ledger's: never the other way
+                return reserve(self._levels[level], n, self._victim_finder(level), quota)
 
     def give_back(self, level: int, n: int) -> None:
         """Release room reserved in tier ``level`` that no block used."""

@@ -43,12 +43,17 @@ class AdminClient:
         return self.request("tenants")
 
     def put_tenant(
-        self, name: str, namespaces: Sequence[str], tokens: Sequence[dict[str, Any]]
+        self,
+        name: str,
+        namespaces: Sequence[str],
+        tokens: Sequence[dict[str, Any]],
+        quotas: dict[str, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Add tenant ``name`` or replace it whole (its namespaces and tokens: each
-        ``{name, token | token_file, scopes}``); the tenants as they stand after."""
+        """Add tenant ``name`` or replace it whole (its namespaces, tokens: each
+        ``{name, token | token_file, scopes}``, and quotas: tier kind to ``{share,
+        limit}``); the tenants as they stand after."""
         body = {"name": name, "namespaces": list(namespaces), "tokens": list(tokens)}
-        return self.request("put_tenant", tenant=body)
+        return self.request("put_tenant", tenant={**body, "quotas": quotas or {}})
 
     def remove_tenant(self, name: str) -> dict[str, Any]:
         """Remove tenant ``name`` and its tokens (its blocks stay in its namespaces)."""

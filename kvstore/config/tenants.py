@@ -13,9 +13,16 @@ tenants and tokens)::
           tokens:
             - {name: a-engine, token_file: /etc/kvstore/a.token}           # read, write
             - {name: a-reader, token_file: /etc/kvstore/a-ro.token, scopes: [read]}
+          quotas:
+            host: {share: 4GiB, limit: 6GiB}
+            disk: {share: 100GiB, limit: 200GiB}
         ops:
           tokens:
             - {name: ops, token_file: /etc/kvstore/ops.token, scopes: [read, write, admin]}
+
+``quotas``: per tier kind, the bytes the tenant is guaranteed (``share``) and
+may never pass (``limit``), across all its namespaces; the tier's configured
+capacity is the pool tenants share (:mod:`kvstore.quota` says how it is kept).
 
 A tenant's token opens only the tenant's namespaces. ``admin`` is the
 operator's scope: it manages every tenant. The list form (``- {name: team-a,
@@ -28,9 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import parse_optional_str, parse_str
+from kvstore._values import parse_optional_str, parse_size, parse_str
 from kvstore.config._fields import build, opt
-from kvstore.config.tiers import check_namespace
+from kvstore.config.tiers import check_namespace, tier_kinds
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "SCOPES",
     "TenantConfig",
     "TenantToken",
+    "TierQuotaConfig",
     "check_tenant_name",
     "parse_tenants",
 ]
@@ -92,6 +100,30 @@ class TenantToken:
 
 
 @dataclass(frozen=True)
+class TierQuotaConfig:
+    """A tenant's bytes in one tier kind.
+
+    ``tier``: the tier kind (``host``, ``disk``, ...).
+
+    ``share``: bytes guaranteed: blocks within it are never evicted for others.
+
+    ``limit``: bytes the tenant may never pass (its own blocks go first, or a put
+    is refused); default: no limit but the tier's.
+    """
+
+    tier: str = opt("", parse_str)
+    share: int = opt(0, parse_size)
+    limit: int | None = opt(None, lambda v, k: None if v is None else parse_size(v, k))
+
+    def validate(self, path: str) -> None:
+        """Raise :class:`ConfigError` for a limit below the share."""
+        if self.share < 0:
+            raise ConfigError(f"{path}.share: must be >= 0, got {self.share}")
+        if self.limit is not None and self.limit < self.share:
+            raise ConfigError(f"{path}.limit: {self.limit} is below the share {self.share}")
+
+
+@dataclass(frozen=True)
 class TenantConfig:
     """A tenant: the namespaces it owns and the tokens that act for it.
 
@@ -102,11 +134,15 @@ class TenantConfig:
     tokens open these and no others (a token with the admin scope opens all).
 
     ``tokens``: the tokens that act for it, each with its scopes.
+
+    ``quotas``: its share and limit per tier kind (none: unbounded, and it
+    yields nothing to others).
     """
 
     name: str
     namespaces: tuple[str, ...] = ()
     tokens: tuple[TenantToken, ...] = ()
+    quotas: tuple[TierQuotaConfig, ...] = ()
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` naming ``path`` for a bad name, namespace or token."""
@@ -117,12 +153,15 @@ class TenantConfig:
             raise ConfigError(f"{path}.namespaces: a namespace is listed twice")
         for i, token in enumerate(self.tokens):
             token.validate(f"{path}.tokens[{i}]")
+        for quota in self.quotas:
+            quota.validate(f"{path}.quotas.{quota.tier}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-friendly form (secrets included: for config files, not replies)."""
         return {
             "namespaces": list(self.namespaces),
             "tokens": [_token_dict(t) for t in self.tokens],
+            "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in self.quotas},
         }
 
 
@@ -149,19 +188,37 @@ def _token(item: Any, path: str) -> TenantToken:
     return TenantToken(token.name, token.token, token.token_file, scopes)
 
 
+def _quotas(value: Any, path: str) -> tuple[TierQuotaConfig, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of tier kind to {{share, limit}}")
+    out = []
+    for kind, body in value.items():
+        if kind not in tier_kinds():
+            raise ConfigError(f"{path}.{kind}: unknown tier kind; kinds: {', '.join(tier_kinds())}")
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{path}.{kind}: expected a mapping with share and limit")
+        quota: TierQuotaConfig = build(TierQuotaConfig, {**body, "tier": kind}, f"{path}.{kind}")
+        quota.validate(f"{path}.{kind}")
+        out.append(quota)
+    return tuple(out)
+
+
 def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
     """One tenant from its mapping (``namespaces``, ``tokens``); ConfigError if malformed."""
     if not isinstance(body, Mapping):
         raise ConfigError(f"{path}: expected a mapping, got {type(body).__name__}")
-    unknown = set(body) - {"name", "namespaces", "tokens"}
+    unknown = set(body) - {"name", "namespaces", "tokens", "quotas"}
     if unknown:
-        raise ConfigError(f"{path}.{sorted(unknown)[0]}: unknown key; allowed: namespaces, tokens")
+        allowed = "namespaces, tokens, quotas"
+        raise ConfigError(f"{path}.{sorted(unknown)[0]}: unknown key; allowed: {allowed}")
     namespaces = _names(body.get("namespaces"), f"{path}.namespaces")
     raw = body.get("tokens") or []
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{path}.tokens: expected a list of tokens")
     tokens = tuple(_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
-    tenant = TenantConfig(name, namespaces, tokens)
+    tenant = TenantConfig(name, namespaces, tokens, _quotas(body.get("quotas"), f"{path}.quotas"))
     tenant.validate(path)
     return tenant
 

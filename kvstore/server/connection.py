@@ -453,8 +453,14 @@ class Connection:
             allowed = frozenset(h.namespace for h in hosted if auth.allows(cred, h.namespace))
         stores = await self.run(self.ctx.registry.stats, allowed)
         body: dict[str, Any] = {"stores": stores}
-        if cred is None or cred.may("admin") or cred.tenant not in self.ctx.tenant_names():
+        operator = cred is None or cred.may("admin")
+        if operator or cred is None or cred.tenant not in self.ctx.tenant_names():
             body["server"] = self.ctx.metrics.snapshot()  # every tenant's traffic: not theirs
+        if self.ctx.quotas is not None and self.ctx.tenant_names():
+            figures = self.ctx.quotas.figures(stores)
+            if not operator and cred is not None:
+                figures = {t: f for t, f in figures.items() if t == cred.tenant}
+            body["tenants"] = figures
         await self.reply(frame, encode_json(body))
 
     async def _admin(self, frame: Frame, meta: bytes) -> None:

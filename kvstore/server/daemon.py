@@ -41,6 +41,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import Connection
 from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
+from kvstore.server.quotas import TenantQuotas
 from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
@@ -134,8 +135,11 @@ class Server:
         _check_tiers(config)
         self._authenticator = Authenticator(config.server.credentials(), config.server.owners())
         _check_keys(config, self._authenticator)
+        #: Tenants' shares and limits in the tiers, and their figures.
+        self.quotas = TenantQuotas(config, self._authenticator.tenant_of)
         self.admin = AdminDesk(config, self._authenticator, reloader)
         self.admin.on_change = self._tenants_changed
+        self.admin.check = self.quotas.check
         self.config = config
         cfg = config.server
         self.metrics = ServerMetrics()
@@ -178,6 +182,7 @@ class Server:
             executor=self._executor,
             staging=StagingPool(_STAGING_IDLE),
             admin=self.admin,
+            quotas=self.quotas,
         )
         binding = "events.endpoint"  # which setting the listener being bound comes from
         try:
@@ -228,6 +233,7 @@ class Server:
         return tcp
 
     def _on_open(self, hosted: HostedStore) -> None:
+        self.quotas.attach(hosted)
         if self.cluster is not None:
             self.cluster.track(hosted.namespace, hosted.store)
 
@@ -287,7 +293,8 @@ class Server:
         return context
 
     def _render_metrics(self) -> str:
-        return self.metrics.render(self.registry.stats())
+        stores = self.registry.stats()
+        return self.metrics.render(stores) + self.quotas.render(stores)
 
     # -- connections ------------------------------------------------------------
     async def _accept_loop(self, listener: socket.socket) -> None:
@@ -410,6 +417,7 @@ class Server:
 
     def _tenants_changed(self, server: Any) -> None:
         self.config = dataclasses.replace(self.config, server=server)
+        self.quotas.update(server)
         if self._ctx is not None:
             self._ctx.config = self.config
 

@@ -26,6 +26,7 @@ from kvstore.config.server import ServerConfig
 from kvstore.lending import Loan, PendingPut
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
+from kvstore.server.quotas import TenantQuotas
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
 from kvstore.server.tenants import AdminDesk
@@ -153,6 +154,8 @@ class ServerContext:
     connections: set[Session] = field(default_factory=set)
     #: Serves ADMIN requests and reloads (None: a server made without one).
     admin: AdminDesk | None = None
+    #: Tenants' quotas and figures (None: a server made without them).
+    quotas: TenantQuotas | None = None
 
     def tenant_names(self) -> frozenset[str]:
         """The tenants of ``server.tenants`` as they stand now."""

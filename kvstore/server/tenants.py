@@ -74,6 +74,7 @@ def describe(server: ServerConfig) -> dict[str, Any]:
         t.name: {
             "namespaces": list(t.namespaces),
             "tokens": [{"name": k.name, "scopes": list(k.scopes)} for k in t.tokens],
+            "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in t.quotas},
         }
         for t in server.tenants
     }
@@ -102,6 +103,9 @@ class AdminDesk:
         self._reloader = reloader
         #: Called with the new server section after each change (the context follows it).
         self.on_change: Callable[[ServerConfig], None] | None = None
+        #: Checks a new server section against the rest of the server (the tiers the
+        #: quotas name); raises ConfigError to refuse it.
+        self.check: Callable[[ServerConfig], None] | None = None
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """One ADMIN request: ``{"action": tenants | put_tenant | remove_tenant | reload}``."""
@@ -154,6 +158,8 @@ class AdminDesk:
             server.validate("server")
             server.check_startable()
             credentials = server.credentials()
+            if self.check is not None:
+                self.check(server)
         except ConfigError as exc:
             raise InvalidInputError(f"admin: {exc}") from None
         self._auth.replace(credentials, server.owners())

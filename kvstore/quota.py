@@ -1,0 +1,145 @@
+"""Owner accounting across stores that share tiers: a share and a limit per owner and tier.
+
+Several stores (a kvstore-server's namespaces) belong to owners (tenants) and
+draw on one pool per tier kind (its configured capacity). Each owner may have,
+per tier kind, a guaranteed ``share`` and a ``limit`` (bytes of KV: each block
+counts ``layout.block_nbytes``, whatever the medium adds).
+
+The data path asks one question, through the hook each store's
+:class:`~kvstore.room.RoomBooks` holds (:meth:`QuotaHook.must_evict`, under
+the ledger's lock, while a tier grants room): how many of *this store's own*
+blocks must go before ``n`` more fit? The answer is the largest of
+
+- over the limit: the owner's bytes in that tier (all its stores, room
+  reserved included) plus the ``n`` new blocks, past its ``limit``;
+- under pressure: when the pool's bytes plus the new ones pass the pool, an
+  owner past its ``share`` gives back the overflow, never going below its share.
+
+A store never evicts another store's blocks, so an owner within its share
+keeps them whatever others put: others past their shares shrink on their own
+puts. Blocks the store cannot free (pinned, or the owner's bytes are in its
+other stores) are not stored: counted as ``refused``. Demotions and replicas
+reserve room in their tier like puts, so they count against the owner too.
+
+Lock order: a store's books lock, then the ledger's (the ledger never takes a
+books lock; it reads other stores' ``resident`` counts, which only grow under
+the ledger's lock, so a check can overstate use, never understate it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.index import Level
+
+__all__ = ["Quota", "QuotaHook", "QuotaLedger"]
+
+
+@dataclass(frozen=True)
+class Quota:
+    """One owner's bytes in one tier kind: guaranteed ``share``, hard ``limit``."""
+
+    share: int
+    limit: int
+
+
+def _blocks_for(nbytes: int, block: int) -> int:
+    """Whole blocks covering ``nbytes`` (ceil; 0 for none)."""
+    return max(0, -(-nbytes // block))
+
+
+class QuotaLedger:
+    """The pools, the quotas and the stores (hooks) that draw on them; thread-safe."""
+
+    def __init__(self, pools: Mapping[str, int], quotas: Mapping[tuple[str, str], Quota]) -> None:
+        self.lock = threading.Lock()
+        self._pools = dict(pools)
+        self._quotas = dict(quotas)
+        self._hooks: list[QuotaHook] = []
+
+    def set_quotas(self, quotas: Mapping[tuple[str, str], Quota]) -> None:
+        """New quotas from now on (owner, tier kind): applied at the next grant."""
+        with self.lock:
+            self._quotas = dict(quotas)
+
+    def quota(self, owner: str, kind: str) -> Quota | None:
+        """``owner``'s quota in tier ``kind`` (None: unbounded there)."""
+        return self._quotas.get((owner, kind))
+
+    def hook(self, owner: str, levels: Sequence[Level], block_nbytes: int) -> QuotaHook:
+        """A hook for a store of ``owner`` whose tiers are ``levels``."""
+        made = QuotaHook(self, owner, levels, block_nbytes)
+        with self.lock:
+            self._hooks.append(made)
+        return made
+
+    def drop(self, hook: QuotaHook) -> None:
+        """Forget a closed store."""
+        with self.lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+    def used(self, kind: str, owner: str | None = None) -> int:
+        """Bytes in tier ``kind`` (of ``owner``'s stores; None: of every store)."""
+        return sum(h.bytes_in(kind) for h in list(self._hooks) if owner in (None, h.owner))
+
+    def overflow(self, hook: QuotaHook, level: Level, n: int) -> int:
+        """Blocks ``hook``'s store must free in ``level`` for ``n`` more (lock held)."""
+        quota = self._quotas.get((hook.owner, level.kind))
+        if quota is None:
+            return 0
+        block = hook.block_nbytes
+        mine = self.used(level.kind, hook.owner) + n * block
+        must = _blocks_for(mine - quota.limit, block)
+        pool = self._pools.get(level.kind)
+        if pool is not None and mine > quota.share:
+            total = self.used(level.kind) + n * block
+            squeeze = min(total - pool, mine - quota.share)
+            must = max(must, _blocks_for(squeeze, block))
+        return must
+
+    def figures(self) -> dict[str, dict[str, Any]]:
+        """Per owner: per tier kind bytes, blocks, share, limit; and refusals."""
+        out: dict[str, dict[str, Any]] = {}
+        for hook in list(self._hooks):
+            mine = out.setdefault(hook.owner, {"tiers": {}, "refused": 0})
+            mine["refused"] += hook.refused
+            for level in hook.levels:
+                tier = mine["tiers"].setdefault(level.kind, {"bytes": 0, "blocks": 0})
+                tier["blocks"] += len(level.policy)
+                tier["bytes"] += len(level.policy) * hook.block_nbytes
+        for owner, mine in out.items():
+            for kind, tier in mine["tiers"].items():
+                quota = self._quotas.get((owner, kind))
+                if quota is not None:
+                    tier.update(share=quota.share, limit=quota.limit)
+        return out
+
+
+class QuotaHook:
+    """One store's seat at a :class:`QuotaLedger` (see the module docstring)."""
+
+    def __init__(
+        self, ledger: QuotaLedger, owner: str, levels: Sequence[Level], block_nbytes: int
+    ) -> None:
+        self.ledger = ledger
+        self.owner = owner
+        self.levels = list(levels)
+        self.block_nbytes = block_nbytes
+        #: Blocks not stored because the owner's quota left no room for them.
+        self.refused = 0
+
+    def bytes_in(self, kind: str) -> int:
+        """This store's bytes (held and reserved) in its tiers of ``kind``."""
+        return sum(lv.resident for lv in self.levels if lv.kind == kind) * self.block_nbytes
+
+    def must_evict(self, level: Level, n: int) -> int:
+        """Own blocks of ``level`` to free before ``n`` more fit (the ledger's lock held)."""
+        return self.ledger.overflow(self, level, n)
+
+    def refuse(self, n: int) -> None:
+        """Count ``n`` blocks the quota kept out (the ledger's lock held)."""
+        self.refused += n

@@ -1,0 +1,144 @@
+"""Tenants' quotas on a kvstore-server: each hosted store's seat at one ledger, and the
+per-tenant figures (stats and ``/metrics``).
+
+The server's tiers are the pools: tier kind ``host`` of capacity 8 GiB means the
+tenants' stores together hold 8 GiB of blocks there (each store still has its
+own tier objects). A tenant's ``quotas`` give it a share and a limit per kind;
+:mod:`kvstore.quota` keeps them as its stores grant room. The stores of a
+server with ``server.tenants`` all take part (namespaces no tenant owns belong
+to tenant ``default``, which has no quota: it yields nothing and is bounded
+only by its tiers). A namespace keeps the tenant it had when its store opened.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.config import StoreConfig
+from kvstore.config.server import ServerConfig
+from kvstore.errors import ConfigError
+from kvstore.quota import Quota, QuotaHook, QuotaLedger
+from kvstore.server.stores import HostedStore
+
+__all__ = ["TenantQuotas"]
+
+#: Per-store counters summed per tenant: stats key -> the tenant figure's name.
+_COUNTS = (
+    ("lookup_blocks_hit", "hits"),
+    ("lookup_blocks_missed", "misses"),
+    ("blocks_read", "blocks_read"),
+    ("blocks_missed", "blocks_missed"),
+)
+
+
+def _pools(config: StoreConfig) -> dict[str, int]:
+    pools: dict[str, int] = {}
+    for tier in config.tiers:
+        capacity = getattr(tier, "capacity", None)
+        if isinstance(capacity, int):
+            pools.setdefault(tier.kind, capacity)
+    return pools
+
+
+def _quotas(server: ServerConfig) -> dict[tuple[str, str], Quota]:
+    quotas = {}
+    for tenant in server.tenants:
+        for q in tenant.quotas:
+            limit = q.limit if q.limit is not None else 1 << 62
+            quotas[(tenant.name, q.tier)] = Quota(q.share, limit)
+    return quotas
+
+
+class TenantQuotas:
+    """The server's quota ledger and per-tenant figures (see the module docstring)."""
+
+    def __init__(self, config: StoreConfig, tenant_of: Callable[[str], str]) -> None:
+        self.pools = _pools(config)
+        self.check(config.server)
+        self.ledger = QuotaLedger(self.pools, _quotas(config.server))
+        self._tenant_of = tenant_of
+        self._enabled = bool(config.server.tenants)
+        self._hooks: dict[str, list[QuotaHook]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, server: ServerConfig) -> None:
+        """ConfigError when shares promise more of a tier than it has."""
+        promised: dict[str, int] = {}
+        for tenant in server.tenants:
+            for q in tenant.quotas:
+                promised[q.tier] = promised.get(q.tier, 0) + q.share
+        for kind, total in sorted(promised.items()):
+            pool = self.pools.get(kind)
+            if pool is None:
+                raise ConfigError(f"server.tenants: quotas name tier {kind!r}, which is not here")
+            if total > pool:
+                raise ConfigError(
+                    f"server.tenants: the {kind} shares add up to {total} bytes, "
+                    f"more than the tier's capacity {pool}"
+                )
+
+    def update(self, server: ServerConfig) -> None:
+        """Take new quotas (after a reload or an ADMIN change)."""
+        self._enabled = self._enabled or bool(server.tenants)
+        self.ledger.set_quotas(_quotas(server))
+
+    def attach(self, hosted: HostedStore) -> None:
+        """Give a store that just opened its seat at the ledger (its owner: the tenant
+        of its namespace now)."""
+        if not self._enabled:
+            return
+        tenant = self._tenant_of(hosted.namespace)
+        room = hosted.store.manager.books.room
+        hook = self.ledger.hook(tenant, room.levels, hosted.layout.block_nbytes)
+        room.use_quota(hook)
+        with self._lock:
+            self._hooks.setdefault(hosted.namespace, []).append(hook)
+
+    def figures(self, stores: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Per tenant: per tier kind bytes, blocks (share, limit), and its stores'
+        hits, misses, evictions and refusals. ``stores``: the registry's stats."""
+        with self.ledger.lock:
+            out = self.ledger.figures()
+        for stats in stores:
+            tenant = self._tenant_of(stats["namespace"])
+            with self._lock:
+                if stats["namespace"] in self._hooks:
+                    tenant = self._hooks[stats["namespace"]][0].owner
+            mine = out.setdefault(tenant, {"tiers": {}, "refused": 0})
+            for key, name in _COUNTS:
+                mine[name] = mine.get(name, 0) + int(stats.get(key, 0))
+            mine["evictions"] = mine.get("evictions", 0) + sum(stats.get("evictions", []) or [0])
+        return out
+
+    def render(self, stores: list[dict[str, Any]]) -> str:
+        """Prometheus text of :meth:`figures`, labelled by ``tenant`` (and ``tier``)."""
+        figures = self.figures(stores)
+        lines: list[str] = []
+        for name, key, kind in _GAUGES:
+            lines.append(f"# TYPE {name} {kind}")
+            for tenant, mine in sorted(figures.items()):
+                for tier, values in sorted(mine["tiers"].items()):
+                    if key in values:
+                        label = f'tenant="{tenant}",tier="{tier}"'
+                        lines.append(f"{name}{{{label}}} {values[key]}")
+        for name, key in _TOTALS:
+            lines.append(f"# TYPE {name} counter")
+            for tenant, mine in sorted(figures.items()):
+                lines.append(f'{name}{{tenant="{tenant}"}} {mine.get(key, 0)}')
+        return "\n".join(lines) + "\n"
+
+
+_GAUGES = (
+    ("kvstore_tenant_bytes", "bytes", "gauge"),
+    ("kvstore_tenant_blocks", "blocks", "gauge"),
+    ("kvstore_tenant_share_bytes", "share", "gauge"),
+    ("kvstore_tenant_limit_bytes", "limit", "gauge"),
+)
+_TOTALS = (
+    ("kvstore_tenant_hits_total", "hits"),
+    ("kvstore_tenant_misses_total", "misses"),
+    ("kvstore_tenant_evictions_total", "evictions"),
+    ("kvstore_tenant_refusals_total", "refused"),
+)

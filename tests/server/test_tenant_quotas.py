@@ -1,0 +1,107 @@
+"""Tenants' quotas on a live kvstore-server: a flood cannot evict a quiet tenant within
+its share, limits refuse or evict the tenant's own blocks, and per-tenant figures show
+in STATS (a tenant sees only its own) and in /metrics with a tenant label."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvstore.client import Client, ClientOptions
+from kvstore.client.admin import AdminClient
+from kvstore.server import ServerThread
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import random_blocks, small_layout
+
+Start = Callable[..., ServerThread]
+LAYOUT = small_layout()
+BLOCK = LAYOUT.block_nbytes
+OPS = "ops-token-0123456789abcdef"
+QUIET = "quiet-token-0123456789abcdef"
+NOISY = "noisy-token-0123456789abcdef"
+ALL = ["read", "write", "admin"]
+
+
+def blocks(n: int, seed: int) -> list[torch.Tensor]:
+    kv = random_blocks(LAYOUT, n, seed)
+    step = LAYOUT.block_tokens
+    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
+
+
+def settings(noisy_limit: int) -> dict[str, Any]:
+    return {
+        "metrics_listen": "127.0.0.1:0",
+        "tenants": {
+            "ops": {"tokens": [{"name": "ops", "token": OPS, "scopes": ALL}]},
+            "quiet": {
+                "namespaces": ["quiet"],
+                "tokens": [{"name": "q", "token": QUIET}],
+                "quotas": {"host": {"share": 60 * BLOCK, "limit": 120 * BLOCK}},
+            },
+            "noisy": {
+                "namespaces": ["noisy", "noisy-2"],
+                "tokens": [{"name": "n", "token": NOISY}],
+                "quotas": {"host": {"share": 20 * BLOCK, "limit": noisy_limit}},
+            },
+        },
+    }
+
+
+def start(kv_server: Start, noisy_limit: int) -> ServerThread:
+    tiers = [{"kind": "host", "capacity": 200 * BLOCK}]
+    return kv_server(tiers, **settings(noisy_limit))
+
+
+def client(server: ServerThread, token: str, namespace: str) -> Client:
+    options = ClientOptions(server.address, namespace, token.encode(), shared_memory=False)
+    return Client(LAYOUT, options)
+
+
+def test_a_flood_cannot_evict_a_quiet_tenant_within_its_share(kv_server: Start) -> None:
+    server = start(kv_server, noisy_limit=200 * BLOCK)
+    mine = make_keys(50, salt=1)
+    with client(server, QUIET, "quiet") as quiet, client(server, NOISY, "noisy") as noisy:
+        assert all(quiet.put(mine, blocks(50, seed=1)))
+        for i in range(40):  # 640 unique blocks: the pool three times over
+            noisy.put(make_keys(16, salt=100 + i), blocks(16, seed=i))
+            assert quiet.lookup(mine) == 50
+        figures = quiet.server_stats()["tenants"]
+        assert set(figures) == {"quiet"}  # a tenant sees its own figures only
+        assert figures["quiet"]["tiers"]["host"]["blocks"] == 50
+        assert figures["quiet"]["tiers"]["host"]["share"] == 60 * BLOCK
+        assert figures["quiet"]["hits"] >= 50 * 40
+    with client(server, OPS, "quiet") as ops:
+        every = ops.server_stats()["tenants"]
+    noisy_host = every["noisy"]["tiers"]["host"]
+    assert 20 <= noisy_host["blocks"] <= 200 - 50  # yields to the pool, keeps its share
+    assert every["noisy"]["evictions"] > 0
+
+
+def test_limits_evict_own_blocks_or_refuse_and_change_at_run_time(kv_server: Start) -> None:
+    server = start(kv_server, noisy_limit=40 * BLOCK)
+    with client(server, NOISY, "noisy") as one, client(server, NOISY, "noisy-2") as two:
+        for i in range(5):
+            one.put(make_keys(16, salt=10 + i), blocks(16, seed=i))
+        assert one.server_stats()["tenants"]["noisy"]["tiers"]["host"]["bytes"] <= 40 * BLOCK
+        stored = two.put(make_keys(8, salt=99), blocks(8, seed=9))  # the tenant's bytes are in one
+        assert not any(stored)
+        admin = AdminClient(ClientOptions(server.address, "noisy", OPS.encode()))
+        tenant = admin.tenants()["tenants"]["noisy"]
+        admin.put_tenant(
+            "noisy",
+            tenant["namespaces"],
+            [{"name": "n", "token": NOISY}],
+            quotas={"host": {"share": 0, "limit": 16 * BLOCK}},
+        )
+        one.put(make_keys(1, salt=77), blocks(1, seed=7))  # the next grant applies it
+        figures = one.server_stats()["tenants"]["noisy"]
+        assert figures["tiers"]["host"]["bytes"] <= 16 * BLOCK
+        assert figures["refused"] >= 8
+    host, port = server.server.addresses["metrics"].rsplit(":", 1)
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    assert 'kvstore_tenant_refusals_total{tenant="noisy"}' in text
+    assert 'kvstore_tenant_bytes{tenant="noisy",tier="host"}' in text
+    assert 'kvstore_tenant_limit_bytes{tenant="noisy",tier="host"} ' + str(16 * BLOCK) in text

@@ -1,0 +1,102 @@
+"""Owner accounting across stores that share tiers (kvstore.quota): limits hold under
+concurrent puts, and a flooding owner cannot evict a quiet one within its share."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstore import KVStore
+from kvstore.quota import Quota, QuotaLedger
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import small_layout
+
+LAYOUT = small_layout()
+BLOCK = LAYOUT.block_nbytes
+HOST = {"tiers": [{"kind": "host", "capacity": "1MiB"}]}
+POOL = 40 * BLOCK
+
+
+def kv(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.tensor_shape(n), generator=gen).to(LAYOUT.dtype)
+
+
+@pytest.fixture
+def stores() -> Iterator[list[KVStore]]:
+    made: list[KVStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def seated(made: list[KVStore], ledger: QuotaLedger, owner: str) -> KVStore:
+    store = KVStore(LAYOUT, HOST)
+    made.append(store)
+    room = store.manager.books.room
+    room.use_quota(ledger.hook(owner, room.levels, BLOCK))
+    return store
+
+
+def test_a_limit_holds_under_concurrent_puts(stores: list[KVStore]) -> None:
+    ledger = QuotaLedger({"host": POOL}, {("t", "host"): Quota(share=8 * BLOCK, limit=24 * BLOCK)})
+    a, b = seated(stores, ledger, "t"), seated(stores, ledger, "t")
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], ledger.used("host", "t"))
+
+    def flood(store: KVStore, salt: int) -> None:
+        for i in range(30):
+            store.put(make_keys(4, salt=salt * 1000 + i), kv(4, seed=i))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=flood, args=(s, n + 1)) for n, s in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    watcher.join()
+    held = len(a.manager) + len(b.manager)
+    assert peak[0] <= 24 * BLOCK  # room reserved included, at every moment watched
+    assert held * BLOCK == ledger.used("host", "t") <= 24 * BLOCK
+    figures = ledger.figures()["t"]
+    assert figures["tiers"]["host"]["blocks"] == held
+    assert figures["tiers"]["host"]["limit"] == 24 * BLOCK
+
+
+def test_a_flood_does_not_evict_a_quiet_owner_within_its_share(stores: list[KVStore]) -> None:
+    quotas = {
+        ("quiet", "host"): Quota(share=20 * BLOCK, limit=POOL),
+        ("noisy", "host"): Quota(share=10 * BLOCK, limit=POOL),
+    }
+    ledger = QuotaLedger({"host": POOL}, quotas)
+    quiet, noisy = seated(stores, ledger, "quiet"), seated(stores, ledger, "noisy")
+    mine = make_keys(16, salt=1)
+    assert quiet.put(mine, kv(16, seed=1)) == 16
+    for i in range(60):  # 240 unique blocks, six times the pool
+        noisy.put(make_keys(4, salt=100 + i), kv(4, seed=i))
+    assert quiet.lookup(mine) == 16
+    assert ledger.used("host") <= POOL
+    assert len(noisy.manager) <= 40 - 16  # it yields to the pool, keeping at least its share
+    assert len(noisy.manager) >= 10
+    more = make_keys(4, salt=2)  # the quiet owner grows to its share whatever the flood did
+    assert quiet.put(more, kv(4, seed=2)) == 4
+    assert quiet.lookup(mine + more) == 20
+
+
+def test_a_store_over_its_limit_with_nothing_to_evict_refuses(stores: list[KVStore]) -> None:
+    ledger = QuotaLedger({"host": POOL}, {("t", "host"): Quota(share=0, limit=8 * BLOCK)})
+    a, b = seated(stores, ledger, "t"), seated(stores, ledger, "t")
+    assert a.put(make_keys(8, salt=1), kv(8, seed=1)) == 8
+    assert b.put(make_keys(4, salt=2), kv(4, seed=2)) == 0  # t's bytes are all in a
+    assert ledger.figures()["t"]["refused"] == 4
+    assert a.put(make_keys(4, salt=3), kv(4, seed=3)) == 4  # a evicts its own
+    assert ledger.used("host", "t") == 8 * BLOCK
