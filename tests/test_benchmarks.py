@@ -147,6 +147,18 @@ def test_bench_encrypt() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_bench_tenants() -> None:
+    result = run_bench("bench_tenants.py", timeout=110)
+    assert result["benchmark"] == "tenants" and result["quick"] is True
+    ratios = result["quiet_hit_ratio_vs_alone"]
+    assert set(ratios) == {"with_quotas", "without_quotas"}
+    assert all(isinstance(v, float) and 0 <= v <= 1.5 for v in ratios.values()), ratios
+    assert isinstance(result["meets_target"], bool) and result["target_ratio"] == 0.95
+    for name in ("alone", "with_quotas", "shared_no_quotas", "separate_no_quotas"):
+        assert 0 <= result["runs"][name]["quiet_hit_rate"] <= 1
+
+
+@pytest.mark.timeout(120)
 def test_bench_remote_tiers() -> None:
     result = run_bench("bench_remote_tiers.py")
     assert result["benchmark"] == "remote_tiers"
