@@ -75,3 +75,41 @@ def test_two_tenants_with_one_secret_are_refused() -> None:
     server = load({"tenants": {"t": {"tokens": [{"token": A}]}, "u": {"tokens": [{"token": A}]}}})
     with pytest.raises(ConfigError, match="same token"):
         server.server.credentials()
+
+
+@pytest.mark.parametrize(
+    ("quotas", "match"),
+    [
+        ({"tape": {"share": "1MiB"}}, r"quotas\.tape: unknown tier kind"),
+        ({"host": {"share": "2MiB", "limit": "1MiB"}}, r"quotas\.host\.limit: .* below the share"),
+        ({"host": {"share": "lots"}}, r"quotas\.host\.share"),
+        ({"host": "1MiB"}, r"quotas\.host: expected a mapping"),
+        ({"host": {"share": 1, "cap": 2}}, r"quotas\.host\.cap: unknown key"),
+    ],
+)
+def test_bad_quotas_are_one_line_errors(quotas: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        load({"tenants": {"t": {"quotas": quotas}}})
+    assert "\n" not in str(info.value)
+
+
+def test_quotas_read_back() -> None:
+    server = load({"tenants": {"t": {"quotas": {"host": {"share": "1MiB", "limit": "2MiB"}}}}})
+    quota = server.server.tenants[0].quotas[0]
+    assert (quota.tier, quota.share, quota.limit) == ("host", 1 << 20, 2 << 20)
+    assert load(server.server.to_dict()).server == server.server
+
+
+def test_shares_past_a_tiers_capacity_refuse_to_start(tmp_path: Any) -> None:
+    from kvstore.server import Server
+
+    quotas = {"host": {"share": "12MiB"}}
+    config = StoreConfig.from_dict(
+        {
+            "tiers": [{"kind": "host", "capacity": "16MiB"}],
+            "server": {"tenants": {"a": {"quotas": quotas}, "b": {"quotas": quotas}}},
+        },
+        environ={},
+    )
+    with pytest.raises(ConfigError, match="host shares add up to 25165824 bytes, more than"):
+        Server(config)

@@ -4,6 +4,7 @@ in STATS (a tenant sees only its own) and in /metrics with a tenant label."""
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -105,3 +106,33 @@ def test_limits_evict_own_blocks_or_refuse_and_change_at_run_time(kv_server: Sta
     assert 'kvstore_tenant_refusals_total{tenant="noisy"}' in text
     assert 'kvstore_tenant_bytes{tenant="noisy",tier="host"}' in text
     assert 'kvstore_tenant_limit_bytes{tenant="noisy",tier="host"} ' + str(16 * BLOCK) in text
+
+
+def test_a_limit_holds_under_concurrent_puts_from_two_namespaces(kv_server: Start) -> None:
+    server = start(kv_server, noisy_limit=48 * BLOCK)
+    stored = [0, 0]
+
+    def flood(n: int, namespace: str) -> None:
+        with client(server, NOISY, namespace) as c:
+            for i in range(20):
+                stored[n] += sum(c.put(make_keys(8, salt=1000 * (n + 1) + i), blocks(8, seed=i)))
+
+    threads = [
+        threading.Thread(target=flood, args=(n, ns)) for n, ns in enumerate(["noisy", "noisy-2"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with client(server, OPS, "noisy") as ops:
+        stats = ops.server_stats()
+    figures = stats["tenants"]["noisy"]
+    held = sum(
+        t["blocks"]
+        for s in stats["stores"]
+        if s["namespace"].startswith("noisy")
+        for t in s["tiers"]
+    )
+    assert figures["tiers"]["host"]["bytes"] == held * BLOCK <= 48 * BLOCK
+    assert sum(stored) + figures["refused"] == 2 * 20 * 8  # each block stored or refused
+    assert sum(stored) == held + figures["evictions"]  # every block stored is held or was evicted

@@ -36,7 +36,11 @@ def blocks(n: int, seed: int) -> list[torch.Tensor]:
 def tenants(with_b: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ops": {"tokens": [{"name": "ops", "token": OPS, "scopes": ["read", "write", "admin"]}]},
-        "team-a": {"namespaces": ["team-a"], "tokens": [{"name": "a", "token": A_RW}]},
+        "team-a": {
+            "namespaces": ["team-a"],
+            "tokens": [{"name": "a", "token": A_RW}],
+            "quotas": {"host": {"share": "1MiB", "limit": "4MiB"}},
+        },
     }
     if with_b:
         out["team-b"] = {"namespaces": ["team-b"], "tokens": [{"name": "b", "token": B_RW}]}
@@ -88,8 +92,11 @@ def test_sighup_reloads_tenants_and_a_restart_keeps_them(server: KVStoreServerPr
     with Client(LAYOUT, options) as a:
         assert a.lookup(keys) == 3  # no restart, no lost block
     server.stop()
-    server.start()  # the tenants come from the file
+    server.start()  # the tenants come from the file, with their quotas
     assert opens(server, B_RW, "team-b")
+    admin = AdminClient(ClientOptions(server.address, "team-a", OPS.encode()))
+    quotas = admin.tenants()["tenants"]["team-a"]["quotas"]
+    assert quotas == {"host": {"share": 1 << 20, "limit": 4 << 20}}
     with Client(LAYOUT, options) as a:
         assert a.lookup(keys) == 3
 
