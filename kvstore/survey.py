@@ -174,12 +174,39 @@ def survey(
     dirs, disk_report = _scan_disks(disks, notes)
     stores = _stores(dirs)
     stores = _choose(stores, layout, only, notes, [t.path for t in disks])
-    return {
+    reports = [_store_report(s, config) for s in stores]
+    report = {
         "disk_tiers": disk_report,
-        "stores": [_store_report(s, config) for s in stores],
+        "stores": reports,
         "restore": _restore(config),
         "notes": notes,
     }
+    if config.server.tenants:
+        report["tenants"] = _tenants(reports, config)
+    return report
+
+
+def _tenants(stores: list[dict[str, Any]], config: StoreConfig) -> dict[str, dict[str, Any]]:
+    """Per tenant of ``server.tenants`` (and ``default``: namespaces none owns): the disk
+    blocks and bytes of its namespaces, and its disk quota (share, limit)."""
+    owners = config.server.owners()
+    out: dict[str, dict[str, Any]] = {
+        t.name: {"namespaces": list(t.namespaces), "blocks": 0, "bytes": 0}
+        for t in config.server.tenants
+    }
+    for tenant in config.server.tenants:
+        for quota in tenant.quotas:
+            if quota.tier == "disk":
+                out[tenant.name].update(share=quota.share, limit=quota.limit)
+    for store in stores:
+        if store["namespace"] is None:
+            continue
+        mine = out.setdefault(
+            owners.get(store["namespace"], "default"), {"namespaces": [], "blocks": 0, "bytes": 0}
+        )
+        mine["blocks"] += store["blocks"]
+        mine["bytes"] += store["bytes"]
+    return out
 
 
 def _scan_disks(
@@ -387,6 +414,15 @@ def format_survey(report: dict[str, Any]) -> str:
     for store in report["stores"]:
         lines.append(_store_line(store, format_size))
         lines += [_tier_line(t, format_size) for t in store["tiers"]]
+    for name, tenant in sorted(report.get("tenants", {}).items()):
+        quota = ""
+        if "share" in tenant:
+            limit = "none" if tenant["limit"] is None else format_size(tenant["limit"])
+            quota = f" (share {format_size(tenant['share'])}, limit {limit})"
+        lines.append(
+            f"tenant {name}: {tenant['blocks']:,} blocks, {format_size(tenant['bytes'])} on disk"
+            + quota
+        )
     lines.append(_restore_line(report["restore"]))
     return "\n".join(lines)
 
