@@ -22,7 +22,6 @@ the prompts reach it (docs/vllm.md, "Determinism").
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
 
 from kvstore import KVLayout, Namespace
 from kvstore.keys import chain_keys, tokens_to_bytes
@@ -70,15 +69,14 @@ MIXED_HITS = [2 * CHUNK, 5 * CHUNK, 3 * CHUNK, 2 * CHUNK]
 
 
 def drive(
-    work: Path, name: str, args: list[str], store: Path, env: dict[str, str] | None = None
+    work: Path, name: str, args: list[str], store: Path, in_process: bool = True
 ) -> dict[str, Any]:
     """Run the driver in a new process on ``store``; return its JSON result and counters."""
     out, log = work / f"{name}.json", work / f"{name}.log"
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--out", str(out)]
     cmd += ["--store", str(store), "--stats-dir", str(work / f"{name}-stats")]
     cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", *args]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    full_env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="random", **(env or {}))
+    full_env = engine_env(in_process, PYTHONHASHSEED="random")
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=900)
@@ -126,18 +124,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) 
         files[name].write_text(json.dumps(prompts))
     mixed = ["--prompts-file", str(files["mixed"]), "--batch", "--max-num-seqs", "3"]
     tp2 = [*mixed, "--tensor-parallel-size", str(TP)]
-    # In-process engine core: LLM.generate queues every prompt before the first step.
-    inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    out: dict[str, Any] = {"tp2_store": drive(work, "tp2_store", tp2, store, inproc)}
+    out: dict[str, Any] = {"tp2_store": drive(work, "tp2_store", tp2, store)}
     out["shards_after_tp2"] = {
         f"tp{tp}-rank{rank}": stored_chunks(store, WORKLOAD["mixed"], tp, rank)
         for tp, rank in ((TP, 0), (TP, 1), (1, 0))
     }
-    out["tp2_hits"] = drive(work, "tp2_hits", tp2, store, inproc)
-    out["tp1_fresh"] = drive(work, "tp1_fresh", [*mixed, "--repeat", "3"], store, inproc)
-    out["tp1_repeat"] = drive(work, "tp1_repeat", [*mixed, "--repeat", "10"], store)
+    out["tp2_hits"] = drive(work, "tp2_hits", tp2, store)
+    out["tp1_fresh"] = drive(work, "tp1_fresh", [*mixed, "--repeat", "3"], store)
+    # vLLM's default layout: engine core and worker in processes of their own.
+    repeat = [*mixed, "--repeat", "10"]
+    out["tp1_repeat"] = drive(work, "tp1_repeat", repeat, store, in_process=False)
     prefix = ["--prompts-file", str(files["prefix"]), "--prefix-caching"]
-    out["prefix"] = drive(work, "prefix", prefix, store, inproc)
+    out["prefix"] = drive(work, "prefix", prefix, store)
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the numbers belong in every test log
         report(out)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, vllm_marks
+from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, engine_env, vllm_marks
 
 from kvstore import KVLayout, Namespace
 from kvstore.keys import chain_keys, tokens_to_bytes
@@ -45,8 +45,7 @@ def drive(
         cmd += ["--store-config", json.dumps(config), "--stats-dir", str(work / f"{name}-stats")]
     elif store is not None:
         cmd += ["--store", str(store), "--stats-dir", str(work / f"{name}-stats")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONHASHSEED="random")
+    env = engine_env(PYTHONHASHSEED="random")
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)

@@ -19,7 +19,6 @@ Per model, two processes on one store (``max_num_seqs`` 1, greedy, 16 tokens wit
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
 
 #: The block size vLLM picks for these models (attention pages as large as a state's).
 BLOCK = 256
@@ -57,8 +56,7 @@ def drive(work: Path, model: str, name: str, prompts: list[list[int]]) -> dict[s
     cmd += ["--max-num-batched-tokens", str(BLOCK), "--max-num-seqs", "1"]
     cmd += ["--connector-extra", json.dumps({"chunk_tokens": BLOCK})]
     cmd += ["--max-tokens", "16", "--logprobs", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1")
+    env = engine_env()
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
 
 MODELS = ("mla", "gemma3")
 PREFIX = 1100  # tokens of shared prefix: 4 chunks of 256, a tail mid-chunk
@@ -75,8 +75,7 @@ def drive(work: Path, model: str, name: str, core: str) -> dict[str, Any]:
     # Prefill in steps of one chunk: a miss then computes each chunk as a hit would (over
     # the same context), so in bf16 the two runs' numbers can be compared bit for bit.
     cmd += ["--max-num-batched-tokens", "256"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
+    env = engine_env(VLLM_CPU_OMP_THREADS_BIND=core)
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)

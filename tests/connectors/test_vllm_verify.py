@@ -12,14 +12,13 @@ and compared with what is stored.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from vllm_venv import ROOT, VLLM_PYTHON, vllm_marks
+from vllm_venv import ROOT, VLLM_PYTHON, engine_env, vllm_marks
 
 from kvstore import KVLayout, KVStore
 from kvstore.keys import BlockKey
@@ -41,8 +40,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out, log = work / "out.json", work / "log.txt"
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--store", str(work / "store")]
     cmd += ["--stats-dir", str(work / "stats"), "--out", str(out), "--dtype", "bfloat16"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1")
+    env = engine_env()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1000)
     if proc.returncode != 0:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env
 
 CHUNK = 256
 SEED_TOKENS = 2 * CHUNK
@@ -52,8 +52,7 @@ def drive(work: Path, name: str, core: str, extra: list[str]) -> dict[str, Any]:
         cmd += ["--store", str(work / "store"), "--stats-dir", str(work / "stats")]
     else:
         cmd += ["--prefix-caching"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=core)
+    env = engine_env(VLLM_CPU_OMP_THREADS_BIND=core)
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
