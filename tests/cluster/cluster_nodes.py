@@ -35,6 +35,7 @@ class NodeOptions:
     heartbeat_s: float = HEARTBEAT
     tokens: dict[str, str] = field(default_factory=dict)  # node -> its server token
     key_file: str | None = None  # encryption at rest of every node's disk and S3 tiers
+    server: dict[str, Any] = field(default_factory=dict)  # more of every node's server section
 
 
 class Nodes:
@@ -70,6 +71,7 @@ class Nodes:
                 path = root / f"{name}.token"
                 path.write_text(token + "\n")
                 config["server"] = {"token_file": str(path)}
+            config["server"] = {**config.get("server", {}), **self.options.server}
             self.procs[name] = KVStoreServerProcess(config, root / name, env, metrics=True)
 
     def s3_tier(self, prefix: str) -> dict[str, Any]:
