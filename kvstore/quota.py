@@ -22,8 +22,9 @@ other stores) are not stored: counted as ``refused``. Demotions and replicas
 reserve room in their tier like puts, so they count against the owner too.
 
 Lock order: a store's books lock, then the ledger's (the ledger never takes a
-books lock; it reads other stores' ``resident`` counts, which only grow under
-the ledger's lock, so a check can overstate use, never understate it).
+books lock; it reads other stores' ``resident`` counts, which grow under the
+ledger's lock -- but for blocks a store finds on disk when it opens, counted
+as found: an owner over its limit then frees at its next grant).
 """
 
 from __future__ import annotations
