@@ -318,6 +318,8 @@ class Connection:
         """The token as the server's tokens stand now: still accepted, its scopes cover
         ``op``, and it still opens the namespace this connection opened."""
         if self.credential is None:
+            if self.ctx.authenticator.required:  # tokens were added since this one connected
+                raise Refused(Status.UNAUTHENTICATED, "this server now requires a token", True)
             return
         try:
             self.credential = check_scope(self.ctx.authenticator, self.credential, op)

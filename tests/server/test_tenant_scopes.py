@@ -177,3 +177,16 @@ def test_bad_admin_requests_change_nothing(
     assert ops.tenants() == before
     with client(server, A_RW, "team-a") as a:
         a.ping()
+
+
+def test_tokens_added_at_run_time_close_connections_made_without_one(kv_server: Start) -> None:
+    server = kv_server()  # loopback, no token: every client is trusted
+    with Client(LAYOUT, ClientOptions(server.address, "team-a")) as anyone:
+        anyone.ping()
+        AdminClient(ClientOptions(server.address, "team-a")).put_tenant(
+            "team-a", ["team-a"], [{"name": "a", "token": A_RW}]
+        )
+        with pytest.raises(AccessDeniedError):
+            anyone.lookup(make_keys(1))
+    with client(server, A_RW, "team-a") as a:
+        assert a.lookup(make_keys(1)) == 0
