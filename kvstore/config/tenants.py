@@ -31,12 +31,14 @@ operator's scope: it manages every tenant. The list form (``- {name: team-a,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore._values import parse_optional_str, parse_size, parse_str
 from kvstore.config._fields import build, opt
+from kvstore.config.events import EventsConfig
 from kvstore.config.tiers import check_namespace, tier_kinds
 from kvstore.errors import ConfigError
 
@@ -137,12 +139,19 @@ class TenantConfig:
 
     ``quotas``: its share and limit per tier kind (none: unbounded, and it
     yields nothing to others).
+
+    ``events_endpoint`` / ``events_replay_endpoint``: with ``events.enabled``,
+    the ZMQ sockets (PUB, and ROUTER for replays) that carry this tenant's KV
+    events, and only its: its stores publish there instead of on ``events.endpoint``.
+    None: its events go out with the server's.
     """
 
     name: str
     namespaces: tuple[str, ...] = ()
     tokens: tuple[TenantToken, ...] = ()
     quotas: tuple[TierQuotaConfig, ...] = ()
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` naming ``path`` for a bad name, namespace or token."""
@@ -155,6 +164,21 @@ class TenantConfig:
             token.validate(f"{path}.tokens[{i}]")
         for quota in self.quotas:
             quota.validate(f"{path}.quotas.{quota.tier}")
+        if self.events_replay_endpoint is not None and self.events_endpoint is None:
+            raise ConfigError(f"{path}.events_replay_endpoint: give events_endpoint too")
+        if self.events_endpoint is not None:
+            self.events(EventsConfig(), path)
+
+    def events(self, base: EventsConfig, path: str = "") -> EventsConfig:
+        """``base`` (the server's ``events``) with this tenant's endpoints."""
+        assert self.events_endpoint is not None
+        try:
+            return dataclasses.replace(
+                base, endpoint=self.events_endpoint, replay_endpoint=self.events_replay_endpoint
+            )
+        except ConfigError as exc:  # named as the tenant's keys
+            message = str(exc).replace("events.", f"{path}.events_")
+            raise ConfigError(message) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-friendly form (secrets included: for config files, not replies)."""
@@ -162,6 +186,8 @@ class TenantConfig:
             "namespaces": list(self.namespaces),
             "tokens": [_token_dict(t) for t in self.tokens],
             "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in self.quotas},
+            "events_endpoint": self.events_endpoint,
+            "events_replay_endpoint": self.events_replay_endpoint,
         }
 
 
@@ -209,16 +235,22 @@ def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
     """One tenant from its mapping (``namespaces``, ``tokens``); ConfigError if malformed."""
     if not isinstance(body, Mapping):
         raise ConfigError(f"{path}: expected a mapping, got {type(body).__name__}")
-    unknown = set(body) - {"name", "namespaces", "tokens", "quotas"}
+    keys = {"namespaces", "tokens", "quotas", "events_endpoint", "events_replay_endpoint"}
+    unknown = set(body) - {"name", *keys}
     if unknown:
-        allowed = "namespaces, tokens, quotas"
+        allowed = ", ".join(sorted(keys))
         raise ConfigError(f"{path}.{sorted(unknown)[0]}: unknown key; allowed: {allowed}")
     namespaces = _names(body.get("namespaces"), f"{path}.namespaces")
     raw = body.get("tokens") or []
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{path}.tokens: expected a list of tokens")
     tokens = tuple(_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
-    tenant = TenantConfig(name, namespaces, tokens, _quotas(body.get("quotas"), f"{path}.quotas"))
+    quotas = _quotas(body.get("quotas"), f"{path}.quotas")
+    endpoints = [
+        parse_optional_str(body.get(k), f"{path}.{k}")
+        for k in ("events_endpoint", "events_replay_endpoint")
+    ]
+    tenant = TenantConfig(name, namespaces, tokens, quotas, *endpoints)
     tenant.validate(path)
     return tenant
 

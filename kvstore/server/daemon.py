@@ -148,6 +148,9 @@ class Server:
         #: KV events of every hosted store, through one socket (None: ``events`` is off).
         self.events = _publisher(config)
         self.registry = StoreRegistry(config, on_open=self._on_open, events=self.events)
+        #: Tenants' own KV-event publishers (``events_endpoint``), by tenant.
+        self.tenant_events: dict[str, EventPublisher] = {}
+        self.registry.events_for = self._events_for
         #: This server's membership in a cluster (None: standalone), from ``start()``.
         self.cluster: Any = None
         self._load = _RequestRate(self.metrics)
@@ -191,6 +194,8 @@ class Server:
                 self.addresses["events"] = self.events.bound_endpoint or ""
                 if self.events.bound_replay_endpoint:
                     self.addresses["events_replay"] = self.events.bound_replay_endpoint
+                binding = "server.tenants.<tenant>.events_endpoint"
+                self._start_tenant_events()
             if cfg.listen:
                 binding = f"server.listen (--listen) {cfg.listen}"
                 await self._listen_tcp(cfg.listen)
@@ -231,6 +236,26 @@ class Server:
         if tcp is None or tcp.startswith(("0.0.0.0:", "[::]:", ":::")):
             return None
         return tcp
+
+    def _start_tenant_events(self) -> None:
+        """Bind each tenant's own event sockets (``events_endpoint``): its stores publish
+        there, and only there."""
+        from kvstore.events.publisher import EventPublisher
+
+        for tenant in self.config.server.tenants:
+            if tenant.events_endpoint is None:
+                continue
+            where = f"server.tenants.{tenant.name}"
+            publisher = EventPublisher(tenant.events(self.config.events, where))
+            self.tenant_events[tenant.name] = publisher
+            publisher.start()
+            self.addresses[f"events:{tenant.name}"] = publisher.bound_endpoint or ""
+            if publisher.bound_replay_endpoint:
+                self.addresses[f"events_replay:{tenant.name}"] = publisher.bound_replay_endpoint
+
+    def _events_for(self, namespace: str) -> EventPublisher | None:
+        tenant = self._authenticator.tenant_of(namespace)
+        return self.tenant_events.get(tenant, self.events)
 
     def _on_open(self, hosted: HostedStore) -> None:
         self.quotas.attach(hosted)
@@ -380,6 +405,8 @@ class Server:
         await loop.run_in_executor(self._executor, self.registry.close)
         if self.events is not None:
             await loop.run_in_executor(self._executor, self.events.close)
+        for publisher in self.tenant_events.values():
+            await loop.run_in_executor(self._executor, publisher.close)
         self._executor.shutdown(wait=True)
         self._copier.shutdown(wait=True)
         if "unix" in self.addresses:

@@ -117,6 +117,8 @@ class StoreRegistry:
         self._on_open = on_open
         #: The server's KV-event publisher, shared by every store it hosts (None: off).
         self._events = events
+        #: The publisher of a namespace's store, when not the shared one (a tenant's own).
+        self.events_for: Callable[[str], EventPublisher | None] | None = None
         self._stores: dict[tuple[str, bytes], HostedStore] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -143,7 +145,8 @@ class StoreRegistry:
                 )
             share = self.config.server.shared_memory
             config = _with_journal(namespaced_config(self.config, namespace, share), layout)
-            store = KVStore(layout, config, events=self._events)
+            events = self._events if self.events_for is None else self.events_for(namespace)
+            store = KVStore(layout, config, events=events)
             first = store.manager.tiers[0]
             segment = first.segment if isinstance(first, SlabTier) else None
             ident = secrets.token_hex(16) if segment is not None else ""

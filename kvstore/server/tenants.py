@@ -75,6 +75,7 @@ def describe(server: ServerConfig) -> dict[str, Any]:
             "namespaces": list(t.namespaces),
             "tokens": [{"name": k.name, "scopes": list(k.scopes)} for k in t.tokens],
             "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in t.quotas},
+            "events_endpoint": t.events_endpoint,
         }
         for t in server.tenants
     }

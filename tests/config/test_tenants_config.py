@@ -52,6 +52,11 @@ def test_credentials_carry_tenant_scopes_and_namespaces() -> None:
         ({"tenants": {"bad name": {}}}, r"server\.tenants\.bad name\.name"),
         ({"tenants": {"t": {"tokens": [{"token": A, "scopes": ["root"]}]}}}, "unknown scope"),
         ({"tenants": {"t": {"tokens": [{"token": A, "token_file": "/x"}]}}}, "exactly one"),
+        ({"tenants": {"t": {"events_endpoint": "http://x"}}}, r"tenants\.t\.events_endpoint"),
+        (
+            {"tenants": {"t": {"events_replay_endpoint": "tcp://127.0.0.1:0"}}},
+            "give events_endpoint too",
+        ),
         (
             {"tenants": {"t": {"namespaces": ["n"]}, "u": {"namespaces": ["n"]}}},
             "namespace 'n' already belongs to tenant 't'",

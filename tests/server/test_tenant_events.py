@@ -1,0 +1,94 @@
+"""A tenant with its own events endpoint: its stores' KV events go there, and only there;
+the server's endpoint carries the others' and none of its."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore import KVStore, StoreConfig
+from kvstore.server import ServerThread
+from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.kvserver import server_test_config
+
+zmq = pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvstore.events.format import BlockStored, decode_batch  # noqa: E402
+
+LAYOUT = small_layout(block_tokens=32)
+A = "a-token-0123456789abcdef"
+B = "b-token-0123456789abcdef"
+
+
+@pytest.fixture
+def server() -> Iterator[ServerThread]:
+    work = Path(tempfile.mkdtemp(prefix="kvs-tev-", dir="/tmp"))
+    data = server_test_config(
+        work,
+        [{"kind": "host", "capacity": "1MiB"}],
+        tenants={
+            "team-a": {
+                "namespaces": ["team-a"],
+                "tokens": [{"token": A}],
+                "events_endpoint": "tcp://127.0.0.1:0",
+                "events_replay_endpoint": "tcp://127.0.0.1:0",
+            },
+            "team-b": {"namespaces": ["team-b"], "tokens": [{"token": B}]},
+        },
+    )
+    data["events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "interval_s": 0.005}
+    with ServerThread(StoreConfig.from_dict(data, environ={})) as thread:
+        yield thread
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def store(server: ServerThread, namespace: str, token: str) -> KVStore:
+    remote = {"kind": "remote", "address": server.address, "namespace": namespace, "token": token}
+    return KVStore(LAYOUT, {"tiers": [remote]})
+
+
+def put(client: KVStore, first: int) -> list[int]:
+    tokens = torch.arange(first, first + LAYOUT.block_tokens)
+    client.put(client.hash_tokens(tokens, "m"), random_blocks(LAYOUT, 1), tokens=tokens)
+    return tokens.tolist()
+
+
+def received(sock: Any, timeout_ms: int = 200) -> list[int]:
+    """Token ids of every BlockStored received within ``timeout_ms`` of quiet."""
+    got: list[int] = []
+    while sock.poll(timeout_ms):
+        _, _, payload = sock.recv_multipart()
+        events = decode_batch(payload).events
+        got += [t for e in events if isinstance(e, BlockStored) for t in e.token_ids]
+    return got
+
+
+def test_a_tenants_events_go_to_its_endpoint_alone(server: ServerThread) -> None:
+    ctx = zmq.Context()
+    try:
+        subs = {}
+        for name in ("events", "events:team-a"):
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(server.server.addresses[name])
+            subs[name] = sock
+        with store(server, "team-a", A) as a, store(server, "team-b", B) as b:
+            for i in range(100):  # ZMQ's slow joiner: until both sockets deliver
+                put(a, 100_000 + i * 64)
+                put(b, 200_000 + i * 64)
+                if received(subs["events:team-a"], 50) and received(subs["events"], 50):
+                    break
+            mine, theirs = put(a, 1_000), put(b, 2_000)
+            on_a, on_server = received(subs["events:team-a"]), received(subs["events"])
+        assert set(mine) <= set(on_a) and not set(theirs) & set(on_a)
+        assert set(theirs) <= set(on_server) and not set(mine) & set(on_server)
+        assert all(t < 200_000 or t >= 1_000_000 for t in on_a)  # none of team-b's, ever
+    finally:
+        ctx.destroy(linger=0)
