@@ -334,6 +334,10 @@ class BlockManager:
         many copies were queued."""
         return self.migrations.warm([k for k in keys if 0 not in self.books.where(k)])
 
+    def warm_now(self, keys: Sequence[BlockKey]) -> int:
+        """:meth:`warm` on the caller's thread; how many copies landed."""
+        return self.migrations.promote_now([k for k in keys if 0 not in self.books.where(k)], 0)
+
     def forward_hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Pass a hint to the tiers outside this process that hold some of ``keys`` (a
         kvstore-server honours it in its own tiers); how many tiers were told."""
@@ -568,6 +572,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         speeds=manager.io.speeds_now,
         fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
         warm=manager.warm,
+        warm_now=manager.warm_now,
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probe,
         find_later=manager.find_later,

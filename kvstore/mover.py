@@ -10,10 +10,11 @@ times is promoted once. ``drain`` waits until every queued job finished
 A job may wait for its time (``submit_later``): work that would compete with the
 engine, such as a restore plan's warming, waits until the compute the plan expects
 has ended. Its ``not_before`` is asked again when that time comes (a later plan may
-have moved it); ``drain`` starts every waiting job at once.
+have moved it); ``drain`` starts every waiting job at once, and any job queued to wait
+while it drains.
 
-Lock ownership: ``_cond`` guards ``_pending``, ``_keys``, ``_waiting`` and
-``_timer``; jobs run without it. The timer thread only moves due jobs to the pool.
+Lock ownership: ``_cond`` guards ``_pending``, ``_keys``, ``_waiting``, ``_draining``
+and ``_timer``; jobs run without it. The timer thread only moves due jobs to the pool.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Mover:
         self._closed = False
         self._waiting: list[tuple[Callable[[], object], Hashable | None, Callable[[], float]]] = []
         self._timer: threading.Thread | None = None
+        self._draining = 0  # drains in progress: a job queued to wait starts at once
         self._name = name
         self.failures = 0
 
@@ -78,13 +80,17 @@ class Mover:
             if key is not None:
                 self._keys.add(key)
             self._pending += 1
-            self._waiting.append((job, key, not_before))
-            if self._timer is None:
-                self._timer = threading.Thread(
-                    target=self._wait_loop, name=f"{self._name}-timer", daemon=True
-                )
-                self._timer.start()
-            self._cond.notify_all()
+            now = self._draining > 0  # a drain waits for it: it cannot wait for its time
+            if not now:
+                self._waiting.append((job, key, not_before))
+                if self._timer is None:
+                    self._timer = threading.Thread(
+                        target=self._wait_loop, name=f"{self._name}-timer", daemon=True
+                    )
+                    self._timer.start()
+                self._cond.notify_all()
+        if now:
+            self._start(job, key)
         return True
 
     def _wait_loop(self) -> None:
@@ -135,9 +141,15 @@ class Mover:
     def drain(self, timeout: float | None = None) -> bool:
         """Start the jobs waiting for their time, then wait until no job is queued or
         running; False on timeout."""
-        self._release_waiting()
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+            self._draining += 1
+        try:
+            self._release_waiting()
+            with self._cond:
+                return self._cond.wait_for(lambda: self._pending == 0, timeout)
+        finally:
+            with self._cond:
+                self._draining -= 1
 
     def close(self) -> None:
         """Stop taking jobs, finish the queued ones, stop the threads. Idempotent."""

@@ -269,6 +269,7 @@ class RestoreStats:
         "tokens_planned_recompute",
         "chunks_warming",
         "lookups_deferred",
+        "warming_yields",
         "restores_timed",
         "load_planned_s",
         "load_actual_s",
@@ -331,6 +332,7 @@ class RestorerParts:
     where: Callable[[BlockKey], list[int]]
     speeds: Callable[[], list[SpeedEstimate]]
     fast: frozenset[int]
+    #: ``warm(keys)``: queue copies of those of ``keys`` the fastest tier lacks into it.
     warm: Callable[[Sequence[BlockKey]], int]
     #: Per tier level, the medium routers tell apart: memory, disk, shared (None: other).
     media: tuple[str | None, ...] = ()
@@ -344,6 +346,9 @@ class RestorerParts:
     later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: _run_now(
         job
     )
+    #: ``warm_now(keys)``: :attr:`warm` on the caller's thread; how many copies landed
+    #: (None: warming queues every copy at once and cannot yield to the engine).
+    warm_now: Callable[[Sequence[BlockKey]], int] | None = None
 
 
 class Restorer:
@@ -425,8 +430,21 @@ class Restorer:
         ]
 
     def _warm_job(self, keys: list[BlockKey]) -> Callable[[], None]:
+        """The job that warms ``keys``. Where the store can copy on the job's thread, it
+        copies a chunk at a time, and when a plan made since expects the engine to compute
+        again, the rest waits for that compute to end: prompts that come back to back would
+        otherwise find the first one's warming competing with their prefills."""
+
         def job() -> None:
-            self.stats.add("chunks_warming", self.parts.warm(keys))
+            if self.parts.warm_now is None or self.warm_wait_s <= 0:
+                self.stats.add("chunks_warming", self.parts.warm(keys))
+                return
+            for i, key in enumerate(keys):
+                if i and time.monotonic() < self._busy_until:
+                    self.stats.add("warming_yields")
+                    self._after_compute(self._warm_job(keys[i:]))
+                    return
+                self.stats.add("chunks_warming", self.parts.warm_now([key]))
 
         return job
 

@@ -80,3 +80,23 @@ def test_drain_starts_waiting_jobs_at_once_and_keys_dedupe_them() -> None:
     assert runs == ["a"]
     mover.close()
     assert not mover.submit_later(lambda: runs.append("d"), lambda: 0.0)
+
+
+def test_a_job_queued_to_wait_while_a_drain_runs_starts_at_once() -> None:
+    """A waiting job that queues its own rest to wait again (a warming that yields) must
+    not hold a drain for its time: the drain waits for it, so it runs now."""
+    mover = Mover(1)
+    runs: list[str] = []
+    far = time.monotonic() + 3600
+
+    def first() -> None:
+        runs.append("first")
+        mover.submit_later(lambda: runs.append("rest"), lambda: far)
+
+    assert mover.submit_later(first, lambda: far)
+    assert mover.drain(timeout=10)
+    assert runs == ["first", "rest"] and mover.pending == 0
+    assert mover.submit_later(lambda: runs.append("later"), lambda: far)  # waits again
+    assert runs == ["first", "rest"] and mover.pending == 1
+    mover.close()
+    assert runs[-1] == "later"

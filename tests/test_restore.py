@@ -275,6 +275,48 @@ def test_warming_waits_for_the_compute_the_plans_expect() -> None:
     assert warmed == [4] and restorer.snapshot()["chunks_warming"] == 4
 
 
+def test_warming_yields_to_a_prefill_a_later_plan_expects() -> None:
+    """Where the store copies on the warming's thread, it copies a chunk at a time, and
+    stops when a plan made since expects the engine to compute: the rest waits for that
+    compute (prompts back to back would otherwise find the warming competing with them)."""
+    queued: list[tuple[Any, Any]] = []
+    copied: list[Any] = []
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
+    restorer: Restorer
+
+    def warm_now(keys: Any) -> int:
+        copied.extend(keys)
+        if len(copied) == 2:  # meanwhile, the next prompt's plan
+            restorer.plan(list(levels), restore_request(None, 0, False, None))
+        return len(keys)
+
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: levels[key],
+        lambda: speeds,
+        frozenset({0}),
+        lambda keys: pytest.fail("warming queued every copy at once"),
+        later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
+        warm_now=warm_now,
+    )
+    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warm_wait_s=10.0)
+    keys = list(levels)
+    restorer.plan(keys, restore_request(None, 0, False, None))
+    assert len(queued) == 2 and copied == []  # the warming and the deferred search wait
+    job, not_before = queued[0]
+    time.sleep(max(0.0, not_before() - time.monotonic()))
+    job()  # its time came: copies until the next plan, then waits again
+    assert copied == keys[2:4]
+    rest, not_before = queued[-1]
+    assert not_before() > time.monotonic()  # behind the next prompt's compute
+    assert restorer.snapshot()["warming_yields"] == 1
+    time.sleep(max(0.0, not_before() - time.monotonic()))
+    rest()
+    assert copied[2:] == keys[4:]
+    assert restorer.snapshot()["chunks_warming"] == 4
+
+
 def test_chunks_loaded_from_another_machines_storage_are_warmed_too() -> None:
     """A bucket fast enough to pay: its chunks are loaded, and copied up as well (the
     engine's copy is not the store's), so that the next request finds the head local."""

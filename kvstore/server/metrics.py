@@ -281,6 +281,7 @@ _RESTORE = (
     ("tokens_planned_recompute", "kvstore_restore_tokens_planned_recompute_total"),
     ("chunks_warming", "kvstore_restore_chunks_warmed_total"),
     ("lookups_deferred", "kvstore_restore_lookups_deferred_total"),
+    ("warming_yields", "kvstore_restore_warming_yields_total"),
     ("load_planned_s", "kvstore_restore_load_planned_seconds_total"),
     ("load_actual_s", "kvstore_restore_load_actual_seconds_total"),
     ("estimate_error_median", "kvstore_restore_estimate_error_median"),
