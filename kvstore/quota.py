@@ -6,7 +6,7 @@ per tier kind, a guaranteed ``share`` and a ``limit`` (bytes of KV: each block
 counts ``layout.block_nbytes``, whatever the medium adds).
 
 The data path asks one question, through the hook each store's
-:class:`~kvstore.room.RoomBooks` holds (:meth:`QuotaHook.must_evict`, under
+:class:`~kvstore.datapath.room.RoomBooks` holds (:meth:`QuotaHook.must_evict`, under
 the ledger's lock, while a tier grants room): how many of *this store's own*
 blocks must go before ``n`` more fit? The answer is the largest of
 
@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.index import Level
+from kvstore.datapath.index import Level
 
 __all__ = ["Quota", "QuotaHook", "QuotaLedger"]
 

@@ -14,10 +14,10 @@ on the caller's thread only this:
 The saver thread (:class:`Saver`) takes jobs in order. A whole-block ``put``
 waits for its snapshot and runs the ordinary write path from the ring (the
 CUDA engine moves the blocks to host memory as DMA copies). A ``put_layer``
-claims its blocks' room (:meth:`~kvstore.layerwrites.LayerWrites.start_layer`)
+claims its blocks' room (:meth:`~kvstore.datapath.layerwrites.LayerWrites.start_layer`)
 and queues the copies on the CUDA engine's ``saves`` lane after the snapshot's
 event, without waiting; when they land, the lane's completion thread hands the
-finish (:meth:`~kvstore.layerwrites.LayerWrites.end_layer`: the block is
+finish (:meth:`~kvstore.datapath.layerwrites.LayerWrites.end_layer`: the block is
 published once its last layer is in) back to the saver thread. A ring region
 goes back once its copies have landed.
 
@@ -46,10 +46,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.copies import Event, engine_for
+from kvstore.datapath.layerwrites import LayerWrites
+from kvstore.datapath.partials import Partial
+from kvstore.datapath.writer import FollowUps
 from kvstore.keys import BlockKey
-from kvstore.layerwrites import LayerWrites
-from kvstore.partials import Partial
-from kvstore.writer import FollowUps
 
 __all__ = ["SAVE_COUNTERS", "Region", "Saver", "StagingRing"]
 

@@ -1,6 +1,6 @@
 """Live read speeds of the tiers: what a load from each one costs right now.
 
-Every tier read goes through :class:`~kvstore.tierio.TierIO`, timed, and each
+Every tier read goes through :class:`~kvstore.datapath.tierio.TierIO`, timed, and each
 call is one observation ``(bytes read, seconds)`` of its tier's
 :class:`ReadSpeed`. The estimate is a least-squares fit of
 

@@ -24,6 +24,10 @@ import torch
 from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
 from kvstore.crypt import encrypt_tiers, store_keys
+from kvstore.datapath.leases import Pin
+from kvstore.datapath.lending import Loan, PendingPut
+from kvstore.datapath.manager import BlockManager
+from kvstore.datapath.prefetch import PrefetchHandle
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
@@ -36,12 +40,8 @@ from kvstore.keys import (
     tokens_to_bytes,
 )
 from kvstore.layout import KVLayout
-from kvstore.leases import Pin
-from kvstore.lending import Loan, PendingPut
 from kvstore.lifetimes import close_at_exit, forget
-from kvstore.manager import BlockManager
 from kvstore.memory import cuda_available
-from kvstore.prefetch import PrefetchHandle
 from kvstore.restore import RestorePlan, restore_request
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
@@ -488,7 +488,7 @@ class KVStore:
     def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
         """Pin the stored blocks among ``keys`` and lend views of the host memory
         holding them, to send or copy in place; ``loan.release()`` when done (the
-        lease of ``lease_s`` seconds ends it otherwise). See :mod:`kvstore.lending`."""
+        lease of ``lease_s`` seconds ends it otherwise). See :mod:`kvstore.datapath.lending`."""
         if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
         return self._manager.lend(check_keys(keys), lease_s)

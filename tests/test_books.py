@@ -12,8 +12,8 @@ import torch
 
 from kvstore import KVStore, StoreConfig
 from kvstore.config import DiskTierConfig, HostTierConfig
+from kvstore.datapath.guard import Guard
 from kvstore.errors import CapacityError
-from kvstore.guard import Guard
 from kvstore.layout import KVLayout
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.lockcheck import LockCheckedTier

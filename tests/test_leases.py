@@ -7,10 +7,10 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import HostTierConfig, StoreConfig
+from kvstore.datapath.index import Entry
+from kvstore.datapath.leases import LeaseTable
+from kvstore.datapath.manager import BlockManager
 from kvstore.errors import CapacityError, InvalidInputError
-from kvstore.index import Entry
-from kvstore.leases import LeaseTable
-from kvstore.manager import BlockManager
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import host_config, random_blocks, small_layout
 from kvstore.tiers.host import HostTier

@@ -12,11 +12,11 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import DeviceTierConfig, HostTierConfig
+from kvstore.datapath.index import Medium
+from kvstore.datapath.manager import BlockManager
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.manager import BlockManager
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvstore.mover import Mover
+from kvstore.datapath.mover import Mover
 
 
 def test_jobs_run_and_drain_waits_for_them() -> None:

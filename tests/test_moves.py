@@ -12,8 +12,8 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import StoreConfig, format_size
+from kvstore.datapath.manager import BlockManager
 from kvstore.layout import KVLayout
-from kvstore.manager import BlockManager
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier

@@ -11,9 +11,9 @@ import torch
 
 from kvstore import InvalidInputError, KVStore, LayoutMismatchError
 from kvstore.config import HostTierConfig, StoreConfig
+from kvstore.datapath.manager import BlockManager
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.manager import BlockManager
 from kvstore.testing.data import host_config, random_blocks, small_layout
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.host import HostTier

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvstore.progress import FlushProgress
+from kvstore.datapath.progress import FlushProgress
 
 GiB = 1 << 30
 

@@ -182,17 +182,17 @@ def test_without_room_for_the_ring_saves_are_synchronous(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A device too full for the staging ring (an out-of-memory no real CPU tier gives)."""
-    import kvstore.manager
+    import kvstore.datapath.manager
 
     def no_room(*_: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(kvstore.manager, "Saver", no_room)
+    monkeypatch.setattr(kvstore.datapath.manager, "Saver", no_room)
     layout = small_layout()
     with KVStore(layout, host_config(layout, 8)) as store:
         keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
         kv = random_blocks(layout, 2, seed=9)
-        with caplog.at_level("WARNING", logger="kvstore.manager"):
+        with caplog.at_level("WARNING", logger="kvstore.datapath.manager"):
             assert store.manager.save(keys[:1], kv[:, :, : layout.block_tokens]) == 1
             for layer in range(layout.num_layers):
                 store.manager.save_layer(keys[1:], layer, kv[layer, :, layout.block_tokens :])

@@ -42,8 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.cluster.index import Change, ClusterIndex, NodeInfo, Snapshot
+from kvstore.datapath.index import Medium
 from kvstore.errors import TierError
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 
 __all__ = ["Holding", "IndexView"]

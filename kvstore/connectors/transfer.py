@@ -51,9 +51,9 @@ import torch
 from kvstore.connectors.paged import PagedKV
 from kvstore.connectors.plan import TransferSpec
 from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
+from kvstore.datapath.prefetch import PrefetchHandle
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, ChunkTokens
-from kvstore.prefetch import PrefetchHandle
 from kvstore.store import KVStore
 
 __all__ = ["TransferWorker"]

@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.config.events import EventsConfig
+from kvstore.datapath.index import Medium
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 
 __all__ = ["ConnectorEvents"]

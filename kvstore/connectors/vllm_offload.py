@@ -88,8 +88,8 @@ from kvstore.connectors.vllm_offload_jobs import (
     store_blocks,
     store_config,
 )
+from kvstore.datapath.index import Medium as StoreMedium
 from kvstore.errors import ConfigError
-from kvstore.index import Medium as StoreMedium
 from kvstore.keys import BlockKey, Namespace, engine_keys
 from kvstore.store import KVStore
 

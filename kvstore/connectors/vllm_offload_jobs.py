@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.datapath.manager import BlockManager
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.manager import BlockManager
 
 __all__ = [
     "JobOutcome",

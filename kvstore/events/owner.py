@@ -14,11 +14,11 @@ import contextlib
 import numpy as np
 
 from kvstore.config.events import EventsConfig
+from kvstore.datapath.manager import BlockManager
 from kvstore.events.book import TokenBook
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.source import StoreEvents
 from kvstore.keys import ChunkTokens
-from kvstore.manager import BlockManager
 
 __all__ = ["StoreEventsOwner"]
 

@@ -29,16 +29,16 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.config.events import EventsConfig
+from kvstore.datapath.index import ChangeFeed, Medium
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook
 from kvstore.events.format import BlockStored, Event
 from kvstore.events.publisher import SNAPSHOT_BATCH_EVENTS, EventPublisher
-from kvstore.index import ChangeFeed, Medium
 from kvstore.keys import BlockKey
 
 if TYPE_CHECKING:
-    from kvstore.manager import BlockManager
+    from kvstore.datapath.manager import BlockManager
 
 
 class HasManager(Protocol):

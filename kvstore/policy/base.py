@@ -5,7 +5,7 @@ arrived (``insert``), what was used (``touch``) and what left (``remove``),
 and asks for ``candidates`` -- keys in the order they should go. Whether a
 candidate may actually go (it may be pinned) is the manager's business, so a
 policy stays a few lines of bookkeeping. Not thread-safe: the books
-(:mod:`kvstore.books`, :mod:`kvstore.room`) call it under their lock. The
+(:mod:`kvstore.datapath.books`, :mod:`kvstore.datapath.room`) call it under their lock. The
 clock is injectable so tests are deterministic.
 """
 

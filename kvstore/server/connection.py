@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from kvstore import __version__
 from kvstore.config.server import Credential
 from kvstore.config.tiers import check_namespace
+from kvstore.datapath.lending import Loan, PendingPut
 from kvstore.errors import (
     AccessDeniedError,
     CapacityError,
@@ -42,7 +43,6 @@ from kvstore.errors import (
     ProtocolError,
 )
 from kvstore.layout import KVLayout
-from kvstore.lending import Loan, PendingPut
 from kvstore.server import handlers
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.session import Refused, Reservation, ServerContext

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.datapath.lending import Loan, PendingPut
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError, ProtocolError
 from kvstore.hints import HintAnswer, parse_hint
 from kvstore.keys import BlockKey, ChunkTokens
-from kvstore.lending import Loan, PendingPut
 from kvstore.server.channel import Buffer
 from kvstore.server.session import Refused, Reservation, Session
 from kvstore.server.staging import StagingPool

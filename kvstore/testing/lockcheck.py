@@ -1,7 +1,7 @@
 """A tier that checks the data path's lock rule: no tier call while the books' lock is held.
 
 :class:`LockCheckedTier` forwards every call to a real tier and, before each,
-asks ``held()`` -- the store's :meth:`~kvstore.books.Books.held_by_me` -- whether
+asks ``held()`` -- the store's :meth:`~kvstore.datapath.books.Books.held_by_me` -- whether
 the calling thread holds the books' lock. A call made under the lock is
 recorded in ``violations`` (the method and where it was called from) instead
 of being trusted; ``calls`` counts the calls by method, so a test can show it

@@ -145,7 +145,7 @@ class Tier(ABC):
 
         Reserved keys are invisible until :meth:`commit`. Like every tier call,
         ``reserve``, ``commit`` and ``abort`` run with the books' lock released
-        (through :class:`~kvstore.tierio.TierIO`), so they may take time.
+        (through :class:`~kvstore.datapath.tierio.TierIO`), so they may take time.
         """
         return [None] * len(keys)
 

@@ -9,8 +9,8 @@ import pytest
 
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
+from kvstore.datapath.index import Medium
 from kvstore.errors import InvalidInputError
-from kvstore.index import Medium
 from kvstore.keys import Namespace, chain_keys, tokens_to_bytes
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout

@@ -15,9 +15,9 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import StoreConfig
+from kvstore.datapath.index import Medium
 from kvstore.errors import CapacityError
 from kvstore.events.blocks import BlockMapper
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.event_view import EventView, compare, held_media

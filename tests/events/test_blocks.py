@@ -8,9 +8,9 @@ import xxhash
 pytest.importorskip("msgspec", reason="pip install 'kvstore-tiers[events]'")
 
 from kvstore.config.events import EventsConfig
+from kvstore.datapath.index import Medium
 from kvstore.errors import ConfigError
 from kvstore.events.blocks import BlockMapper, medium_of, parent_first, sub_block_hash
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 
 A, B, C = (BlockKey(bytes([i]) * 16) for i in (1, 2, 3))

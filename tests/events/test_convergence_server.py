@@ -20,8 +20,8 @@ pytest.importorskip("msgspec")
 from convergence_rig import events_config
 
 from kvstore import KVStore, StoreConfig
+from kvstore.datapath.index import Medium
 from kvstore.events.blocks import BlockMapper
-from kvstore.index import Medium
 from kvstore.keys import BlockKey
 from kvstore.server import ServerThread
 from kvstore.testing.data import random_blocks, small_layout

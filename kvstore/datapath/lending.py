@@ -25,18 +25,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore.books import Books
-from kvstore.finder import Finder
-from kvstore.index import Entry
+from kvstore.datapath.books import Books
+from kvstore.datapath.finder import Finder
+from kvstore.datapath.index import Entry
+from kvstore.datapath.layerwrites import LayerWrites
+from kvstore.datapath.leases import Lease
+from kvstore.datapath.partials import Partial
+from kvstore.datapath.reader import Reader
+from kvstore.datapath.tierio import TierIO
+from kvstore.datapath.writer import FollowUps
 from kvstore.keys import BlockKey
-from kvstore.layerwrites import LayerWrites
 from kvstore.layout import KVLayout
-from kvstore.leases import Lease
-from kvstore.partials import Partial
-from kvstore.reader import Reader
-from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange
-from kvstore.writer import FollowUps
 
 __all__ = ["Lender", "Loan", "PendingPut"]
 

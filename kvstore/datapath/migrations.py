@@ -2,15 +2,15 @@
 
 Bringing a tier from above its high watermark down to its low one, write-through
 copies, write-back ahead of eviction, promotion on a hit and hot-block
-replication run as jobs on the :class:`~kvstore.mover.Mover` threads, so the
+replication run as jobs on the :class:`~kvstore.datapath.mover.Mover` threads, so the
 engine's put and get return without waiting for them; persist and flush copy
 what only memory holds to the first persistent tier on the caller's thread.
 
 Each job pins what it moves in the books (so nothing frees the source under
 it), copies with the lock released, and places the new copy through
-:class:`~kvstore.writer.Writer` -- the same path a put takes, with the same
+:class:`~kvstore.datapath.writer.Writer` -- the same path a put takes, with the same
 admission, room-making and demotion. Work that a job's writes leave behind
-comes back as :class:`~kvstore.writer.FollowUps` and is scheduled here: the one
+comes back as :class:`~kvstore.datapath.writer.FollowUps` and is scheduled here: the one
 place background work is queued.
 """
 
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.books import Books
-from kvstore.index import Entry
+from kvstore.datapath.books import Books
+from kvstore.datapath.index import Entry
+from kvstore.datapath.mover import Mover
+from kvstore.datapath.progress import FlushProgress
+from kvstore.datapath.tierio import TierIO
+from kvstore.datapath.writer import FollowUps, Writer
 from kvstore.keys import BlockKey
-from kvstore.mover import Mover
-from kvstore.progress import FlushProgress
-from kvstore.tierio import TierIO
-from kvstore.writer import FollowUps, Writer
 
 __all__ = ["Migrations"]
 

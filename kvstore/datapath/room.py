@@ -1,10 +1,10 @@
 """Room in a tier: reservations, admission, eviction victims, write-back picks.
 
-The rules are plain functions over a :class:`~kvstore.index.Level` and the
-:class:`~kvstore.index.Index`, with no lock and no I/O of their own;
+The rules are plain functions over a :class:`~kvstore.datapath.index.Level` and the
+:class:`~kvstore.datapath.index.Index`, with no lock and no I/O of their own;
 :class:`RoomBooks` is the ledger that runs them under the books' lock
-(``books.room``), for the :class:`~kvstore.writer.Writer` and
-:class:`~kvstore.migrations.Migrations`.
+(``books.room``), for the :class:`~kvstore.datapath.writer.Writer` and
+:class:`~kvstore.datapath.migrations.Migrations`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.counters import ManagerCounters
+from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.guard import Guard
+from kvstore.datapath.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Level
 from kvstore.errors import CapacityError
-from kvstore.guard import Guard
-from kvstore.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Level
 from kvstore.keys import BlockKey
 from kvstore.policy.placement import Placement
 
@@ -51,7 +51,7 @@ class Reservation:
     """Room granted in one tier: ``grant`` blocks, once ``victims`` are evicted.
 
     ``excess``: the tier passed its high watermark; bringing it down to the
-    low one is background work (:meth:`kvstore.migrations.Migrations.schedule`),
+    low one is background work (:meth:`kvstore.datapath.migrations.Migrations.schedule`),
     evicting at most this many of the blocks it held before this reservation
     (a put never evicts, in the background, the blocks it just wrote).
     """
@@ -201,8 +201,8 @@ def usage(level: Level, counters: ManagerCounters) -> dict[str, Any]:
 class RoomBooks:
     """Room, eviction and write-back in each tier, under the books' lock.
 
-    The ledger :class:`~kvstore.books.Books` keeps as ``books.room``: its
-    methods take the books' lock (the :class:`~kvstore.guard.Guard` handed to
+    The ledger :class:`~kvstore.datapath.books.Books` keeps as ``books.room``: its
+    methods take the books' lock (the :class:`~kvstore.datapath.guard.Guard` handed to
     it), run the rules of this module over the levels and the index, and
     return. ``pins(entry, allowed)`` is the books' own: it ends expired leases
     and waits, the lock held, until ``entry`` has no more than ``allowed`` pins
@@ -253,7 +253,7 @@ class RoomBooks:
 
     def reserve(self, level: int, n: int) -> Reservation:
         """Room for up to ``n`` blocks in tier ``level``, and the victims (pinned,
-        counted as leaving) that must go first; see :func:`kvstore.room.reserve`."""
+        counted as leaving) that must go first; see :func:`kvstore.datapath.room.reserve`."""
         with self._guard.locked():
             self._pins(None, 0)
             quota = self._quota
@@ -417,7 +417,7 @@ class RoomBooks:
     # -- write-back ---------------------------------------------------------------
     def pick_dirty(self, level: int, batch: int, tried: set[BlockKey]) -> Victims:
         """Up to ``batch`` blocks only tier ``level`` holds to write back now, pinned
-        (see :func:`kvstore.room.pick_dirty`); none while closing."""
+        (see :func:`kvstore.datapath.room.pick_dirty`); none while closing."""
         with self._guard.locked():
             if self._guard.closing:
                 return []

@@ -3,7 +3,7 @@
 :class:`BlockManager` builds the pieces of the data path for one store and
 hands each the narrow things it needs; its methods only route a call to the
 piece that owns it (and hand background work the writes leave behind to
-:class:`~kvstore.migrations.Migrations`). Calls and imports run one way::
+:class:`~kvstore.datapath.migrations.Migrations`). Calls and imports run one way::
 
     manager ─▶ Finder · Reader · Writer · Migrations · Prefetcher · LayerWrites · Lender
                     │ all of them use ▼
@@ -42,33 +42,33 @@ from typing import Any
 
 import torch
 
-from kvstore.books import Books
 from kvstore.config import StoreConfig
 from kvstore.copies import engine_for
-from kvstore.counters import ManagerCounters
+from kvstore.datapath.books import Books
+from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.finder import Finder
+from kvstore.datapath.index import ChangeFeed, HeatClock, Level, Medium
+from kvstore.datapath.layerwrites import LayerWrites
+from kvstore.datapath.leases import Lease
+from kvstore.datapath.lending import Lender, Loan, PendingPut
+from kvstore.datapath.migrations import Migrations
+from kvstore.datapath.mover import Mover
+from kvstore.datapath.prefetch import Prefetcher, PrefetchHandle
+from kvstore.datapath.progress import FlushProgress
+from kvstore.datapath.reader import Reader
+from kvstore.datapath.room import RetainedFn
+from kvstore.datapath.tierio import TierIO
+from kvstore.datapath.writer import FollowUps, Writer
 from kvstore.errors import BlockNotFoundError
-from kvstore.finder import Finder
 from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
-from kvstore.index import ChangeFeed, HeatClock, Level, Medium
 from kvstore.keys import BlockKey, ChunkTokens
-from kvstore.layerwrites import LayerWrites
 from kvstore.layout import KVLayout
-from kvstore.leases import Lease
-from kvstore.lending import Lender, Loan, PendingPut
-from kvstore.migrations import Migrations
-from kvstore.mover import Mover
 from kvstore.policy import Watermarks, make_policy
 from kvstore.policy.placement import Placement, TierRules
-from kvstore.prefetch import Prefetcher, PrefetchHandle
-from kvstore.progress import FlushProgress
-from kvstore.reader import Reader
 from kvstore.restore import Restorer, RestorerParts, medium_of
-from kvstore.room import RetainedFn
 from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.speeds import PrefillSpeed, ReadSpeed
-from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange, Tier
-from kvstore.writer import FollowUps, Writer
 
 __all__ = ["BlockManager", "ManagerCounters"]
 
@@ -208,7 +208,8 @@ class BlockManager:
 
     def stored_media(self) -> list[tuple[BlockKey, Medium]]:
         """Each key held in this machine's tiers or a shared remote one, with the
-        :class:`~kvstore.index.Medium` of its nearest copy (what a cluster node publishes)."""
+        :class:`~kvstore.datapath.index.Medium` of its nearest copy (what a cluster node
+        publishes)."""
         return self.books.stored_media()
 
     def rescan(self) -> None:

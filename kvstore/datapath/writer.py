@@ -8,7 +8,7 @@ placement one tier down -- writes, and publishes what landed. Nothing here
 calls back up: what should follow in the background (bringing a tier down to
 its low watermark, write-through copies, write-back ahead of eviction) is
 collected in :class:`FollowUps` and returned, for the caller to hand to
-:class:`~kvstore.migrations.Migrations`.
+:class:`~kvstore.datapath.migrations.Migrations`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.books import Books, Reservation, Victims
-from kvstore.index import Entry, Move
+from kvstore.datapath.books import Books, Reservation, Victims
+from kvstore.datapath.index import Entry, Move
+from kvstore.datapath.tierio import TierIO
 from kvstore.keys import BlockKey
-from kvstore.tierio import TierIO
 
 __all__ = ["FIRST", "FollowUps", "Writer"]
 
@@ -34,7 +34,7 @@ class FollowUps:
     """Background work a write leaves behind (see :meth:`Migrations.schedule`).
 
     ``evict_down``: tiers past their high watermark, with how many of their older
-    blocks may go (see :class:`~kvstore.room.Reservation`); ``write_back``: write-back
+    blocks may go (see :class:`~kvstore.datapath.room.Reservation`); ``write_back``: write-back
     tiers with too many blocks only they hold; ``copy_down``: write-through
     copies ``(keys, source tier, target tier)``.
     """

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.books import Books
-from kvstore.index import Entry
+from kvstore.datapath.books import Books
+from kvstore.datapath.index import Entry
+from kvstore.datapath.tierio import TierIO
 from kvstore.keys import BlockKey
-from kvstore.tierio import TierIO
 
 __all__ = ["Finder"]
 

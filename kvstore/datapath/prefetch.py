@@ -10,7 +10,7 @@ Each block comes from its fastest copy. Blocks a memory tier holds are copied
 straight from the tier's memory (a view, valid while the lease pins it) by
 the copy engine, on the ``prefetch`` lane: the loader queues each step's copies
 and the lane reports the step done when they are. Blocks only slower tiers
-hold are read (verified, with fallback) by the :class:`~kvstore.reader.Reader`
+hold are read (verified, with fallback) by the :class:`~kvstore.datapath.reader.Reader`
 on the loader's thread. The lease ends only once the last queued copy is done.
 
 Into host memory, at most two steps are in flight, so a cancel takes effect
@@ -36,16 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.books import Books
 from kvstore.config import PrefetchConfig
 from kvstore.copies import CopyEngine, Event, engine_for
 from kvstore.copies.runs import BlockRun, block_runs
+from kvstore.datapath.books import Books
+from kvstore.datapath.leases import Lease
+from kvstore.datapath.reader import Reader
+from kvstore.datapath.tierio import TierIO
 from kvstore.errors import BlockNotFoundError, InvalidInputError, KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.leases import Lease
 from kvstore.memory import cuda_available
-from kvstore.reader import Reader
-from kvstore.tierio import TierIO
 
 __all__ = ["PrefetchHandle", "Prefetcher", "Step"]
 

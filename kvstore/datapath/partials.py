@@ -2,9 +2,9 @@
 
 :class:`PartialTable` is plain data; :class:`PartialBooks` is the ledger the
 books keep it in (``books.partials``): its methods take the books' lock (the
-:class:`~kvstore.guard.Guard` that :class:`~kvstore.books.Books` owns and
+:class:`~kvstore.datapath.guard.Guard` that :class:`~kvstore.datapath.books.Books` owns and
 hands to it), change the table and the index entries of the blocks being
-written, and return. :mod:`kvstore.layerwrites` and :mod:`kvstore.lending`
+written, and return. :mod:`kvstore.datapath.layerwrites` and :mod:`kvstore.datapath.lending`
 drive it; the room a write reserved in tier 0 is given back by the caller,
 outside the lock, with the keys these methods return.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.counters import ManagerCounters
-from kvstore.guard import Guard
-from kvstore.index import WRITING, Entry, HeatClock, Index
+from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.guard import Guard
+from kvstore.datapath.index import WRITING, Entry, HeatClock, Index
 from kvstore.keys import BlockKey
 
 __all__ = ["Partial", "PartialBooks", "PartialTable", "Room"]

@@ -1,8 +1,8 @@
 """The books' lock: a condition variable that knows which thread holds it.
 
-Created by :class:`~kvstore.books.Books`, which owns it, and handed only to
-the books' own ledgers (:class:`~kvstore.room.RoomBooks`,
-:class:`~kvstore.partials.PartialBooks`): nothing else in the data path takes
+Created by :class:`~kvstore.datapath.books.Books`, which owns it, and handed only to
+the books' own ledgers (:class:`~kvstore.datapath.room.RoomBooks`,
+:class:`~kvstore.datapath.partials.PartialBooks`): nothing else in the data path takes
 it. Knowing the holder lets TierIO and the tests check the rule that tier I/O
 never runs under it (:meth:`Guard.held_by_me`). The store's lifecycle
 (``closing``, ``closed``) is kept here too, read and written under the lock.

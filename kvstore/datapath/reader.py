@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.books import Books
+from kvstore.datapath.books import Books
+from kvstore.datapath.finder import Finder
+from kvstore.datapath.index import Entry
+from kvstore.datapath.tierio import TierIO
 from kvstore.errors import BlockNotFoundError
-from kvstore.finder import Finder
-from kvstore.index import Entry
 from kvstore.keys import BlockKey
-from kvstore.tierio import TierIO
 from kvstore.tiers.base import LayerRange
 
 __all__ = ["Loaded", "Reader"]

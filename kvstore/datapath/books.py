@@ -1,18 +1,18 @@
 """The books: what is stored where, who uses it, and THE lock that guards it all.
 
-:class:`Books` owns the index (:class:`~kvstore.index.Index`), the per-tier
+:class:`Books` owns the index (:class:`~kvstore.datapath.index.Index`), the per-tier
 levels, heat, the leases, the change feed, the counters and the one lock (a
-:class:`~kvstore.guard.Guard`) that guards every one of them, with two ledgers
-kept under that same lock: ``books.room`` (:class:`~kvstore.room.RoomBooks`:
+:class:`~kvstore.datapath.guard.Guard`) that guards every one of them, with two ledgers
+kept under that same lock: ``books.room`` (:class:`~kvstore.datapath.room.RoomBooks`:
 room, eviction and write-back in each tier) and ``books.partials``
-(:class:`~kvstore.partials.PartialBooks`: blocks being written layer by
+(:class:`~kvstore.datapath.partials.PartialBooks`: blocks being written layer by
 layer). Books is the only owner of the lock: every other piece of the data
 path calls a method here or on a ledger, which takes the lock, changes the
 books and returns.
 
 Books never calls a tier and never copies bytes: an operation pins its blocks
 here, does its I/O with the lock released (through
-:class:`~kvstore.tierio.TierIO` and the copy engine), and comes back to record
+:class:`~kvstore.datapath.tierio.TierIO` and the copy engine), and comes back to record
 the outcome. So tier I/O never runs under the lock (:meth:`Books.held_by_me`
 lets TierIO and the tests check it). A copy is freed only when its block has
 no pins other than the freeing operation's own (the freer waits), so a block
@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.counters import ManagerCounters
-from kvstore.guard import Guard
-from kvstore.index import (
+from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.guard import Guard
+from kvstore.datapath.index import (
     DELETING,
     READY,
     WRITING,
@@ -38,11 +38,11 @@ from kvstore.index import (
     Level,
     Medium,
 )
+from kvstore.datapath.leases import Lease, LeaseTable
+from kvstore.datapath.partials import PartialBooks
+from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
-from kvstore.leases import Lease, LeaseTable
-from kvstore.partials import PartialBooks
 from kvstore.policy.placement import Placement
-from kvstore.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 
 __all__ = ["Books", "Reservation", "Victims"]
 
@@ -52,11 +52,11 @@ Want = Callable[[Entry], bool]
 class Books:
     """The data path's bookkeeping under one lock (see the module docstring).
 
-    ``levels``: one :class:`~kvstore.index.Level` per tier, fastest first.
+    ``levels``: one :class:`~kvstore.datapath.index.Level` per tier, fastest first.
     ``persistent`` / ``local`` / ``shared``: bitmasks of the tiers that
     outlive the process, that are of this machine, and that other processes
     write too. ``retained``: a session hint's retention priority of a key (None:
-    not retained), which eviction honours (:func:`~kvstore.room.pick_victims`).
+    not retained), which eviction honours (:func:`~kvstore.datapath.room.pick_victims`).
     """
 
     def __init__(

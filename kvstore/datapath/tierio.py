@@ -7,8 +7,8 @@ succeeds again, said once in the log per outage rather than once per call; a
 server that refuses the tier's token is said to refuse it, not to be away), and
 to check the rule
 that tier I/O never runs under the books' lock. The owners of the data path
-(:mod:`kvstore.finder`, :mod:`kvstore.reader`, :mod:`kvstore.writer`, ...)
-address tiers by their index, fastest first.
+(:mod:`kvstore.datapath.finder`, :mod:`kvstore.datapath.reader`,
+:mod:`kvstore.datapath.writer`, ...) address tiers by their index, fastest first.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class Counting(Protocol):
-    """Where TierIO adds its figures (:class:`~kvstore.books.Books`)."""
+    """Where TierIO adds its figures (:class:`~kvstore.datapath.books.Books`)."""
 
     def count(self, **amounts: float) -> None:
         """Add to counters by name."""

@@ -7,11 +7,11 @@ host or device slab), else a host staging buffer -- and the block becomes
 visible to lookups only when every layer has arrived. A write abandoned half
 way (a request that was aborted) expires after ``lease_s`` and gives its room
 back. The same machinery backs whole-block two-step stores
-(:class:`~kvstore.lending.PendingPut`): room first, filled in place by the
+(:class:`~kvstore.datapath.lending.PendingPut`): room first, filled in place by the
 caller, then committed.
 
 The partial writes themselves are kept in the books (under its lock); this
-module makes room (through the :class:`~kvstore.writer.Writer`), copies layers
+module makes room (through the :class:`~kvstore.datapath.writer.Writer`), copies layers
 (through the copy engine of the batch's device) and publishes complete blocks.
 Asynchronous writers (:mod:`kvstore.saves`) use its two halves,
 :meth:`LayerWrites.start_layer` and :meth:`LayerWrites.end_layer`, around copies
@@ -24,14 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.books import Books
 from kvstore.copies import CopyPair, engine_for_pairs
-from kvstore.index import Move
+from kvstore.datapath.books import Books
+from kvstore.datapath.index import Move
+from kvstore.datapath.partials import Partial, Room
+from kvstore.datapath.tierio import TierIO
+from kvstore.datapath.writer import FIRST, FollowUps, Writer
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.partials import Partial, Room
-from kvstore.tierio import TierIO
-from kvstore.writer import FIRST, FollowUps, Writer
 
 __all__ = ["LayerWrites"]
 

@@ -1,7 +1,7 @@
 """The books' plain data: index entries, per-tier levels, heat, moves, the change feed.
 
 Nothing here locks or does I/O: every object is read and written under the one
-lock of :class:`~kvstore.books.Books`, which is their only user. :class:`Index`
+lock of :class:`~kvstore.datapath.books.Books`, which is their only user. :class:`Index`
 is the one place an entry's state or tier bits change, so what follows from a
 change -- the change feed, the write-back books of memory tiers in front of a
 disk, the count of blocks only memory holds -- is kept in step in one place.
@@ -125,7 +125,7 @@ class Level:
     leaving: int = 0
     #: Write-back ahead of eviction (a memory tier in front of a local disk): past
     #: the low watermark's worth of ``dirty`` blocks, the least recently used are
-    #: copied down in the background (see :mod:`kvstore.migrations`).
+    #: copied down in the background (see :mod:`kvstore.datapath.migrations`).
     writes_back_ahead: bool = False
     #: Blocks only this tier holds (no copy below), least recently used first.
     dirty: OrderedDict[BlockKey, None] = field(default_factory=OrderedDict)

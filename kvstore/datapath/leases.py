@@ -7,7 +7,7 @@ would keep the block -- and its memory -- forever; peers leak pinned memory
 exactly this way. So long-lived pins are leases: they end when released, or
 when they expire, whichever comes first, and expiries are counted.
 
-Not thread-safe: :class:`~kvstore.books.Books` calls the table under its
+Not thread-safe: :class:`~kvstore.datapath.books.Books` calls the table under its
 lock, and does the unpinning itself.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.index import Entry
+from kvstore.datapath.index import Entry
 
 __all__ = ["Lease", "LeaseKeeper", "LeaseTable", "Pin"]
 
