@@ -12,7 +12,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import DeviceTierConfig, HostTierConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.datapath.manager import BlockManager
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError
 from kvstore.keys import BlockKey

@@ -54,7 +54,7 @@ from redis.retry import Retry
 
 from kvstore.cluster.speeds import NodeSpeeds
 from kvstore.config import ClusterConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
 
@@ -243,7 +243,7 @@ class ClusterIndex:
         changes: Mapping[BlockKey, tuple[Medium, Medium]],
     ) -> None:
         """Record that the nearest copy of each key on ``node`` went from one
-        :class:`~kvstore.datapath.index.Medium` to another (the node's change feed), in the
+        :class:`~kvstore.datapath.contracts.Medium` to another (the node's change feed), in the
         node's hash, the shared set and the change stream, in one pipeline."""
         items = list(changes.items())
         commands: list[tuple[Any, ...]] = []

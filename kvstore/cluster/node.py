@@ -36,7 +36,7 @@ from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.cluster.speeds import NodeSpeeds
 from kvstore.cluster.tier import ClusterTier
 from kvstore.config import ClusterConfig
-from kvstore.datapath.index import ChangeFeed, Medium
+from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.errors import KVStoreError, TierError
 from kvstore.keys import BlockKey
 from kvstore.store import KVStore

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.cluster.index import Change, ClusterIndex, NodeInfo, Snapshot
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
 

@@ -77,7 +77,7 @@ from kvstore.connectors.vllm_geometry import EngineGeometry
 from kvstore.connectors.vllm_hybrid import StateLookup, StateTransfer
 from kvstore.connectors.vllm_runtime import cache_writer, parallel_ranks
 from kvstore.connectors.vllm_stats import KVStoreConnectorStats
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
 from kvstore.store import KVStore

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook
 from kvstore.keys import BlockKey

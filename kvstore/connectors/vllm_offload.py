@@ -88,7 +88,7 @@ from kvstore.connectors.vllm_offload_jobs import (
     store_blocks,
     store_config,
 )
-from kvstore.datapath.index import Medium as StoreMedium
+from kvstore.datapath.contracts import Medium as StoreMedium
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, Namespace, engine_keys
 from kvstore.store import KVStore

@@ -25,18 +25,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import (
     DELETING,
     READY,
     WRITING,
-    ChangeFeed,
     Entry,
     HeatClock,
     Index,
     Level,
-    Medium,
+    lowest_bit,
 )
 from kvstore.datapath.leases import Lease, LeaseTable
 from kvstore.datapath.partials import PartialBooks
@@ -463,7 +463,7 @@ class Books:
             for i in pending:
                 untried = entries[i].tiers & ~tried[i]
                 if untried:
-                    groups.setdefault((untried & -untried).bit_length() - 1, []).append(i)
+                    groups.setdefault(lowest_bit(untried), []).append(i)
         return groups
 
     def tiers_of(self, entries: Sequence[Entry]) -> list[int]:
@@ -474,7 +474,7 @@ class Books:
     def fastest(self, entries: Sequence[Entry]) -> list[int]:
         """The fastest tier holding each entry (-1: none)."""
         with self._locked():
-            return [(e.tiers & -e.tiers).bit_length() - 1 for e in entries]
+            return [lowest_bit(e.tiers) for e in entries]
 
     def promotions(
         self, keys: Sequence[BlockKey], entries: Sequence[Entry], promotable: Callable[[int], bool]
@@ -489,7 +489,7 @@ class Books:
             for key, entry in zip(keys, entries, strict=True):
                 if not entry.tiers or entry.state != READY:
                     continue
-                fastest = (entry.tiers & -entry.tiers).bit_length() - 1
+                fastest = lowest_bit(entry.tiers)
                 if not promotable(fastest):
                     continue
                 copies = bin(entry.tiers & ~self.persistent).count("1")

@@ -9,8 +9,6 @@ disk, the count of blocks only memory holds -- is kept in step in one place.
 
 from __future__ import annotations
 
-import enum
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.keys import BlockKey
 from kvstore.policy import EvictionPolicy, Watermarks
 
@@ -25,12 +24,10 @@ __all__ = [
     "DELETING",
     "READY",
     "WRITING",
-    "ChangeFeed",
     "Entry",
     "HeatClock",
     "Index",
     "Level",
-    "Medium",
     "Move",
     "lowest_bit",
 ]
@@ -142,50 +139,6 @@ class Level:
     def below(self) -> int:
         """The bits of every tier after this one."""
         return ~((self.bit << 1) - 1)
-
-
-class Medium(enum.IntEnum):
-    """Where the nearest copy of a block is, as a cluster publishes it (best last).
-
-    ``MEMORY``: a memory tier of this machine (host DRAM, GPU); ``DISK``: a
-    persistent tier of this machine; ``SHARED``: only a persistent tier of
-    another machine that every node reads (S3, Redis, a server); ``NONE``: no
-    copy at all.
-    """
-
-    NONE = 0
-    SHARED = 1
-    DISK = 2
-    MEMORY = 3
-
-
-class ChangeFeed:
-    """Keys whose nearest copy changed :class:`Medium` (gained their first copy in a
-    tier of this machine, moved between memory and disk, or lost them).
-
-    For a watcher outside the store (a cluster node publishing what it holds):
-    :class:`Index` records each change under the books' lock; :meth:`drain`
-    hands over the net change since the last drain, ``(medium before, medium
-    now)`` per key (a key added and removed meanwhile has equal ends). ``_lock``
-    guards ``_state`` (drains come from the watcher's thread).
-    """
-
-    def __init__(self) -> None:
-        self._state: dict[BlockKey, tuple[Medium, Medium]] = {}
-        self._lock = threading.Lock()
-
-    def record(self, key: BlockKey, before: Medium, now: Medium) -> None:
-        """``key``'s nearest copy went from ``before`` to ``now``."""
-        with self._lock:
-            first = self._state.get(key)
-            self._state[key] = (before if first is None else first[0], now)
-
-    def drain(self) -> dict[BlockKey, tuple[Medium, Medium]]:
-        """``(medium before, medium now)`` of each key that changed since the last drain
-        (keys that came back to where they were are left out)."""
-        with self._lock:
-            state, self._state = self._state, {}
-        return {k: v for k, v in state.items() if v[0] != v[1]}
 
 
 @dataclass

@@ -45,9 +45,10 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.copies import engine_for
 from kvstore.datapath.books import Books
+from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.finder import Finder
-from kvstore.datapath.index import ChangeFeed, HeatClock, Level, Medium
+from kvstore.datapath.index import HeatClock, Level
 from kvstore.datapath.layerwrites import LayerWrites
 from kvstore.datapath.leases import Lease
 from kvstore.datapath.lending import Lender, Loan, PendingPut
@@ -59,7 +60,7 @@ from kvstore.datapath.reader import Reader
 from kvstore.datapath.room import RetainedFn
 from kvstore.datapath.tierio import TierIO
 from kvstore.datapath.writer import FollowUps, Writer
-from kvstore.errors import BlockNotFoundError
+from kvstore.errors import BlockNotFoundError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -91,7 +92,7 @@ class BlockManager:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not tiers:
-            raise ValueError("a block manager needs at least one tier")
+            raise ConfigError("a block manager needs at least one tier")
         self.layout = layout
         self.config = config or StoreConfig(tiers=tuple(t.config for t in tiers))
         self.clock = clock
@@ -208,7 +209,7 @@ class BlockManager:
 
     def stored_media(self) -> list[tuple[BlockKey, Medium]]:
         """Each key held in this machine's tiers or a shared remote one, with the
-        :class:`~kvstore.datapath.index.Medium` of its nearest copy (what a cluster node
+        :class:`~kvstore.datapath.contracts.Medium` of its nearest copy (what a cluster node
         publishes)."""
         return self.books.stored_media()
 
@@ -405,7 +406,7 @@ class BlockManager:
         """Start loading the stored prefix of ``keys`` into block ``views`` (see prefetch.py)."""
         self.books.check_open()
         if len(views) < len(keys):
-            raise ValueError("one view per key")
+            raise InvalidInputError("one view per key")
         self.settle(keys)
         self.finder.discover(keys)  # blocks other processes wrote count as stored
         return self.prefetcher.start(keys, views, order, step)

@@ -11,7 +11,7 @@ stable in every process (no ``hash()``, no random seed). The first sub-block's
 ``parent_block_hash`` is the last sub-block hash of the parent chunk (None for
 a prompt's first chunk); sub-blocks chain in order inside one ``BlockStored``.
 
-Where the nearest copy is (:class:`~kvstore.datapath.index.Medium`) maps to vLLM's
+Where the nearest copy is (:class:`~kvstore.datapath.contracts.Medium`) maps to vLLM's
 ``medium`` and ``locality``: MEMORY -> ``CPU``/``LOCAL``, DISK ->
 ``STORAGE``/``LOCAL``, SHARED (only a shared tier such as S3 or a server) ->
 ``STORAGE``/``REMOTE``.
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import xxhash
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.events.format import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from kvstore.keys import BlockKey
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.index import ChangeFeed, Medium
+from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.events.blocks import BlockMapper, medium_of
 from kvstore.events.format import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvstore.events.publisher import END_SEQ

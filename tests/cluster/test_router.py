@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import InvalidInputError
 from kvstore.keys import Namespace, chain_keys, tokens_to_bytes
 from kvstore.testing.conformance import make_keys

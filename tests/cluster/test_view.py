@@ -16,7 +16,7 @@ import redis
 from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.cluster.view import IndexView
 from kvstore.config import ClusterConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.servers import RedisCluster, RedisServer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.keys import chain_keys, tokens_to_bytes
 
 pytest.importorskip("msgspec")

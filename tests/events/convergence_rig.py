@@ -15,7 +15,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import StoreConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import CapacityError
 from kvstore.events.blocks import BlockMapper
 from kvstore.keys import BlockKey

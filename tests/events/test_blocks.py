@@ -8,7 +8,7 @@ import xxhash
 pytest.importorskip("msgspec", reason="pip install 'kvstore-tiers[events]'")
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.errors import ConfigError
 from kvstore.events.blocks import BlockMapper, medium_of, parent_first, sub_block_hash
 from kvstore.keys import BlockKey

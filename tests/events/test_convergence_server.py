@@ -20,7 +20,7 @@ pytest.importorskip("msgspec")
 from convergence_rig import events_config
 
 from kvstore import KVStore, StoreConfig
-from kvstore.datapath.index import Medium
+from kvstore.datapath.contracts import Medium
 from kvstore.events.blocks import BlockMapper
 from kvstore.keys import BlockKey
 from kvstore.server import ServerThread
