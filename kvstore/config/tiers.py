@@ -23,6 +23,7 @@ from kvstore.config._fields import build as _build
 from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
+from kvstore.config.plugins import load_tier_plugins
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -629,14 +630,18 @@ def _options_class(kind: str, options: object) -> type[TierConfig]:
 
 
 def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
-    """The config dataclass of tier ``kind``."""
+    """The config dataclass of tier ``kind`` (a kind not registered yet may come from an
+    installed package's plugin: :mod:`kvstore.config.plugins`)."""
+    if kind not in _TIER_CONFIGS:
+        load_tier_plugins()
     try:
         return _TIER_CONFIGS[kind]
     except KeyError:
         known = ", ".join(sorted(_TIER_CONFIGS))
         raise ConfigError(
             f"{path}: unknown tier kind {kind!r}; known kinds: {known} (a kind of your own: "
-            "kvstore.tiers.register_tier before the config is read)"
+            "kvstore.tiers.register_tier before the config is read, or a package's "
+            "'kvstore.tiers' entry point)"
         ) from None
 
 

@@ -12,6 +12,9 @@ both before the config is read::
 
     register_tier("mem2", "mypkg.tiers:Mem2Tier", options=Mem2Config)
     KVStore(layout, {"tiers": [{"kind": "mem2", "capacity": "1GiB", "my_setting": 3}]})
+
+An installed package registers its kinds in every process through the ``kvstore.tiers``
+entry-point group (:mod:`kvstore.config.plugins`).
 """
 
 from __future__ import annotations

@@ -206,3 +206,59 @@ def test_a_store_evicts_with_a_registered_policy() -> None:
         store.put(keys[:2], random_blocks(layout, 2))
         store.evict(1)
         assert store.exists(keys[:2]) == [True, False]
+
+
+PLUGIN = """
+from kvstore.config import HostTierConfig
+from kvstore.tiers import register_tier
+
+
+def register():
+    register_tier("plugged", "kvstore.tiers.host:HostTier", options=HostTierConfig)
+"""
+
+
+def test_a_tier_kind_from_an_installed_packages_entry_point_opens_from_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package installed beside kvstore declares a ``kvstore.tiers`` entry point; a YAML
+    config names its kind, and the plugin registers it the first time it is named."""
+    site = tmp_path / "site"
+    (site / "plugged_tiers-1.0.dist-info").mkdir(parents=True)
+    (site / "plugged_tiers-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: plugged-tiers\nVersion: 1.0\n"
+    )
+    (site / "plugged_tiers-1.0.dist-info" / "entry_points.txt").write_text(
+        "[kvstore.tiers]\nplugged = plugged_tiers:register\n"
+    )
+    (site / "plugged_tiers.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(site))
+    assert "plugged" not in registered_kinds()
+    path = tmp_path / "store.yaml"
+    path.write_text("tiers:\n  - {kind: plugged, capacity: 64KiB, prefault: false}\n")
+    with KVStore(LAYOUT, path) as store:
+        assert store.config.tiers[0].kind == "plugged"
+        assert isinstance(store.manager.tiers[0], HostTier)
+        roundtrip(store)
+    assert "plugged" in registered_kinds()
+
+
+def test_a_plugin_that_fails_to_register_is_a_config_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    (site / "broken_tiers-1.0.dist-info").mkdir(parents=True)
+    (site / "broken_tiers-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: broken-tiers\nVersion: 1.0\n"
+    )
+    (site / "broken_tiers-1.0.dist-info" / "entry_points.txt").write_text(
+        "[kvstore.tiers]\nbroken = broken_tiers:register\n"
+    )
+    (site / "broken_tiers.py").write_text("def register():\n    raise RuntimeError('no luck')\n")
+    monkeypatch.syspath_prepend(str(site))
+    with pytest.raises(
+        ConfigError, match=r"tier plugin 'broken' \(broken_tiers:register\).*no luck"
+    ):
+        StoreConfig.from_dict({"tiers": [{"kind": "nosuch"}]}, environ={})
+    with pytest.raises(ConfigError, match="unknown tier kind 'nosuch'"):  # tried once only
+        StoreConfig.from_dict({"tiers": [{"kind": "nosuch"}]}, environ={})
