@@ -60,7 +60,7 @@ the turn's TTFT when positive (``prefetch_wait``).
 
 Figures: ``turn_ttft_p50_hinted_vs_plain`` and ``turn_ttft_p99_hinted_vs_plain``
 (percentiles over all turns of each mode; target p99 <= 0.7), ``fast_tier_hit_rate_*``
-(of the chunks restored, the fraction the host tier held, ``store.manager.where(key)``
+(of the chunks restored, the fraction the host tier held, ``store.datapath.where(key)``
 just before the restore), ``restore_p50/p99_hinted_vs_plain`` (the restore alone),
 ``ttft_ms`` / ``restore_ms`` per mode, the prefix hit rate (restored tokens / prompt
 tokens), hint answers by kind and status, the store's tier counters, and per mode the
@@ -143,7 +143,7 @@ def store_config(w: Workload, directory: Path, total_chunks: int) -> dict[str, A
 
 def in_memory(store: KVStore, keys: Sequence[BlockKey]) -> list[bool]:
     """Which of ``keys`` the host tier (level 0) holds now."""
-    where = store.manager.where
+    where = store.datapath.where
     return [0 in where(k) for k in keys]
 
 

@@ -300,7 +300,7 @@ def _serve(
         flush_start = time.perf_counter()
     report = _report(settings, layout, tally, stats)
     report["close_seconds"] = time.perf_counter() - flush_start
-    flush = store.manager.close_flush or {}
+    flush = store.datapath.close_flush or {}
     report["close_flush_bytes"] = flush.get("bytes_written", 0)
     report["close_flush_seconds"] = flush.get("seconds") or 0.0
     seconds = report["close_flush_seconds"]

@@ -30,11 +30,26 @@ as found: an owner over its limit then frees at its next grant).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from kvstore.datapath.index import Level
+
+class Level(Protocol):
+    """What the quota reads of a tier's books (:class:`kvstore.datapath.index.Level`)."""
+
+    @property
+    def kind(self) -> str:
+        """The tier's kind (its pool)."""
+
+    @property
+    def resident(self) -> int:
+        """Blocks in the tier, room reserved included."""
+
+    @property
+    def policy(self) -> Sized:
+        """The tier's eviction policy: ``len`` is the count of blocks it holds."""
+
 
 __all__ = ["Quota", "QuotaHook", "QuotaLedger"]
 

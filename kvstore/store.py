@@ -24,6 +24,7 @@ import torch
 from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
 from kvstore.crypt import encrypt_tiers, store_keys
+from kvstore.datapath.contracts import DataPath
 from kvstore.datapath.leases import Pin
 from kvstore.datapath.lending import Loan, PendingPut
 from kvstore.datapath.manager import BlockManager
@@ -208,7 +209,7 @@ class KVStore:
         token_ids[n * bt : len(keys) * bt], parent=keys[n - 1] if n else None)``.
 
         From a CUDA tensor, with ``saves.mode: async`` (the default), the save
-        runs in the background (:mod:`kvstore.saves`): ``kv`` is snapshotted on
+        runs in the background (:mod:`kvstore.datapath.saves`): ``kv`` is snapshotted on
         the caller's stream into a GPU staging ring and the call returns in
         microseconds with ``len(keys)``; the blocks become visible when their
         copies land (``drain()`` waits; a block that finds no room is counted
@@ -533,8 +534,10 @@ class KVStore:
 
     # -- state --------------------------------------------------------------
     @property
-    def manager(self) -> BlockManager:
-        """The block manager (index, tiers, counters)."""
+    def datapath(self) -> DataPath:
+        """What the server, cluster, events and connectors may ask of this store's data
+        path (:class:`~kvstore.datapath.contracts.DataPath`): its tiers, what is where, the
+        change feed, moves between tiers."""
         return self._manager
 
     def stats(self) -> dict[str, Any]:

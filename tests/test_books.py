@@ -46,7 +46,7 @@ def checked_store(
     tiers = [LockCheckedTier(create_tier(c, layout)) for c in configs]
     store = KVStore(layout, StoreConfig(tiers=configs, lease_s=5.0), tiers=tiers)
     for tier in tiers:
-        tier.held = store.manager.books.held_by_me
+        tier.held = store.datapath.books.held_by_me
     return store, tiers
 
 
@@ -133,7 +133,7 @@ def test_the_check_sees_a_tier_call_made_under_the_lock(tmp_path: Path) -> None:
         tiers[0].view(keys[0])
         return False
 
-    store.manager.books.pin_where(keys, calls_the_tier)
+    store.datapath.books.pin_where(keys, calls_the_tier)
     assert len(tiers[0].violations) == 1 and "view under the books' lock" in tiers[0].violations[0]
     store.close()
 
@@ -155,10 +155,10 @@ def test_guard_knows_its_holder_across_waits() -> None:
 def test_memory_only_count_follows_every_change(tmp_path: Path) -> None:
     layout = small_layout()
     store, _ = checked_store(layout, tmp_path, host_blocks=8)
-    books = store.manager.books
+    books = store.datapath.books
 
     def only_in_memory() -> int:  # what a scan of the index says
-        return sum(1 for k in store.stored_keys() if store.manager.where(k) == [0])
+        return sum(1 for k in store.stored_keys() if store.datapath.where(k) == [0])
 
     keys = store.hash_tokens(torch.arange(6 * layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 6))
@@ -183,13 +183,13 @@ def test_tierio_refuses_a_call_under_the_lock(tmp_path: Path) -> None:
     store, _ = checked_store(layout, tmp_path)
     keys = store.hash_tokens(torch.arange(layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 1))
-    io = store.manager.io
+    io = store.datapath.io
 
     def through_tierio(entry: object) -> bool:  # runs under the books' lock
         io.view(0, keys[0])
         return False
 
     with pytest.raises(AssertionError, match="under the books' lock"):
-        store.manager.books.pin_where(keys, through_tierio)
+        store.datapath.books.pin_where(keys, through_tierio)
     assert store.lookup(keys) == 1  # the lock was released on the way out
     store.close()

@@ -39,7 +39,7 @@ def session(store: KVStore, n: int, seed: int) -> list[Any]:
 
 
 def in_memory(store: KVStore, keys: list[Any]) -> int:
-    return sum(0 in store.manager.where(k) for k in keys)
+    return sum(0 in store.datapath.where(k) for k in keys)
 
 
 def test_retained_blocks_are_evicted_last(tmp_path: Path) -> None:
@@ -78,13 +78,13 @@ def test_demote_frees_memory_and_keeps_the_blocks_on_disk(tmp_path: Path) -> Non
         keys = session(store, 3, seed=1)
         answer = store.hint(keys, session="agent-1", demote=True)
         assert (answer.status, answer.demoted) == ("accepted", 3)  # queued
-        store.manager.mover.drain(5.0)
+        store.datapath.mover.drain(5.0)
         assert in_memory(store, keys) == 0
-        assert all(1 in store.manager.where(k) for k in keys)  # on disk
+        assert all(1 in store.datapath.where(k) for k in keys)  # on disk
         # the next turn is near: name the session alone
         answer = store.hint(session="agent-1", prefetch=True)
         assert (answer.status, answer.prefetching) == ("accepted", 3)
-        store.manager.mover.drain(5.0)
+        store.datapath.mover.drain(5.0)
         assert in_memory(store, keys) == 3
         assert store.get(keys).shape == LAYOUT.tensor_shape(3)
         hints = store.stats()["hints"]
@@ -100,8 +100,8 @@ def test_demote_leaves_hot_blocks_other_sessions_read(tmp_path: Path) -> None:
             store.get(keys[:1])
         answer = store.hint(keys, demote=True)
         assert answer.demoted == 2
-        store.manager.mover.drain(5.0)
-        assert [0 in store.manager.where(k) for k in keys] == [True, False, False]
+        store.datapath.mover.drain(5.0)
+        assert [0 in store.datapath.where(k) for k in keys] == [True, False, False]
 
 
 def test_retain_zero_ends_a_retention(tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_hints_are_clipped_and_rejected_with_reasons(tmp_path: Path) -> None:
         assert answer.status == "clipped" and answer.retain_s == 10.0
         assert "2 of 6 blocks are not stored" in answer.reason
         assert "retention capped at 10 s" in answer.reason
-        cap = store.manager.retention.max_blocks
+        cap = store.datapath.retention.max_blocks
         assert f"retains at most {cap} blocks" in answer.reason
         assert store.hint(other, retain_s=5).as_dict()["status"] == "rejected"
         assert store.hint(session="unknown").reason == "unknown session 'unknown'"

@@ -27,14 +27,14 @@ def test_a_loan_lends_host_memory_and_pins_it(store: KVStore, layout: KVLayout) 
         assert loan.found == [True, True, False]
         assert loan.views[2] is None
         assert all(torch.equal(v, d) for v, d in zip(loan.views[:2], data, strict=False))
-        assert store.manager.pinned_blocks() == 2
+        assert store.datapath.pinned_blocks() == 2
         evicter = threading.Thread(target=store.delete, args=(keys[:1],))
         evicter.start()
         evicter.join(timeout=0.2)
         assert evicter.is_alive()  # a delete waits for the loan
     evicter.join(timeout=5)
     assert not evicter.is_alive() and not store.contains(keys[0])
-    assert store.manager.pinned_blocks() == 0
+    assert store.datapath.pinned_blocks() == 0
 
 
 def test_a_loan_reads_blocks_only_slow_tiers_hold(layout: KVLayout, tmp_path: object) -> None:
@@ -61,9 +61,9 @@ def test_a_loan_ends_with_its_lease(layout: KVLayout) -> None:
     with KVStore(layout, host_config(layout, 4), clock=lambda: now[0]) as store:
         store.put(make_keys(1), chunks(layout, 1, seed=3)[0])
         loan = store.lend(make_keys(1), lease_s=5)
-        assert store.manager.pinned_blocks() == 1
+        assert store.datapath.pinned_blocks() == 1
         now[0] = 6.0  # the client that held it died
-        assert store.manager.pinned_blocks() == 0
+        assert store.datapath.pinned_blocks() == 0
         loan.release()  # late and harmless
     with pytest.raises(InvalidInputError):
         KVStore(layout, host_config(layout, 1)).lend(make_keys(1), lease_s=0)
@@ -81,7 +81,7 @@ def test_begin_put_fills_in_place_and_commits(store: KVStore, layout: KVLayout) 
         assert put.commit([False, True, False, True, False]) == 2
     assert [store.contains(k) for k in keys] == [True, True, False, True]
     assert torch.equal(store.get(keys[3:]), data[3])
-    assert store.manager.pinned_blocks() == 0
+    assert store.datapath.pinned_blocks() == 0
     assert put.commit() == 0  # once only
 
 
@@ -104,7 +104,7 @@ def test_persist_writes_memory_only_blocks_to_disk(layout: KVLayout, tmp_path: o
         keys = make_keys(2)
         store.put(keys, torch.cat(chunks(layout, 2, 6), dim=2))
         assert store.persist([*keys, make_keys(1, salt=9)[0]]) == [True, True, False]
-        assert store.manager.where(keys[0]) == [0, 1]
+        assert store.datapath.where(keys[0]) == [0, 1]
     with KVStore(layout, host_config(layout, 2)) as memory_only:
         memory_only.put(keys[:1], chunks(layout, 1, 7)[0])
         assert memory_only.persist(keys[:1]) == [False]  # nowhere to persist to

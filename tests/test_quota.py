@@ -36,7 +36,7 @@ def stores() -> Iterator[list[KVStore]]:
 def seated(made: list[KVStore], ledger: QuotaLedger, owner: str) -> KVStore:
     store = KVStore(LAYOUT, HOST)
     made.append(store)
-    room = store.manager.books.room
+    room = store.datapath.books.room
     room.use_quota(ledger.hook(owner, room.levels, BLOCK))
     return store
 
@@ -64,7 +64,7 @@ def test_a_limit_holds_under_concurrent_puts(stores: list[KVStore]) -> None:
         t.join()
     done.set()
     watcher.join()
-    held = len(a.manager) + len(b.manager)
+    held = len(a.datapath) + len(b.datapath)
     assert peak[0] <= 24 * BLOCK  # room reserved included, at every moment watched
     assert held * BLOCK == ledger.used("host", "t") <= 24 * BLOCK
     figures = ledger.figures()["t"]
@@ -85,8 +85,8 @@ def test_a_flood_does_not_evict_a_quiet_owner_within_its_share(stores: list[KVSt
         noisy.put(make_keys(4, salt=100 + i), kv(4, seed=i))
     assert quiet.lookup(mine) == 16
     assert ledger.used("host") <= POOL
-    assert len(noisy.manager) <= 40 - 16  # it yields to the pool, keeping at least its share
-    assert len(noisy.manager) >= 10
+    assert len(noisy.datapath) <= 40 - 16  # it yields to the pool, keeping at least its share
+    assert len(noisy.datapath) >= 10
     more = make_keys(4, salt=2)  # the quiet owner grows to its share whatever the flood did
     assert quiet.put(more, kv(4, seed=2)) == 4
     assert quiet.lookup(mine + more) == 20

@@ -376,9 +376,9 @@ def on_disk_only(store: KVStore, keys: list[Any], kv: torch.Tensor, head: int) -
     store.put(keys, kv)
     store.flush()
     assert store.evict(len(keys), tier=0)
-    assert store.manager.promote(keys[:head], tier=0) == head  # back into memory
-    assert [0 in store.manager.where(k) for k in keys] == [i < head for i in range(len(keys))]
-    assert all(1 in store.manager.where(k) for k in keys)
+    assert store.datapath.promote(keys[:head], tier=0) == head  # back into memory
+    assert [0 in store.datapath.where(k) for k in keys] == [i < head for i in range(len(keys))]
+    assert all(1 in store.datapath.where(k) for k in keys)
 
 
 def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> None:
@@ -396,8 +396,8 @@ def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> 
         assert torch.equal(
             out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens]
         )
-        store.manager.mover.drain(5.0)
-        assert all(0 in store.manager.where(k) for k in keys)  # warmed into memory
+        store.datapath.mover.drain(5.0)
+        assert all(0 in store.datapath.where(k) for k in keys)  # warmed into memory
         assert store.plan(keys).load == 6  # the next request finds them fast
         stats = store.stats()["restore"]
         assert stats["plans_pays"] == 1 and stats["plans_all"] == 1

@@ -39,7 +39,7 @@ def state(store: KVStore, keys: list[bytes]) -> tuple[Any, ...]:
     stats = store.stats()
     contents = store.get(keys) if store.lookup(keys) == len(keys) else None
     return (
-        len(store.manager),
+        len(store.datapath),
         [store.contains(k) for k in keys],
         [t["blocks"] for t in stats["tiers"]],
         stats["blocks_stored"],
@@ -87,11 +87,11 @@ def test_embedded_default_config(layout: KVLayout) -> None:
         keys = store.hash_tokens(range(layout.block_tokens * 2), "m")
         store.put(keys, kv)
         assert store.lookup(keys) == 2
-        assert [store.manager.where(k) for k in keys] == [[0], [0]]  # in host memory
+        assert [store.datapath.where(k) for k in keys] == [[0], [0]]  # in host memory
     # close() flushed to disk: a new process (here: a new store) finds the blocks.
     with KVStore(layout) as again:
         assert again.lookup(keys) == 2
-        assert [again.manager.where(k) for k in keys] == [[1], [1]]
+        assert [again.datapath.where(k) for k in keys] == [[1], [1]]
         assert torch.equal(again.get(keys), kv)
 
 

@@ -77,7 +77,7 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
     assert errors == []
     assert reads[0] > 100  # the test really read data
 
-    manager = store.manager
+    manager = store.datapath
     assert store.drain(timeout=30)  # background evictions and promotions finish
     assert manager.pinned_blocks() == 0
     usage = store.stats()["tiers"]

@@ -65,7 +65,7 @@ class _Tracked:
 
     @property
     def cluster_tier(self) -> ClusterTier | None:
-        return next((t for t in self.store.manager.tiers if isinstance(t, ClusterTier)), None)
+        return next((t for t in self.store.datapath.tiers if isinstance(t, ClusterTier)), None)
 
 
 def _speeds(tracked: list[_Tracked]) -> NodeSpeeds:
@@ -94,7 +94,7 @@ class ClusterNode:
 
     def track(self, namespace: str, store: KVStore) -> None:
         """Publish ``store``'s blocks (all of them at the next beat, then changes)."""
-        tracked = _Tracked(namespace, store, store.manager.watch())
+        tracked = _Tracked(namespace, store, store.datapath.watch())
         with self._lock:
             self._tracked.append(tracked)
 
@@ -113,7 +113,7 @@ class ClusterNode:
         with self._lock:
             tracked = list(self._tracked)
         try:
-            blocks = sum(len(t.store.manager) for t in tracked)
+            blocks = sum(len(t.store.datapath) for t in tracked)
             info = NodeInfo(
                 self.config.node, self.config.advertise, self._load(), blocks, _speeds(tracked)
             )
@@ -137,7 +137,7 @@ class ClusterNode:
             t.full_sync = True  # Redis lost the set (restarted empty between two beats)
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
-            media = t.store.manager.stored_media()
+            media = t.store.datapath.stored_media()
             self.index.replace(t.namespace, t.fp, node, media, t.store.layout.describe())
             t.full_sync = False
             t.registered = sum(1 for _, m in media if m in _HELD)
@@ -184,8 +184,8 @@ class ClusterNode:
                 self.config.heat_half_life_s,
             )
             wanted = [k for k, ok in zip(candidates, won, strict=True) if ok]
-            if wanted and t.store.manager.promote(wanted, 0):
-                t.replicas.update(k for k in wanted if 0 in t.store.manager.where(k))
+            if wanted and t.store.datapath.promote(wanted, 0):
+                t.replicas.update(k for k in wanted if 0 in t.store.datapath.where(k))
         self._cool_down(t, tier)
 
     def _cool_down(self, t: _Tracked, tier: ClusterTier) -> None:
@@ -199,7 +199,7 @@ class ClusterNode:
             return
         elsewhere = [k for k, h in zip(cold, tier.holders(cold, fresh=True), strict=True) if h]
         if elsewhere:
-            t.store.manager.drop_local(elsewhere)  # never store.delete: S3's copy stays
+            t.store.datapath.drop_local(elsewhere)  # never store.delete: S3's copy stays
         t.replicas.difference_update(cold)
 
     def replicas(self, namespace: str) -> set[BlockKey]:

@@ -212,7 +212,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         layout = block_layout(self.block_size_bytes)
         self._blocks = primary_blocks(primary_kv_view, layout)
         self._store = KVStore(layout, store_config(settings.store))
-        self._manager = self._store.manager
+        self._manager = self._store.datapath
         try:
             self._namespace = _namespace(offloading_spec, layout, settings)
             tiers = self._manager.tiers
@@ -343,7 +343,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if end is None or self._chunk_tokens is None:
             return True
         tokens = (max(0, end - self._chunk_tokens), end)
-        return self._manager.restorer.chunk_pays(level, self.block_size_bytes, tokens) is not False
+        return self._manager.chunk_pays(level, self.block_size_bytes, tokens) is not False
 
     def _probe(self, key: OffloadKey, block: BlockKey, fetch: bool) -> LookupResult:
         """RETRY while a background check (or fetch) of ``key`` runs, within the timeout;

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.datapath.manager import BlockManager
+from kvstore.datapath.contracts import DataPath
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
@@ -122,7 +122,7 @@ class JobOutcome:
 
 
 def load_blocks(
-    manager: BlockManager, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]
+    manager: DataPath, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor]
 ) -> list[bool]:
     """Copy ``keys`` into ``outs`` (one block view each); which loaded.
 
@@ -143,7 +143,7 @@ def load_blocks(
 
 
 def store_blocks(
-    manager: BlockManager, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]
+    manager: DataPath, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]
 ) -> list[bool]:
     """Store ``blocks`` under ``keys`` (keys already stored are not rewritten); which are
     stored afterwards."""

@@ -13,7 +13,7 @@ caller, then committed.
 The partial writes themselves are kept in the books (under its lock); this
 module makes room (through the :class:`~kvstore.datapath.writer.Writer`), copies layers
 (through the copy engine of the batch's device) and publishes complete blocks.
-Asynchronous writers (:mod:`kvstore.saves`) use its two halves,
+Asynchronous writers (:mod:`kvstore.datapath.saves`) use its two halves,
 :meth:`LayerWrites.start_layer` and :meth:`LayerWrites.end_layer`, around copies
 they queue themselves.
 """

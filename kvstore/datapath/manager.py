@@ -58,6 +58,7 @@ from kvstore.datapath.prefetch import Prefetcher, PrefetchHandle
 from kvstore.datapath.progress import FlushProgress
 from kvstore.datapath.reader import Reader
 from kvstore.datapath.room import RetainedFn
+from kvstore.datapath.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.datapath.tierio import TierIO
 from kvstore.datapath.writer import FollowUps, Writer
 from kvstore.errors import BlockNotFoundError, ConfigError, InvalidInputError
@@ -66,8 +67,8 @@ from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.policy import Watermarks, make_policy
 from kvstore.policy.placement import Placement, TierRules
+from kvstore.quota import QuotaHook, QuotaLedger
 from kvstore.restore import Restorer, RestorerParts, medium_of
-from kvstore.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.speeds import PrefillSpeed, ReadSpeed
 from kvstore.tiers.base import LayerRange, Tier
 
@@ -371,6 +372,17 @@ class BlockManager:
             lambda: self.reader.load([key], [torch.empty(shape, dtype=dtype)], None, True),
             key=("probe", key),
         )
+
+    def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
+        """:meth:`Restorer.chunk_pays <kvstore.restore.Restorer.chunk_pays>`."""
+        return self.restorer.chunk_pays(level, nbytes, tokens)
+
+    def use_quota(self, ledger: QuotaLedger, owner: str) -> QuotaHook:
+        """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on
+        (:mod:`kvstore.quota`); the seat."""
+        hook = ledger.hook(owner, self.books.room.levels, self.layout.block_nbytes)
+        self.books.room.use_quota(hook)
+        return hook
 
     def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
         """Copy ``keys`` into tier ``tier`` now (where they are stored and not there yet);

@@ -14,7 +14,7 @@ import contextlib
 import numpy as np
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.manager import BlockManager
+from kvstore.datapath.contracts import DataPath
 from kvstore.events.book import TokenBook
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.source import StoreEvents
@@ -32,7 +32,7 @@ class StoreEventsOwner:
     """
 
     def __init__(
-        self, manager: BlockManager, config: EventsConfig, publisher: EventPublisher | None
+        self, manager: DataPath, config: EventsConfig, publisher: EventPublisher | None
     ) -> None:
         self.book = TokenBook(manager.layout.block_tokens, config.token_journal)
         self._owns_publisher = publisher is None

@@ -26,10 +26,10 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvstore.config.events import EventsConfig
-from kvstore.datapath.contracts import ChangeFeed, Medium
+from kvstore.datapath.contracts import ChangeFeed, DataPath, Medium
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook
@@ -37,15 +37,12 @@ from kvstore.events.format import BlockStored, Event
 from kvstore.events.publisher import SNAPSHOT_BATCH_EVENTS, EventPublisher
 from kvstore.keys import BlockKey
 
-if TYPE_CHECKING:
-    from kvstore.datapath.manager import BlockManager
 
-
-class HasManager(Protocol):
-    """A store (``KVStore``): what :class:`StoreEvents` needs of it is its manager."""
+class HasDataPath(Protocol):
+    """A store (``KVStore``): what :class:`StoreEvents` needs of it is its data path."""
 
     @property
-    def manager(self) -> BlockManager: ...
+    def datapath(self) -> DataPath: ...
 
 
 __all__ = ["StoreEvents"]
@@ -57,7 +54,7 @@ _WAIT_S = 1.0
 
 
 class StoreEvents:
-    """Publishes the block changes of ``store`` (a ``KVStore`` or its ``BlockManager``).
+    """Publishes the block changes of ``store`` (a ``KVStore`` or its data path).
 
     ``book``: the tokens of stored keys (its ``block_tokens`` must be the layout's).
     ``publisher``: where batches go (may be shared by several stores; not closed
@@ -68,12 +65,12 @@ class StoreEvents:
 
     def __init__(
         self,
-        store: HasManager | BlockManager,
+        store: HasDataPath | DataPath,
         book: TokenBook,
         publisher: EventPublisher,
         config: EventsConfig | None = None,
     ) -> None:
-        manager: BlockManager = store.manager if hasattr(store, "manager") else store
+        manager: DataPath = store.datapath if hasattr(store, "datapath") else store
         self.config = publisher.config if config is None else config
         block_tokens = manager.layout.block_tokens
         if book.block_tokens != block_tokens:

@@ -429,7 +429,7 @@ class Connection:
         if hosted.segment is not None and writes:  # a mapping is writable: not for readers
             shared = {"id": hosted.segment_id, "nbytes": hosted.segment.nbytes}
         reply = {
-            "capacity_blocks": max(t.capacity_blocks for t in hosted.store.manager.tiers),
+            "capacity_blocks": max(t.capacity_blocks for t in hosted.store.datapath.tiers),
             "shared_memory": shared,
         }
         await self.reply(frame, encode_json(reply))

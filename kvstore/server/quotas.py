@@ -90,9 +90,7 @@ class TenantQuotas:
         if not self._enabled:
             return
         tenant = self._tenant_of(hosted.namespace)
-        room = hosted.store.manager.books.room
-        hook = self.ledger.hook(tenant, room.levels, hosted.layout.block_nbytes)
-        room.use_quota(hook)
+        hook = hosted.store.datapath.use_quota(self.ledger, tenant)
         with self._lock:
             self._hooks.setdefault(hosted.namespace, []).append(hook)
 

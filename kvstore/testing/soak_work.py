@@ -317,7 +317,7 @@ class StoreWork:
             loan.release()
 
     def _evict(self, rng: random.Random) -> None:
-        tier = rng.randrange(len(self.store.manager.tiers))
+        tier = rng.randrange(len(self.store.datapath.tiers))
         try:
             self.store.evict(rng.randint(1, 4), tier)
         except CapacityError:  # fewer unpinned blocks than asked (a tier just emptied)

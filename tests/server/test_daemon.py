@@ -108,7 +108,7 @@ def test_durable_put_is_on_disk_when_acknowledged(kv_server: Start) -> None:
         again = c.put_statuses(keys, blocks, durable=True)  # present, and durable
         assert all(s == SlotStatus.PRESENT | SlotStatus.DURABLE for s in again)
     hosted = server.server.registry.hosted()[0]
-    disk = hosted.store.manager.tiers[1]
+    disk = hosted.store.datapath.tiers[1]
     assert disk.contains(keys) == [True] * 3
 
 
@@ -155,7 +155,7 @@ def test_many_clients_at_once_byte_exact(kv_server: Start, shared: bool) -> None
         t.join(timeout=120)
     assert errors == []
     assert not any(t.is_alive() for t in threads)
-    manager = server.server.registry.hosted()[0].store.manager
+    manager = server.server.registry.hosted()[0].store.datapath
     deadline = time.monotonic() + 10  # the server ends loans as it sees the clients leave
     while manager.pinned_blocks() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -253,7 +253,7 @@ def test_sent_headers_come_from_puts_and_still_guard_the_bytes(kv_server: Start)
             assert sock.get(keys, outs) == [True, True]
             assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
         assert hosted.headers.get(keys[1]) is not None
-        view = hosted.store.manager.tiers[0].view(keys[0])
+        view = hosted.store.datapath.tiers[0].view(keys[0])
         assert view is not None
         view[1].fill_(0.5)  # memory damaged after the put
         out = empty(LAYOUT, 1)

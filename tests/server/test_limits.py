@@ -222,7 +222,7 @@ def test_corrupt_blocks_in_a_put_are_dropped_alone(kv_server: Start, raw: Any) -
     store = hosted_store(server)
     assert [store.contains(k) for k in keys] == [True, False, False]
     assert server.stats()["blocks_corrupt_received"] == 2
-    assert store.manager.pinned_blocks() == 0
+    assert store.datapath.pinned_blocks() == 0
 
 
 def test_abandoned_reservations_and_loans_end_with_the_connection(
@@ -242,12 +242,12 @@ def test_abandoned_reservations_and_loans_end_with_the_connection(
     lease, slots = decode_get_reply(meta, 2)
     assert lease and all(s == SlotStatus.SHM for s, _ in slots)
     store = hosted_store(server)
-    assert store.manager.pinned_blocks() == 5  # 3 being written, 2 lent
+    assert store.datapath.pinned_blocks() == 5  # 3 being written, 2 lent
     conn.close()  # a client that dies without COMMIT or RELEASE
     deadline = time.monotonic() + 5
-    while store.manager.pinned_blocks() and time.monotonic() < deadline:
+    while store.datapath.pinned_blocks() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.manager.pinned_blocks() == 0
+    assert store.datapath.pinned_blocks() == 0
     assert store.contains(make_keys(3, salt=1)[0]) is False
 
 
@@ -262,11 +262,11 @@ def test_a_reservation_never_committed_is_aborted_at_the_next_reserve(
     frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(3, salt=2)))
     abandoned, _slots = decode_reserve_reply(meta, 3)
     store = hosted_store(server)
-    assert frame.status == Status.OK and store.manager.pinned_blocks() == 3
+    assert frame.status == Status.OK and store.datapath.pinned_blocks() == 3
     time.sleep(0.5)
     frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(1, salt=3)))
     assert frame.status == Status.OK
-    assert store.manager.pinned_blocks() == 1  # the new one only
+    assert store.datapath.pinned_blocks() == 1  # the new one only
     assert server.stats()["reservations_expired"] == 1
     commit = encode_commit_request(abandoned, [True, True, True])
     frame, meta, _ = conn.call(Op.COMMIT, commit)
@@ -349,7 +349,7 @@ def test_a_slow_payload_is_cut_off(kv_server: Start, raw: Any) -> None:
         pass
     assert conn.closed_by_server()
     assert time.monotonic() - start < 3
-    assert hosted_store(server).manager.pinned_blocks() == 0  # the reservation was undone
+    assert hosted_store(server).datapath.pinned_blocks() == 0  # the reservation was undone
 
 
 def test_connections_beyond_the_limit_are_refused(kv_server: Start, raw: Any) -> None:

@@ -130,10 +130,10 @@ def test_overflow_and_eviction_flow_down_to_disk_and_back(tmp_path: Path) -> Non
     assert store.put(keys[:8], kv[:, :, : 8 * layout.block_tokens]) == 8
     # The prefix stays in DRAM (the oldest blocks past the host's low watermark may also
     # have a copy on disk already: written back ahead of their eviction).
-    assert [store.manager.where(k)[0] for k in keys[:4]] == [0] * 4
-    assert [store.manager.where(k) for k in keys[4:8]] == [[1]] * 4  # the rest went to disk
+    assert [store.datapath.where(k)[0] for k in keys[:4]] == [0] * 4
+    assert [store.datapath.where(k) for k in keys[4:8]] == [[1]] * 4  # the rest went to disk
     assert store.put(keys[8:], kv[:, :, 8 * layout.block_tokens :]) == 8
-    store.manager.drain()  # background evictions (down to the low watermarks) finish
+    store.datapath.drain()  # background evictions (down to the low watermarks) finish
     stats = store.stats()
     assert stats["tiers"][0]["demotions"] > 0  # host evictions were demoted to disk
     assert stats["tiers"][1]["evictions"] > 0  # and the disk evicted too
