@@ -449,7 +449,7 @@ _PONG = Expect(frozenset({Status.OK}))
 _ALLOWED_AFTER: dict[Phase, frozenset[int] | None] = {
     Phase.NEW: frozenset({Op.HELLO}),
     Phase.GREETED: frozenset({Op.PING}),
-    Phase.AUTHED: frozenset({Op.PING, Op.OPEN, Op.STATS}),
+    Phase.AUTHED: frozenset({Op.PING, Op.OPEN, Op.STATS, Op.ADMIN}),
     Phase.OPEN: None,
 }
 

@@ -396,6 +396,7 @@ _WEIGHTS = {
     Op.HINT: 6,
     Op.RESERVE: 8,
     Op.STATS: 2,
+    Op.ADMIN: 1,
     Op.PING: 3,
 }
 _BUILDERS: dict[Op, Callable[[Cases, Peer], Step]] = {
@@ -410,6 +411,8 @@ _BUILDERS: dict[Op, Callable[[Cases, Peer], Step]] = {
     Op.HINT: Cases.hint,
     Op.RESERVE: Cases.reserve,
     Op.STATS: lambda c, p: c.step("valid", Op.STATS),
+    # read-only: a fuzzed change of the server's tokens would lock the fuzzer out
+    Op.ADMIN: lambda c, p: c.step("valid", Op.ADMIN, encode_json({"action": "tenants"})),
     Op.PING: lambda c, p: c.step("valid", Op.PING),
 }
 

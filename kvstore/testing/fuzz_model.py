@@ -65,6 +65,7 @@ SPECS: dict[Op, OpSpec] = {
     Op.SHM_ATTACH: OpSpec(Phase.OPEN),
     Op.PING: OpSpec(Phase.GREETED),
     Op.STATS: OpSpec(Phase.AUTHED),
+    Op.ADMIN: OpSpec(Phase.AUTHED),
     Op.PUT: OpSpec(Phase.OPEN, payload=True),
     Op.RESERVE: OpSpec(Phase.OPEN),
     Op.COMMIT: OpSpec(Phase.OPEN, payload=True),

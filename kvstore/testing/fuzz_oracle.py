@@ -180,6 +180,13 @@ def _stats(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) 
     return Expect(frozenset({Status.OK}), check=_json_reply)
 
 
+def _admin(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -> Expect:
+    """An ADMIN request: answered in JSON, refused as malformed (or by a server that
+    takes none), or refused to a token without the admin scope; never fatal."""
+    allowed = frozenset({Status.OK, Status.BAD_REQUEST, Status.NOT_PERMITTED})
+    return Expect(allowed, check=_json_reply)
+
+
 def _attach(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -> Expect:
     def check(reply: bytes, _: bytes) -> str | None:
         info = decode_json(reply)
@@ -398,6 +405,7 @@ _RULES: dict[Op, Rule] = {
     Op.SHM_ATTACH: _attach,
     Op.PING: _ping,
     Op.STATS: _stats,
+    Op.ADMIN: _admin,
     Op.PUT: _put,
     Op.RESERVE: _reserve,
     Op.COMMIT: _commit,
