@@ -48,12 +48,18 @@ class Mover:
     def submit(self, job: Callable[[], object], key: Hashable | None = None) -> bool:
         """Queue ``job``; False if closed or a job with ``key`` is already queued."""
         with self._cond:
-            if self._closed or (key is not None and key in self._keys):
+            if not self._claim(key):
                 return False
-            if key is not None:
-                self._keys.add(key)
-            self._pending += 1
         self._start(job, key)
+        return True
+
+    def _claim(self, key: Hashable | None) -> bool:
+        """Under ``_cond``: count a new job in; False if closed or ``key`` is queued."""
+        if self._closed or (key is not None and key in self._keys):
+            return False
+        if key is not None:
+            self._keys.add(key)
+        self._pending += 1
         return True
 
     def _start(self, job: Callable[[], object], key: Hashable | None) -> None:
@@ -75,11 +81,8 @@ class Mover:
         """Queue ``job`` to start once ``time.monotonic()`` reaches ``not_before()``
         (asked again then: it may have moved); False as :meth:`submit`."""
         with self._cond:
-            if self._closed or (key is not None and key in self._keys):
+            if not self._claim(key):
                 return False
-            if key is not None:
-                self._keys.add(key)
-            self._pending += 1
             now = self._draining > 0  # a drain waits for it: it cannot wait for its time
             if not now:
                 self._waiting.append((job, key, not_before))
