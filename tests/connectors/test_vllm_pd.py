@@ -293,10 +293,10 @@ def results(run: dict[str, Any], field: str) -> list[Any]:
     return [r[field] for r in run["results"]]
 
 
-def test_decode_process_hits_what_the_prefill_process_stored(
-    server_runs: dict[str, dict[str, Any]],
-) -> None:
-    prefill, decode = server_runs["remote-prefill"], server_runs["remote-decode"]
+def check_decode_hits(runs: dict[str, dict[str, Any]], chain: str) -> None:
+    """The chain's prefill process stored every chunk and loaded none; its decode process
+    loaded every chunk of each prompt and saved none."""
+    prefill, decode = runs[f"{chain}-prefill"], runs[f"{chain}-decode"]
     assert results(prefill, "num_cached_tokens") == [0, 0, 0]  # a producer never loads
     assert prefill["stats"]["worker"]["save_chunks_stored"] == DISTINCT_CHUNKS
     assert results(decode, "num_cached_tokens") == EXPECTED_HITS
@@ -306,6 +306,39 @@ def test_decode_process_hits_what_the_prefill_process_stored(
     assert worker["load_tokens"] == sum(EXPECTED_HITS)
     assert worker.get("load_failed_blocks", 0) == 0
     assert worker.get("save_chunks_stored", 0) == 0  # a consumer never saves
+
+
+def check_decode_equals_directory(runs: dict[str, dict[str, Any]], chain: str) -> None:
+    """The chain's decode process gave the directory chain's tokens and logprobs."""
+    decode, disk = runs[f"{chain}-decode"], runs["disk-decode"]
+    # Both decode processes computed only each prompt's tail, on loaded KV.
+    assert results(disk, "num_cached_tokens") == EXPECTED_HITS
+    assert disk["stats"]["worker"]["load_tokens"] == sum(EXPECTED_HITS)
+    assert disk["stats"]["worker"].get("load_failed_blocks", 0) == 0
+    assert results(decode, "output") == results(disk, "output")
+    # Bit for bit: a load that failed and was recomputed would give the same tokens here, but
+    # logprobs off by ~1e-5 (a full prefill rounds differently than a tail on loaded KV).
+    assert results(decode, "logprobs") == results(disk, "logprobs")
+    outputs = results(disk, "output")
+    assert all(len(o) == 24 for o in outputs)
+    assert len({tuple(o) for o in outputs}) == 3, "the prompts should give different outputs"
+    assert all(len(set(o)) > 1 for o in outputs), "greedy decoding collapsed onto one token"
+
+
+def check_prefill_agrees(runs: dict[str, dict[str, Any]], chain: str) -> None:
+    """The chain's prefill process gave the directory chain's first token, which is its
+    decode process's first token."""
+    prefill, disk = runs[f"{chain}-prefill"], runs["disk-prefill"]
+    assert results(prefill, "output") == results(disk, "output")
+    assert results(prefill, "logprobs") == results(disk, "logprobs")
+    first = [o[:1] for o in results(runs[f"{chain}-decode"], "output")]
+    assert results(prefill, "output") == first
+
+
+def test_decode_process_hits_what_the_prefill_process_stored(
+    server_runs: dict[str, dict[str, Any]],
+) -> None:
+    check_decode_hits(server_runs, "remote")
 
 
 def test_the_blocks_went_through_the_servers_shared_memory(
@@ -325,44 +358,19 @@ def test_the_blocks_went_through_the_servers_shared_memory(
 def test_decode_through_the_server_equals_decode_through_a_directory(
     server_runs: dict[str, dict[str, Any]],
 ) -> None:
-    remote, disk = server_runs["remote-decode"], server_runs["disk-decode"]
-    # Both decode processes computed only each prompt's tail, on loaded KV.
-    assert results(disk, "num_cached_tokens") == EXPECTED_HITS
-    assert disk["stats"]["worker"]["load_tokens"] == sum(EXPECTED_HITS)
-    assert disk["stats"]["worker"].get("load_failed_blocks", 0) == 0
-    assert results(remote, "output") == results(disk, "output")
-    # Bit for bit: a load that failed and was recomputed would give the same tokens here, but
-    # logprobs off by ~1e-5 (a full prefill rounds differently than a tail on loaded KV).
-    assert results(remote, "logprobs") == results(disk, "logprobs")
-    outputs = results(disk, "output")
-    assert all(len(o) == 24 for o in outputs)
-    assert len({tuple(o) for o in outputs}) == 3, "the prompts should give different outputs"
-    assert all(len(set(o)) > 1 for o in outputs), "greedy decoding collapsed onto one token"
+    check_decode_equals_directory(server_runs, "remote")
 
 
 def test_prefill_processes_agree_and_predict_the_first_decoded_token(
     server_runs: dict[str, dict[str, Any]],
 ) -> None:
-    remote, disk = server_runs["remote-prefill"], server_runs["disk-prefill"]
-    assert results(remote, "output") == results(disk, "output")
-    assert results(remote, "logprobs") == results(disk, "logprobs")
-    first = [o[:1] for o in results(server_runs["remote-decode"], "output")]
-    assert results(remote, "output") == first
+    check_prefill_agrees(server_runs, "remote")
 
 
 def test_decode_process_on_b_hits_what_the_prefill_process_stored_on_a(
     cluster_runs: dict[str, dict[str, Any]],
 ) -> None:
-    prefill, decode = cluster_runs["cluster-prefill"], cluster_runs["cluster-decode"]
-    assert results(prefill, "num_cached_tokens") == [0, 0, 0]  # a producer never loads
-    assert prefill["stats"]["worker"]["save_chunks_stored"] == DISTINCT_CHUNKS
-    assert results(decode, "num_cached_tokens") == EXPECTED_HITS
-    scheduler, worker = decode["stats"]["scheduler"], decode["stats"]["worker"]
-    assert scheduler["lookup_hit_requests"] == 3
-    assert scheduler["lookup_hit_tokens"] == sum(EXPECTED_HITS)
-    assert worker["load_tokens"] == sum(EXPECTED_HITS)
-    assert worker.get("load_failed_blocks", 0) == 0
-    assert worker.get("save_chunks_stored", 0) == 0  # a consumer never saves
+    check_decode_hits(cluster_runs, "cluster")
 
 
 def test_b_fetched_the_blocks_from_a_through_its_cluster_tier(
@@ -390,29 +398,13 @@ def test_b_fetched_the_blocks_from_a_through_its_cluster_tier(
 def test_decode_through_the_cluster_equals_decode_through_a_directory(
     cluster_runs: dict[str, dict[str, Any]],
 ) -> None:
-    cluster, disk = cluster_runs["cluster-decode"], cluster_runs["disk-decode"]
-    # Both decode processes computed only each prompt's tail, on loaded KV.
-    assert results(disk, "num_cached_tokens") == EXPECTED_HITS
-    assert disk["stats"]["worker"]["load_tokens"] == sum(EXPECTED_HITS)
-    assert disk["stats"]["worker"].get("load_failed_blocks", 0) == 0
-    assert results(cluster, "output") == results(disk, "output")
-    # Bit for bit: a load that failed and was recomputed would give the same tokens here, but
-    # logprobs off by ~1e-5 (a full prefill rounds differently than a tail on loaded KV).
-    assert results(cluster, "logprobs") == results(disk, "logprobs")
-    outputs = results(disk, "output")
-    assert all(len(o) == 24 for o in outputs)
-    assert len({tuple(o) for o in outputs}) == 3, "the prompts should give different outputs"
-    assert all(len(set(o)) > 1 for o in outputs), "greedy decoding collapsed onto one token"
+    check_decode_equals_directory(cluster_runs, "cluster")
 
 
 def test_prefill_processes_agree_with_the_cluster_chain(
     cluster_runs: dict[str, dict[str, Any]],
 ) -> None:
-    cluster, disk = cluster_runs["cluster-prefill"], cluster_runs["disk-prefill"]
-    assert results(cluster, "output") == results(disk, "output")
-    assert results(cluster, "logprobs") == results(disk, "logprobs")
-    first = [o[:1] for o in results(cluster_runs["cluster-decode"], "output")]
-    assert results(cluster, "output") == first
+    check_prefill_agrees(cluster_runs, "cluster")
 
 
 def test_loading_a_block_once_does_not_make_it_hot(
