@@ -85,7 +85,9 @@ def test_the_indexer_sees_prompts_put_through_the_server_demoted_and_deleted(
             assert (got.gpu, got.cpu) == (0, full)
             (hosted,) = server.server.registry.hosted()
             assert len(hosted.store.evict(4, tier=0)) == 4  # demoted to its disk
-            got = idx.wait_for(tokens, WORKER, lambda m: m.cpu == 0)
+            # the indexer applies each medium's events on its own: the host removals can
+            # land before the disk stores, so wait for both
+            got = idx.wait_for(tokens, WORKER, lambda m: m.cpu == 0 and m.disk == full)
             assert got == WorkerMatch(longest_matched=full, gpu=0, cpu=0, disk=full, dp={0: 0})
             client.delete(keys[2:])
             got = idx.wait_for(tokens, WORKER, lambda m: m.longest_matched == 2 * CHUNK)
