@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvstore._dist import install_hint
 from kvstore._values import (
     parse_bool,
     parse_codec,
@@ -23,8 +24,9 @@ from kvstore.config._fields import build as _build
 from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
-from kvstore.config.plugins import load_tier_plugins
 from kvstore.errors import ConfigError
+from kvstore.policy import POLICIES
+from kvstore.registry import Entry, Registry
 
 __all__ = [
     "ClusterTierConfig",
@@ -36,7 +38,9 @@ __all__ = [
     "RedisTierConfig",
     "RemoteTierConfig",
     "S3TierConfig",
+    "TIERS",
     "TierConfig",
+    "TierKinds",
     "KIND_PATTERN",
     "build_tier",
     "check_address",
@@ -130,12 +134,10 @@ class TierConfig:
         for name in ("promote_after", "admit_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
-        from kvstore.policy import policy_names  # deferred: policies import the key types
-
-        if self.policy not in policy_names():
+        if not POLICIES.has(self.policy):
             raise ConfigError(
                 f"{path}.policy: unknown eviction policy {self.policy!r}; "
-                f"known: {', '.join(policy_names())}"
+                f"known: {', '.join(POLICIES.names())}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -547,53 +549,74 @@ def default_tiers() -> tuple[TierConfig, ...]:
     return (HostTierConfig(), DiskTierConfig())
 
 
-_TIER_CONFIGS: dict[str, type[TierConfig]] = {
-    cls.kind: cls
-    for cls in (
-        HostTierConfig,
-        DeviceTierConfig,
-        DiskTierConfig,
-        S3TierConfig,
-        RedisTierConfig,
-        RemoteTierConfig,
-    )
-}
-
-
 #: What a registered kind may be called: lowercase letters and digits, so that
 #: ``KVSTORE_<KIND>_<FIELD>`` overrides (split at the first ``_``) can name it.
 KIND_PATTERN = r"[a-z][a-z0-9]{0,31}"
 
 
+def _is_tier_class(obj: object) -> bool:
+    """Whether ``obj`` is a class deriving from :class:`kvstore.tiers.base.Tier` (named,
+    not imported: the tiers import the config)."""
+    return isinstance(obj, type) and any(
+        (c.__module__, c.__qualname__) == ("kvstore.tiers.base", "Tier") for c in obj.__mro__
+    )
+
+
+class TierKinds(Registry[type]):
+    """The tier kinds: each name pairs a tier class (``target``, imported when a store
+    with such a tier opens) with its config dataclass (``options``), so a new kind is one
+    :meth:`register` call (:func:`kvstore.tiers.register_tier`)."""
+
+    def register(
+        self,
+        name: str,
+        target: type | str,
+        *,
+        install_hint: str = "",
+        options: Any = None,
+        clobber: bool = False,
+    ) -> Entry[type]:
+        """Register tier kind ``name``; ``options`` (a frozen dataclass subclassing
+        :class:`TierConfig`, subclassed with ``kind`` set when its ``kind`` differs) are
+        its settings. None: the settings the kind has already, else those every tier has."""
+        check_kind_name(name)
+        if name == ClusterTierConfig.kind:
+            raise ConfigError(
+                f"tier kind {name!r} is reserved: the store makes it from the cluster: section"
+            )
+        known = self.view.get(name)
+        if options is None:
+            options = known.options if known is not None else TierConfig
+        cls = _options_class(name, options)
+        return super().register(
+            name, target, install_hint=install_hint, options=cls, clobber=clobber
+        )
+
+
 def register_tier_config(
     kind: str, options: type[TierConfig] | None = None, *, replace: bool = False
 ) -> type[TierConfig]:
-    """Make tier ``kind`` known to configs, with the settings of ``options``; return
-    the config class that configs of ``kind`` build.
-
-    ``options``: a frozen dataclass subclassing :class:`TierConfig` that declares the
-    kind's own settings (fields with defaults; its ``validate`` may check them). Its
-    ``kind`` need not be set: a class whose ``kind`` differs is subclassed with
-    ``kind`` set, so ``register_tier_config("mem2", HostTierConfig)`` gives ``mem2``
-    the host tier's settings. None: the settings every tier has, or, when ``kind``
-    is registered already (``replace=True``), the ones it has.
-
-    A kind registered already raises :class:`ConfigError` unless ``replace``.
-    :func:`kvstore.tiers.register_tier` calls this; call it directly only to check.
+    """Give the registered tier ``kind`` the settings of ``options`` (a frozen dataclass
+    subclassing :class:`TierConfig`; None: keep those it has) and return the config
+    class that configs of ``kind`` build. It has them already: :class:`ConfigError`
+    unless ``replace``. A kind not registered yet comes with its tier class:
+    :func:`kvstore.tiers.register_tier`.
     """
     check_kind_name(kind)
-    if kind == ClusterTierConfig.kind:
+    known = TIERS.view.get(kind)
+    if known is None:
         raise ConfigError(
-            f"tier kind {kind!r} is reserved: the store makes it from the cluster: section"
+            f"tier kind {kind!r} is not registered; kvstore.tiers.register_tier registers "
+            "a kind with its tier class and settings"
         )
-    known = _TIER_CONFIGS.get(kind)
-    if known is not None and not replace:
-        raise ConfigError(
-            f"tier kind {kind!r} is registered already ({known.__name__}); "
-            "pass replace=True to replace it"
-        )
-    cls = _options_class(kind, options if options is not None else known or TierConfig)
-    _TIER_CONFIGS[kind] = cls
+    entry = TIERS.register(
+        kind,
+        known.target,
+        install_hint=known.install_hint,
+        options=options,
+        clobber=replace,
+    )
+    cls: type[TierConfig] = entry.options
     return cls
 
 
@@ -631,23 +654,20 @@ def _options_class(kind: str, options: object) -> type[TierConfig]:
 
 def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
     """The config dataclass of tier ``kind`` (a kind not registered yet may come from an
-    installed package's plugin: :mod:`kvstore.config.plugins`)."""
-    if kind not in _TIER_CONFIGS:
-        load_tier_plugins()
-    try:
-        return _TIER_CONFIGS[kind]
-    except KeyError:
-        known = ", ".join(sorted(_TIER_CONFIGS))
+    installed package's ``kvstore.tiers`` entry point: :mod:`kvstore.registry`)."""
+    if not isinstance(kind, str) or not TIERS.has(kind):
         raise ConfigError(
-            f"{path}: unknown tier kind {kind!r}; known kinds: {known} (a kind of your own: "
-            "kvstore.tiers.register_tier before the config is read, or a package's "
-            "'kvstore.tiers' entry point)"
-        ) from None
+            f"{path}: unknown tier kind {kind!r}; known kinds: {', '.join(TIERS.names())} "
+            "(a kind of your own: kvstore.tiers.register_tier before the config is read, "
+            "or a package's 'kvstore.tiers' entry point)"
+        )
+    cls: type[TierConfig] = TIERS.view[kind].options
+    return cls
 
 
 def tier_kinds() -> list[str]:
     """Every tier kind the config knows."""
-    return sorted(_TIER_CONFIGS)
+    return TIERS.names()
 
 
 def build_tier(data: Any, path: str) -> TierConfig:
@@ -660,3 +680,22 @@ def build_tier(data: Any, path: str) -> TierConfig:
     tier: TierConfig = _build(tier_config_class(data["kind"], f"{path}.kind"), rest, path)
     tier.validate(path)
     return tier
+
+
+#: Every tier kind: the built-in ones, those registered, and (once a config names a kind
+#: not registered) those installed packages declare in the ``kvstore.tiers`` entry points.
+TIERS = TierKinds("tier kind", "kvstore.tiers", _is_tier_class)
+for _cls, _target, _extra in (
+    (HostTierConfig, "kvstore.tiers.host:HostTier", ""),
+    (DeviceTierConfig, "kvstore.tiers.device:DeviceTier", ""),
+    (DiskTierConfig, "kvstore.tiers.disk:DiskTier", ""),
+    (S3TierConfig, "kvstore.tiers.s3:S3Tier", "s3"),
+    (RedisTierConfig, "kvstore.tiers.redis:RedisTier", "redis"),
+    (RemoteTierConfig, "kvstore.client.tier:RemoteTier", ""),
+):
+    TIERS.register(
+        _cls.kind,
+        _target,
+        options=_cls,
+        install_hint=f"install it with: {install_hint(_extra)}" if _extra else "",
+    )

@@ -42,7 +42,7 @@ from kvstore.datapath.leases import Lease, LeaseTable
 from kvstore.datapath.partials import PartialBooks
 from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
-from kvstore.policy.placement import Placement
+from kvstore.placement import Placement
 
 __all__ = ["Books", "Reservation", "Victims"]
 

@@ -66,7 +66,7 @@ from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.policy import Watermarks, make_policy
-from kvstore.policy.placement import Placement, TierRules
+from kvstore.placement import Placement, TierRules
 from kvstore.quota import QuotaHook, QuotaLedger
 from kvstore.restore import Restorer, RestorerParts, medium_of
 from kvstore.speeds import PrefillSpeed, ReadSpeed

@@ -21,7 +21,7 @@ from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Level
 from kvstore.errors import CapacityError
 from kvstore.keys import BlockKey
-from kvstore.policy.placement import Placement
+from kvstore.placement import Placement
 
 if TYPE_CHECKING:
     from kvstore.quota import QuotaHook

@@ -5,12 +5,17 @@
 - :mod:`kvstore.policy.s3fifo` -- S3-FIFO, scan-resistant (``policy: s3fifo``).
 - :mod:`kvstore.policy.arc` -- ARC, adaptive recency/frequency (``policy: arc``).
 - :mod:`kvstore.policy.watermark` -- high/low watermark arithmetic.
+
+:data:`POLICIES` is the registry of policies by name (:mod:`kvstore.registry`):
+``register_policy``, a ``kvstore.policies`` entry point, or ``POLICIES.register``.
+Where copies of a block live is not the policies' business: :mod:`kvstore.placement`.
 """
 
 from __future__ import annotations
 
 from kvstore.policy.arc import ARCPolicy
 from kvstore.policy.base import (
+    POLICIES,
     Clock,
     EvictionPolicy,
     make_policy,
@@ -22,6 +27,7 @@ from kvstore.policy.s3fifo import S3FIFOPolicy
 from kvstore.policy.watermark import Watermarks
 
 __all__ = [
+    "POLICIES",
     "ARCPolicy",
     "Clock",
     "EvictionPolicy",

@@ -17,11 +17,19 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar, overload
 
 from kvstore.errors import ConfigError
+from kvstore.registry import Registry
 
 if TYPE_CHECKING:  # keys import torch; policies need only the type
     from kvstore.keys import BlockKey
 
-__all__ = ["Clock", "EvictionPolicy", "make_policy", "policy_names", "register_policy"]
+__all__ = [
+    "POLICIES",
+    "Clock",
+    "EvictionPolicy",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]
 
 Clock = Callable[[], float]
 
@@ -67,41 +75,52 @@ class EvictionPolicy(ABC):
         """Whether ``key`` is tracked."""
 
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {}
+def _is_policy_class(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, EvictionPolicy)
+
+
+#: The eviction policies by name: the built-in ones (imported on first use), those
+#: registered, and (once a config names one not registered) those installed packages
+#: declare in the ``kvstore.policies`` entry points (:mod:`kvstore.registry`).
+POLICIES: Registry[type[EvictionPolicy]] = Registry(
+    "eviction policy", "kvstore.policies", _is_policy_class
+)
+POLICIES.register("lru", "kvstore.policy.lru:LRUPolicy")
+POLICIES.register("s3fifo", "kvstore.policy.s3fifo:S3FIFOPolicy")
+POLICIES.register("arc", "kvstore.policy.arc:ARCPolicy")
 
 
 _P = TypeVar("_P", bound="type[EvictionPolicy]")
 
 
 @overload
-def register_policy(cls: _P, *, replace: bool = False) -> _P: ...
+def register_policy(cls: _P, *, replace: bool = False, clobber: bool = False) -> _P: ...
 
 
 @overload
-def register_policy(cls: None = None, *, replace: bool = False) -> Callable[[_P], _P]: ...
+def register_policy(
+    cls: None = None, *, replace: bool = False, clobber: bool = False
+) -> Callable[[_P], _P]: ...
 
 
-def register_policy(cls: _P | None = None, *, replace: bool = False) -> _P | Callable[[_P], _P]:
+def register_policy(
+    cls: _P | None = None, *, replace: bool = False, clobber: bool = False
+) -> _P | Callable[[_P], _P]:
     """Class decorator: make ``cls`` available by ``cls.name`` in configs (``policy:``).
 
-    ``@register_policy`` or ``@register_policy(replace=True)``. A name registered
-    already (``lru``, ``s3fifo``, ``arc`` included) raises :class:`ConfigError`
-    unless ``replace=True``: two policies of one name would silently shadow each other.
+    ``@register_policy`` or ``@register_policy(clobber=True)`` (``replace`` is the older
+    spelling). A name registered already (``lru``, ``s3fifo``, ``arc`` included) raises
+    :class:`ConfigError` unless ``clobber=True``: two policies of one name would
+    silently shadow each other. The registry itself: :data:`POLICIES`.
     """
 
     def register(policy: _P) -> _P:
-        if not (isinstance(policy, type) and issubclass(policy, EvictionPolicy)):
+        if not _is_policy_class(policy):
             raise ConfigError(f"register_policy: {policy!r} is not an EvictionPolicy subclass")
         name = policy.name
         if not isinstance(name, str) or not name:
             raise ConfigError(f"register_policy: {policy.__name__} needs a name (name = ...)")
-        known = _POLICIES.get(name)
-        if known is not None and known is not policy and not replace:
-            raise ConfigError(
-                f"eviction policy {name!r} is registered already "
-                f"({known.__module__}.{known.__qualname__}); pass replace=True to replace it"
-            )
-        _POLICIES[name] = policy
+        POLICIES.register(name, policy, clobber=replace or clobber)
         return policy
 
     return register if cls is None else register(cls)
@@ -109,14 +128,9 @@ def register_policy(cls: _P | None = None, *, replace: bool = False) -> _P | Cal
 
 def policy_names() -> list[str]:
     """Names of the registered eviction policies."""
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def make_policy(name: str, capacity: int = 0, clock: Clock = time.monotonic) -> EvictionPolicy:
     """A new policy instance by name (``"lru"``, ...) for a tier of ``capacity`` blocks."""
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        known = ", ".join(policy_names())
-        raise ConfigError(f"unknown eviction policy {name!r}; known: {known}") from None
-    return cls(capacity, clock)
+    return POLICIES.load(name)(capacity, clock)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.policy import EvictionPolicy, LRUPolicy, make_policy, register_policy
-from kvstore.policy import base as policy_base
+from kvstore.policy import POLICIES, EvictionPolicy, LRUPolicy, make_policy, register_policy
 
 
 def k(i: int) -> bytes:
@@ -99,17 +98,18 @@ def test_make_policy_unknown_name(name):
         make_policy(name)
 
 
-def test_register_policy(monkeypatch):
-    monkeypatch.setattr(policy_base, "_POLICIES", dict(policy_base._POLICIES))
+def test_register_policy():
+    with POLICIES.scoped():
 
-    @register_policy
-    class FIFO(LRUPolicy):
-        name = "fifo-test"
+        @register_policy
+        class FIFO(LRUPolicy):
+            name = "fifo-test"
 
-        def touch(self, key):  # FIFO ignores use
-            pass
+            def touch(self, key):  # FIFO ignores use
+                pass
 
-    policy = make_policy("fifo-test")
+        policy = make_policy("fifo-test")
+    assert "fifo-test" not in POLICIES
     assert type(policy) is FIFO
     for i in range(3):
         policy.insert(k(i))

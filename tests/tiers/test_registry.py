@@ -13,28 +13,23 @@ import pytest
 import torch
 
 import kvstore.config.tiers as config_tiers
-import kvstore.policy.base as policy_base
-import kvstore.tiers as tiers
 from kvstore import KVStore
 from kvstore.config import HostTierConfig, StoreConfig, TierConfig, parse_size
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
-from kvstore.policy import LRUPolicy, make_policy, register_policy
+from kvstore.policy import POLICIES, LRUPolicy, make_policy, register_policy
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.tiers import register_tier, registered_kinds, tier_class
+from kvstore.tiers import TIERS, register_tier, registered_kinds, tier_class
 from kvstore.tiers.host import HostTier
 
 LAYOUT = small_layout()
 
 
 @pytest.fixture(autouse=True)
-def fresh_registries(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def fresh_registries() -> Iterator[None]:
     """Each test registers into copies, so no kind or policy outlives it."""
-    monkeypatch.setattr(tiers, "_REGISTRY", dict(tiers._REGISTRY))
-    monkeypatch.setattr(tiers, "_INSTALL_HINTS", dict(tiers._INSTALL_HINTS))
-    monkeypatch.setattr(config_tiers, "_TIER_CONFIGS", dict(config_tiers._TIER_CONFIGS))
-    monkeypatch.setattr(policy_base, "_POLICIES", dict(policy_base._POLICIES))
-    yield
+    with TIERS.scoped(), POLICIES.scoped():
+        yield
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,7 @@ def test_an_unknown_kind_says_how_to_register_one() -> None:
 
 def test_registering_a_kind_twice_is_refused_unless_replace() -> None:
     register_tier("mem2", "kvstore.tiers.host:HostTier", options=HostTierConfig)
-    with pytest.raises(ConfigError, match=r"'mem2' is registered already.*replace=True"):
+    with pytest.raises(ConfigError, match=r"'mem2' is registered already.*clobber=True"):
         register_tier("mem2", f"{__name__}:LabelledTier", options=LabelledConfig)
     assert tier_class("mem2") is HostTier  # the refused call changed nothing
     register_tier("mem2", f"{__name__}:LabelledTier", options=LabelledConfig, replace=True)
@@ -171,7 +166,7 @@ def test_registering_a_policy_name_twice_is_refused_unless_replace() -> None:
     class Other(LRUPolicy):
         name = "lru"
 
-    with pytest.raises(ConfigError, match=r"'lru' is registered already.*replace=True"):
+    with pytest.raises(ConfigError, match=r"'lru' is registered already.*clobber=True"):
         register_policy(Other)
     assert type(make_policy("lru")) is LRUPolicy  # the refused call changed nothing
     assert register_policy(LRUPolicy) is LRUPolicy  # the same class again: nothing to refuse

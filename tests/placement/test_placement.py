@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.config import DiskTierConfig, HostTierConfig, ReplicationConfig
-from kvstore.policy.placement import Placement, TierRules
+from kvstore.placement import Placement, TierRules
 
 
 def placement(*rules: TierRules, hot: int = 8, max_copies: int = 2) -> Placement:
