@@ -49,6 +49,8 @@ from kvstore.wire.protocol import (
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()
+FRAMES = 19_000  # fuzzed well-framed requests (CI's share of issue 32's >= 10^4)
+NOISE = 1_000  # connections sending only noise
 
 
 def blocks(n: int, seed: int) -> list[torch.Tensor]:
@@ -421,15 +423,16 @@ def _until_pong(conn: Any, rid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(900)  # 300 s were not enough in a CI run on an overloaded machine
+@pytest.mark.timeout(600)
 def test_fuzzed_frames_change_nothing(fuzz_server: ServerThread, raw: Any) -> None:
-    """10^5 random byte strings -- 95,000 well-framed requests with random fields, each
-    answered before the next, and 5,000 strings of noise: the server answers or hangs
-    up, and serves good clients the same bytes afterwards."""
+    """2 x 10^4 random byte strings -- 19,000 well-framed requests with random fields,
+    each answered before the next, and 1,000 strings of noise: the server answers or
+    hangs up, and serves good clients the same bytes afterwards. (The 10^5-frame form is
+    ``benchmarks/bench_fuzz.py``, whose runs are in docs/benchmarks/.)"""
     rng = random.Random(1234)
     address = fuzz_server.address
     conn, hangups = None, 0
-    for rid in range(1, 95_001):
+    for rid in range(1, FRAMES + 1):
         if conn is None:
             conn = raw(address, timeout=5)
             conn.handshake(LAYOUT)
@@ -443,7 +446,7 @@ def test_fuzzed_frames_change_nothing(fuzz_server: ServerThread, raw: Any) -> No
         if not _until_pong(conn, pong):
             conn.close()
             conn, hangups = None, hangups + 1
-    for _ in range(5_000):
+    for _ in range(NOISE):
         noise = raw(address, timeout=5)
         noise.handshake(LAYOUT)
         noise.sock.sendall(rng.randbytes(rng.randint(1, 64)))
@@ -452,7 +455,7 @@ def test_fuzzed_frames_change_nothing(fuzz_server: ServerThread, raw: Any) -> No
     store = fuzz_server.server.registry.hosted()[0].store
     assert sorted(store.stored_keys()) == sorted(make_keys(8, salt=42))
     served = sum(fuzz_server.stats()["requests"].values())
-    assert served >= 2 * 95_000 - 2 * hangups  # every frame reached a handler or a refusal
+    assert served >= 2 * FRAMES - 2 * hangups  # every frame reached a handler or a refusal
     assert hangups > 100  # and many were refused hard enough to close the connection
 
 
