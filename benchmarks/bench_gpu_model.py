@@ -558,7 +558,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     import transformers
 
     from kvstore import KVLayout
-    from kvstore.datapath.prefetch import PrefetchHandle
+    from kvstore.datapath.contracts import PrefetchHandle
 
     device, spec = torch.device(args.device), TINY if args.tiny else LLAMA_8B
     cpu = f"cpu ({platform.processor() or platform.machine()})"

@@ -24,11 +24,7 @@ import torch
 from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
 from kvstore.crypt import encrypt_tiers, store_keys
-from kvstore.datapath.contracts import DataPath
-from kvstore.datapath.leases import Pin
-from kvstore.datapath.lending import Loan, PendingPut
-from kvstore.datapath.manager import BlockManager
-from kvstore.datapath.prefetch import PrefetchHandle
+from kvstore.datapath import BlockManager, DataPath, Loan, PendingPut, Pin, PrefetchHandle
 from kvstore.errors import ClosedError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
@@ -483,13 +479,14 @@ class KVStore:
         """
         if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
-        return Pin(self._manager, self._manager.pin(check_keys(keys), lease_s))
+        return self._manager.hold(check_keys(keys), lease_s)
 
     # -- zero-copy access, for servers --------------------------------------
     def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
         """Pin the stored blocks among ``keys`` and lend views of the host memory
         holding them, to send or copy in place; ``loan.release()`` when done (the
-        lease of ``lease_s`` seconds ends it otherwise). See :mod:`kvstore.datapath.lending`."""
+        lease of ``lease_s`` seconds ends it otherwise). See
+        :class:`~kvstore.datapath.contracts.Loan`."""
         if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
         return self._manager.lend(check_keys(keys), lease_s)

@@ -51,7 +51,7 @@ import torch
 from kvstore.connectors.paged import PagedKV
 from kvstore.connectors.plan import TransferSpec
 from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
-from kvstore.datapath.prefetch import PrefetchHandle
+from kvstore.datapath.contracts import PrefetchHandle
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.store import KVStore

@@ -8,6 +8,10 @@ such types; nothing here reaches into a store.
 - :class:`DataPath`: what such code may ask of a store's data path (``KVStore.datapath``):
   its tiers, what is where, the change feed, moves between tiers, and the engine-facing
   reads and writes that skip the store's argument checks.
+- The objects a store hands out, as their holders see them: :class:`Pin`
+  (``KVStore.pin``), :class:`Loan` and :class:`PendingPut` (``KVStore.lend``,
+  ``KVStore.begin_put``), :class:`PrefetchHandle` (``KVStore.prefetch``) and its
+  :class:`Step` records. The data path's classes of those names subclass these.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.keys import BlockKey
@@ -22,11 +27,21 @@ from kvstore.keys import BlockKey
 if TYPE_CHECKING:
     import torch
 
+    from kvstore.errors import KVStoreError
     from kvstore.layout import KVLayout
     from kvstore.quota import QuotaHook, QuotaLedger
     from kvstore.tiers.base import LayerRange, Tier
 
-__all__ = ["ChangeFeed", "DataPath", "Medium"]
+__all__ = [
+    "ChangeFeed",
+    "DataPath",
+    "Loan",
+    "Medium",
+    "PendingPut",
+    "Pin",
+    "PrefetchHandle",
+    "Step",
+]
 
 
 class Medium(enum.IntEnum):
@@ -140,3 +155,197 @@ class DataPath(Protocol):
 
     def use_quota(self, ledger: QuotaLedger, owner: str) -> QuotaHook:
         """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on."""
+
+
+class Pin(Protocol):
+    """A lease as users hold it: ``with store.pin(keys) as pin: ...``.
+
+    ``count`` leading keys are pinned (those stored when pinned): they are
+    not evicted or deleted until :meth:`release`, or until the lease expires
+    (``lease_s``; :meth:`renew` extends it).
+    """
+
+    @property
+    def count(self) -> int:
+        """How many leading keys are pinned."""
+
+    @property
+    def active(self) -> bool:
+        """False once released or expired."""
+
+    def renew(self, seconds: float | None = None) -> bool:
+        """Extend the lease; False if it already ended."""
+
+    def release(self) -> None:
+        """Unpin now (idempotent)."""
+
+    def __enter__(self) -> Pin:
+        """The pin itself."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`release`."""
+
+
+class Loan(Protocol):
+    """Stored blocks lent out for zero-copy reads (``KVStore.lend``), pinned under one
+    lease until :meth:`release` or the lease's end.
+
+    ``found[i]``: key ``i`` is stored and pinned. ``views[i]``: its bytes in host memory
+    (a tensor of ``layout.block_shape``, valid until the release), or None when only
+    slower tiers hold it (:meth:`read_into` then makes a verified read).
+    """
+
+    layout: KVLayout
+    keys: list[BlockKey]
+    found: list[bool]
+    views: list[torch.Tensor | None]
+
+    def read_into(self, i: int, out: torch.Tensor, layers: LayerRange = None) -> bool:
+        """Verified read of lent block ``i`` (or its ``layers``) into ``out``; False if
+        every copy failed (the block is then no longer stored)."""
+
+    def read_many(
+        self, idxs: list[int], outs: list[torch.Tensor], layers: LayerRange = None
+    ) -> list[bool]:
+        """:meth:`read_into` for several blocks in one batch per tier (one round trip
+        to a disk's thread pool, a peer or S3 for all of them)."""
+
+    def renew(self) -> bool:
+        """Extend the lease by the store's ``lease_s``; False if it already ended."""
+
+    @property
+    def released(self) -> bool:
+        """True once released (the views must not be used any more)."""
+
+    def release(self) -> None:
+        """Unpin the blocks (idempotent). The views must not be used afterwards."""
+
+    def __enter__(self) -> Loan:
+        """The loan itself."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`release`."""
+
+
+class PendingPut(Protocol):
+    """Room for new whole blocks (``KVStore.begin_put``), filled in place, then committed.
+
+    ``views[i]``: where block ``i`` goes (``layout.block_shape``, contiguous), or None
+    when key ``i`` is already stored or being written (nothing to do). The blocks become
+    visible to lookups at :meth:`commit`, never before.
+    """
+
+    keys: list[BlockKey]
+    views: list[torch.Tensor | None]
+
+    def commit(self, ok: Sequence[bool] | None = None) -> int:
+        """Publish the blocks whose ``ok[i]`` is true (all by default); abort the others.
+
+        Returns how many blocks this put stored. Idempotent: a second call (or
+        one after :meth:`abort`) stores nothing.
+        """
+
+    def abort(self) -> None:
+        """Give back every reserved room; nothing is stored (idempotent)."""
+
+    def __enter__(self) -> PendingPut:
+        """The put itself."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`abort` (a no-op after a commit)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a prefetch, as it happened: blocks ``[first_block, last_block)``,
+    layers ``[first_layer, last_layer)``, and when it began and ended
+    (``time.perf_counter()`` seconds)."""
+
+    first_block: int
+    last_block: int
+    first_layer: int
+    last_layer: int
+    began: float
+    ended: float
+
+
+class PrefetchHandle(Protocol):
+    """A background load of ``len(keys)`` blocks into ``out`` (``KVStore.prefetch``).
+    Thread-safe.
+
+    ``valid_blocks`` is the length of the prefix that can still be (or has
+    been) loaded: it starts at the number of blocks stored when the prefetch
+    began and drops if a block turns out missing or corrupt. ``blocks_ready``
+    is how many leading blocks are fully loaded now. ``steps`` records each
+    finished step (for timelines). ``load_s``: seconds from the start to the
+    loader's end (None until it ended).
+    """
+
+    keys: list[BlockKey]
+    num_layers: int
+    out: torch.Tensor | None
+    load_s: float | None
+
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+
+    @property
+    def done(self) -> bool:
+        """True when the load finished (completely, after a failure, or cancelled)."""
+
+    @property
+    def valid_blocks(self) -> int:
+        """Length of the prefix that is (or will be) loaded correctly."""
+
+    @property
+    def blocks_ready(self) -> int:
+        """Leading blocks fully loaded, every layer, now."""
+
+    @property
+    def error(self) -> KVStoreError | None:
+        """Why ``valid_blocks`` is shorter than expected (a vanished or corrupt block)."""
+
+    @property
+    def steps(self) -> list[Step]:
+        """The steps finished so far, in the order they finished."""
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until ``layer`` of every valid block is in place; False on timeout.
+
+        Also returns (True) when the load ended early: check ``valid_blocks``.
+        """
+
+    def wait_layer_on(self, layer: int, stream: object | None = None) -> None:
+        """Make ``stream`` (None: the current stream) wait until ``layer`` of every
+        valid block is in place, without waiting on the CPU for the copies.
+
+        With a CUDA destination this is a GPU-side wait (``stream.wait_event``):
+        the calling thread blocks only until the layer's copies are *queued*,
+        and at that point ``valid_blocks`` is final for the layer (blocks from
+        slower tiers are read and verified before their copies are queued). An
+        engine calls it before running layer ``layer`` on ``stream``. On CPU it
+        is :meth:`wait_layer` (nothing to wait on but the thread). Returns when
+        the load ended early too: check ``valid_blocks``.
+        """
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the load ends; False on timeout."""
+
+    def cancel(self) -> None:
+        """Stop loading after the step in flight; the lease is released when it ends."""
+
+    def result(self, num_tokens: int | None = None) -> int:
+        """Apply the store's prefetch policy; return the usable prefix, in blocks.
+
+        ``best_effort`` takes what is ready now and cancels the rest;
+        ``wait_complete`` waits for everything; ``timeout`` waits up to the
+        deadline for ``num_tokens`` tokens (default: the whole prefix), then
+        takes what is ready.
+        """
+
+    def __enter__(self) -> PrefetchHandle:
+        """The handle itself."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`cancel`, then :meth:`wait`."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstore.datapath import contracts
 from kvstore.datapath.index import Entry
 
 __all__ = ["Lease", "LeaseKeeper", "LeaseTable", "Pin"]
@@ -109,13 +110,9 @@ class LeaseKeeper(Protocol):
         """End ``lease`` (idempotent)."""
 
 
-class Pin:
-    """A lease as users hold it: ``with store.pin(keys) as pin: ...``.
-
-    ``count`` leading keys are pinned (those stored when pinned): they are
-    not evicted or deleted until :meth:`release`, or until the lease expires
-    (``lease_s``; :meth:`renew` extends it).
-    """
+class Pin(contracts.Pin):
+    """The :class:`~kvstore.datapath.contracts.Pin` a store hands out: a lease renewed
+    and released through the store's :class:`LeaseKeeper`."""
 
     def __init__(self, keeper: LeaseKeeper, lease: Lease) -> None:
         self._keeper = keeper
@@ -123,20 +120,16 @@ class Pin:
 
     @property
     def count(self) -> int:
-        """How many leading keys are pinned."""
         return len(self._lease.entries)
 
     @property
     def active(self) -> bool:
-        """False once released or expired."""
         return not self._lease.released
 
     def renew(self, seconds: float | None = None) -> bool:
-        """Extend the lease; False if it already ended."""
         return self._keeper.renew(self._lease, seconds)
 
     def release(self) -> None:
-        """Unpin now (idempotent)."""
         self._keeper.release(self._lease)
 
     def __enter__(self) -> Pin:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvstore.datapath import contracts
 from kvstore.datapath.books import Books
 from kvstore.datapath.finder import Finder
 from kvstore.datapath.index import Entry
@@ -41,12 +42,9 @@ from kvstore.tiers.base import LayerRange
 __all__ = ["Lender", "Loan", "PendingPut"]
 
 
-class Loan:
-    """Stored blocks lent out for zero-copy reads (see the module docstring).
-
-    ``found[i]``: key ``i`` is stored and pinned. ``views[i]``: its bytes in
-    host memory (a tensor of ``layout.block_shape``), or None.
-    """
+class Loan(contracts.Loan):
+    """The :class:`~kvstore.datapath.contracts.Loan` a :class:`Lender` makes: the pinned
+    entries under one lease, read through the store's :class:`Reader`."""
 
     def __init__(
         self,
@@ -67,15 +65,11 @@ class Loan:
         self._lock = threading.Lock()
 
     def read_into(self, i: int, out: torch.Tensor, layers: LayerRange = None) -> bool:
-        """Verified read of lent block ``i`` (or its ``layers``) into ``out``; False if
-        every copy failed (the block is then no longer stored)."""
         return self.read_many([i], [out], layers)[0]
 
     def read_many(
         self, idxs: list[int], outs: list[torch.Tensor], layers: LayerRange = None
     ) -> list[bool]:
-        """:meth:`read_into` for several blocks in one batch per tier (one round trip
-        to a disk's thread pool, a peer or S3 for all of them)."""
         found = [i for i in idxs if i in self._pinned]
         done = dict.fromkeys(idxs, False)
         if found:
@@ -88,17 +82,14 @@ class Loan:
         return [done[i] for i in idxs]
 
     def renew(self) -> bool:
-        """Extend the lease by the store's ``lease_s``; False if it already ended."""
         return self._lender.books.renew(self._lease, self._lender.lease_s)
 
     @property
     def released(self) -> bool:
-        """True once released (the views must not be used any more)."""
         with self._lock:
             return self._released
 
     def release(self) -> None:
-        """Unpin the blocks (idempotent). The views must not be used afterwards."""
         with self._lock:
             if self._released:
                 return
@@ -112,12 +103,9 @@ class Loan:
         self.release()
 
 
-class PendingPut:
-    """Room for new whole blocks, filled in place, then committed (module docstring).
-
-    ``views[i]``: where block ``i`` goes (``layout.block_shape``, contiguous),
-    or None when key ``i`` is already stored or being written (nothing to do).
-    """
+class PendingPut(contracts.PendingPut):
+    """The :class:`~kvstore.datapath.contracts.PendingPut` a :class:`Lender` makes: the
+    partial writes reserved for the keys, finished by the lender at the commit."""
 
     def __init__(
         self,
@@ -133,11 +121,6 @@ class PendingPut:
         self._lock = threading.Lock()
 
     def commit(self, ok: Sequence[bool] | None = None) -> int:
-        """Publish the blocks whose ``ok[i]`` is true (all by default); abort the others.
-
-        Returns how many blocks this put stored. Idempotent: a second call (or
-        one after :meth:`abort`) stores nothing.
-        """
         good = [True] * len(self.keys) if ok is None else list(ok)
         if len(good) != len(self.keys):
             raise ValueError(f"{len(good)} flags for {len(self.keys)} keys")
@@ -150,7 +133,6 @@ class PendingPut:
         return self._finish(parts, flags)
 
     def abort(self) -> None:
-        """Give back every reserved room; nothing is stored (idempotent)."""
         self.commit([False] * len(self.keys))
 
     def __enter__(self) -> PendingPut:

@@ -50,7 +50,7 @@ from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.finder import Finder
 from kvstore.datapath.index import HeatClock, Level
 from kvstore.datapath.layerwrites import LayerWrites
-from kvstore.datapath.leases import Lease
+from kvstore.datapath.leases import Lease, Pin
 from kvstore.datapath.lending import Lender, Loan, PendingPut
 from kvstore.datapath.migrations import Migrations
 from kvstore.datapath.mover import Mover
@@ -65,8 +65,8 @@ from kvstore.errors import BlockNotFoundError, ConfigError, InvalidInputError
 from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.policy import Watermarks, make_policy
 from kvstore.placement import Placement, TierRules
+from kvstore.policy import Watermarks, make_policy
 from kvstore.quota import QuotaHook, QuotaLedger
 from kvstore.restore import Restorer, RestorerParts, medium_of
 from kvstore.speeds import PrefillSpeed, ReadSpeed
@@ -394,6 +394,10 @@ class BlockManager:
         """Pin the leading stored ``keys`` under a lease of ``duration`` seconds
         (``config.lease_s`` by default); ``len(lease.entries)`` is how many."""
         return self.books.lease(keys, duration or self.config.lease_s)
+
+    def hold(self, keys: Sequence[BlockKey], duration: float | None = None) -> Pin:
+        """:meth:`pin`, as users hold it (``KVStore.pin``)."""
+        return Pin(self, self.pin(keys, duration))
 
     def renew(self, lease: Lease, duration: float | None = None) -> bool:
         """Extend a lease; False if it already ended (released or expired)."""

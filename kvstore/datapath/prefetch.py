@@ -39,7 +39,9 @@ import torch
 from kvstore.config import PrefetchConfig
 from kvstore.copies import CopyEngine, Event, engine_for
 from kvstore.copies.runs import BlockRun, block_runs
+from kvstore.datapath import contracts
 from kvstore.datapath.books import Books
+from kvstore.datapath.contracts import Step
 from kvstore.datapath.leases import Lease
 from kvstore.datapath.reader import Reader
 from kvstore.datapath.tierio import TierIO
@@ -54,29 +56,10 @@ log = logging.getLogger(__name__)
 LANE = "prefetch"
 
 
-@dataclass(frozen=True)
-class Step:
-    """One step of a load, as it happened: blocks ``[first_block, last_block)``,
-    layers ``[first_layer, last_layer)``, and when it began and ended
-    (``time.perf_counter()`` seconds)."""
-
-    first_block: int
-    last_block: int
-    first_layer: int
-    last_layer: int
-    began: float
-    ended: float
-
-
-class PrefetchHandle:
-    """A background load of ``len(keys)`` blocks into ``out``. Thread-safe.
-
-    ``valid_blocks`` is the length of the prefix that can still be (or has
-    been) loaded: it starts at the number of blocks stored when the prefetch
-    began and drops if a block turns out missing or corrupt. ``blocks_ready``
-    is how many leading blocks are fully loaded now. ``steps`` records each
-    finished step (for timelines).
-    """
+class PrefetchHandle(contracts.PrefetchHandle):
+    """The :class:`~kvstore.datapath.contracts.PrefetchHandle` a :class:`Prefetcher`
+    returns: the loader and the copy lane report each step through the methods below
+    the consumer's (``_progress``, ``_shrink``, ``_queued``, ``_finish``)."""
 
     def __init__(
         self, keys: Sequence[BlockKey], valid: int, num_layers: int, config: PrefetchConfig
@@ -148,62 +131,41 @@ class PrefetchHandle:
     # -- the consumer's side ---------------------------------------------------------
     @property
     def cancelled(self) -> bool:
-        """True once :meth:`cancel` was called."""
         with self._cond:
             return self._cancelled
 
     @property
     def done(self) -> bool:
-        """True when the load finished (completely, after a failure, or cancelled)."""
         with self._cond:
             return self._done
 
     @property
     def valid_blocks(self) -> int:
-        """Length of the prefix that is (or will be) loaded correctly."""
         with self._cond:
             return self._valid
 
     @property
     def blocks_ready(self) -> int:
-        """Leading blocks fully loaded, every layer, now."""
         with self._cond:
             return self._blocks_done
 
     @property
     def error(self) -> KVStoreError | None:
-        """Why ``valid_blocks`` is shorter than expected (a vanished or corrupt block)."""
         with self._cond:
             return self._error
 
     @property
     def steps(self) -> list[Step]:
-        """The steps finished so far, in the order they finished."""
         with self._cond:
             return list(self._steps)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Wait until ``layer`` of every valid block is in place; False on timeout.
-
-        Also returns (True) when the load ended early: check ``valid_blocks``.
-        """
         if not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer {layer} out of range [0, {self.num_layers})")
         with self._cond:
             return self._cond.wait_for(lambda: self._layers_done > layer or self._done, timeout)
 
     def wait_layer_on(self, layer: int, stream: object | None = None) -> None:
-        """Make ``stream`` (None: the current stream) wait until ``layer`` of every
-        valid block is in place, without waiting on the CPU for the copies.
-
-        With a CUDA destination this is a GPU-side wait (``stream.wait_event``):
-        the calling thread blocks only until the layer's copies are *queued*,
-        and at that point ``valid_blocks`` is final for the layer (blocks from
-        slower tiers are read and verified before their copies are queued). An
-        engine calls it before running layer ``layer`` on ``stream``. On CPU it
-        is :meth:`wait_layer` (nothing to wait on but the thread). Returns when
-        the load ended early too: check ``valid_blocks``.
-        """
         if not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer {layer} out of range [0, {self.num_layers})")
         with self._cond:
@@ -215,23 +177,14 @@ class PrefetchHandle:
             self.wait_layer(layer)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the load ends; False on timeout."""
         with self._end:
             return self._end.wait_for(lambda: self._done, timeout)
 
     def cancel(self) -> None:
-        """Stop loading after the step in flight; the lease is released when it ends."""
         with self._cond:
             self._cancelled = True
 
     def result(self, num_tokens: int | None = None) -> int:
-        """Apply the store's prefetch policy; return the usable prefix, in blocks.
-
-        ``best_effort`` takes what is ready now and cancels the rest;
-        ``wait_complete`` waits for everything; ``timeout`` waits up to the
-        deadline for ``num_tokens`` tokens (default: the whole prefix), then
-        takes what is ready.
-        """
         policy = self.config.policy
         if policy == "wait_complete":
             self.wait()

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from kvstore import __version__
 from kvstore.config.server import Credential
 from kvstore.config.tiers import check_namespace
-from kvstore.datapath.lending import Loan, PendingPut
+from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.errors import (
     AccessDeniedError,
     CapacityError,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.datapath.lending import Loan, PendingPut
+from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError, ProtocolError
 from kvstore.hints import HintAnswer, parse_hint
 from kvstore.keys import BlockKey, ChunkTokens

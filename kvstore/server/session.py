@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvstore.config import StoreConfig
 from kvstore.config.server import ServerConfig
-from kvstore.datapath.lending import Loan, PendingPut
+from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
 from kvstore.server.quotas import TenantQuotas
