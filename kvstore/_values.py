@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from kvstore.codecs import AUTO, CODECS, codec_names
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -136,9 +137,7 @@ def parse_optional_float(value: Any, key: str) -> float | None:
 
 def parse_codec(value: Any, key: str) -> str:
     name = parse_str(value, key).lower()
-    if name not in _CODECS:
-        raise ConfigError(f"{key}: unknown codec {value!r}; use one of {', '.join(_CODECS)}")
+    if name != AUTO and not CODECS.has(name):
+        known = ", ".join(codec_names())
+        raise ConfigError(f"{key}: unknown codec {value!r}; use one of {known}")
     return name
-
-
-_CODECS = ("raw", "lz4", "shuffle-lz4", "auto")

@@ -55,8 +55,10 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.codecs import CODECS, LayerCodec, codec_numbered, plugin_codec
 from kvstore.copies import engine_for
 from kvstore.errors import (
+    ConfigError,
     CorruptBlockError,
     DecryptError,
     InvalidInputError,
@@ -70,6 +72,10 @@ __all__ = [
     "VERSION",
     "BlockHeader",
     "Codec",
+    "LZ4_CODEC",
+    "RAW_CODEC",
+    "SHUFFLE_LZ4_CODEC",
+    "codec_number",
     "checksum_pieces",
     "EncodedBlock",
     "choose_codec",
@@ -139,9 +145,10 @@ def header_size(num_layers: int, sealed: bool = False) -> int:
 
 @dataclass(frozen=True)
 class BlockHeader:
-    """A parsed, verified block header."""
+    """A parsed, verified block header (``codec``: a :class:`Codec`, or a plug-in
+    codec's number: :mod:`kvstore.codecs`)."""
 
-    codec: Codec
+    codec: int
     layout_fp: bytes
     key: bytes
     raw_nbytes: int
@@ -262,11 +269,34 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     return header
 
 
-def _codec_or_corrupt(value: int) -> Codec:
+def _codec_or_corrupt(value: int) -> int:
     try:
         return Codec(value)
     except ValueError:
+        if codec_numbered(value) is not None:
+            return value
         raise CorruptBlockError(f"unknown codec {value} in header") from None
+
+
+def codec_number(codec: str | int | Codec) -> int:
+    """The number a block's header gives ``codec``: a built-in one's :class:`Codec`
+    (see :meth:`Codec.parse`), or a registered plug-in codec's number
+    (:mod:`kvstore.codecs`). Unknown: :class:`InvalidInputError`."""
+    try:
+        return Codec.parse(codec)
+    except InvalidInputError:
+        if isinstance(codec, bool) or not isinstance(codec, (str, int)):
+            raise
+        if isinstance(codec, str) and not CODECS.has(codec.lower()):
+            raise
+    if isinstance(codec, str):
+        try:
+            return plugin_codec(codec.lower()).number
+        except ConfigError as exc:
+            raise InvalidInputError(str(exc)) from None
+    if codec_numbered(codec) is None:
+        raise InvalidInputError(f"unknown codec number {codec}")
+    return codec
 
 
 def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> None:
@@ -387,15 +417,42 @@ def _unshuffle(data: bytes, itemsize: int) -> np.ndarray:
     return result
 
 
-def _compress_layer(layer: np.ndarray, codec: Codec, itemsize: int) -> bytes:
+def _compress_layer(layer: np.ndarray, codec: int, itemsize: int) -> bytes:
     if codec == Codec.LZ4:
         return bytes(lz4.block.compress(layer, store_size=False))
-    return bytes(lz4.block.compress(_shuffle(layer, itemsize), store_size=False))
+    if codec == Codec.SHUFFLE_LZ4:
+        return bytes(lz4.block.compress(_shuffle(layer, itemsize), store_size=False))
+    return bytes(_plugin(codec).compress(layer, itemsize))
 
 
-def _decompress_layer(
-    stored: memoryview, codec: Codec, raw_nbytes: int, itemsize: int
+def _plugin(number: int) -> LayerCodec:
+    codec = codec_numbered(number)
+    if codec is None:
+        raise CorruptBlockError(f"unknown codec {number}")
+    return codec
+
+
+def _decompress_plugin(
+    stored: memoryview, number: int, raw_nbytes: int, itemsize: int
 ) -> np.ndarray:
+    try:
+        raw = np.frombuffer(
+            _plugin(number).decompress(bytes(stored), raw_nbytes, itemsize), np.uint8
+        )
+    except CorruptBlockError:
+        raise
+    except Exception as exc:  # a plug-in's own failure on bad bytes: corrupt, so a miss
+        raise CorruptBlockError(
+            f"block payload does not decode with codec {number}: {exc}"
+        ) from None
+    if raw.nbytes != raw_nbytes:
+        raise CorruptBlockError("block payload decompressed to the wrong size")
+    return raw
+
+
+def _decompress_layer(stored: memoryview, codec: int, raw_nbytes: int, itemsize: int) -> np.ndarray:
+    if codec not in (Codec.LZ4, Codec.SHUFFLE_LZ4):
+        return _decompress_plugin(stored, codec, raw_nbytes, itemsize)
     try:
         raw = lz4.block.decompress(stored, uncompressed_size=raw_nbytes)
     except lz4.block.LZ4BlockError as exc:
@@ -437,7 +494,7 @@ def choose_codec(block: torch.Tensor, layout: KVLayout, min_saving: float = 0.10
 
 
 def encode_block(
-    key: bytes, layout: KVLayout, block: torch.Tensor, codec: Codec | str = Codec.RAW
+    key: bytes, layout: KVLayout, block: torch.Tensor, codec: Codec | str | int = Codec.RAW
 ) -> EncodedBlock:
     """Encode one block (a tensor of ``layout.block_shape``) with ``codec``.
 
@@ -450,7 +507,7 @@ def encode_block(
             f"block of shape {tuple(block.shape)} / {block.dtype} does not match layout "
             f"{layout.block_shape} / {layout.dtype}"
         )
-    codec = Codec.parse(codec)
+    codec = codec_number(codec)
     step = layout.layer_nbytes
     pieces = layer_pieces(block) if codec == Codec.RAW else None
     if pieces is not None:  # no copy: the payload aliases the caller's tensor
@@ -568,3 +625,30 @@ def decode_block(
         )
     target = out if out is not None else torch.empty(layout.block_shape, dtype=layout.dtype)
     return decode_into(header, body, layout, target)
+
+
+def _raw_compress(layer: np.ndarray, itemsize: int) -> bytes:
+    return layer.tobytes()
+
+
+def _raw_decompress(stored: bytes, raw_nbytes: int, itemsize: int) -> np.ndarray:
+    return np.frombuffer(stored, dtype=np.uint8)
+
+
+def _builtin(codec: Codec) -> LayerCodec:
+    """The built-in ``codec`` as the registry holds it (encode and decode dispatch on
+    :class:`Codec` themselves; these are for callers going through the registry)."""
+
+    def compress(layer: np.ndarray, itemsize: int) -> bytes:
+        return _compress_layer(layer, codec, itemsize)
+
+    def decompress(stored: bytes, raw_nbytes: int, itemsize: int) -> np.ndarray:
+        return _decompress_layer(memoryview(stored), codec, raw_nbytes, itemsize)
+
+    return LayerCodec(int(codec), compress, decompress)
+
+
+#: The built-in codecs, as :data:`kvstore.codecs.CODECS` names them.
+RAW_CODEC = LayerCodec(int(Codec.RAW), _raw_compress, _raw_decompress)
+LZ4_CODEC = _builtin(Codec.LZ4)
+SHUFFLE_LZ4_CODEC = _builtin(Codec.SHUFFLE_LZ4)

@@ -210,7 +210,7 @@ class Registry(Generic[T]):
                     self._adopt(point.name, point.load())
                 except Exception as exc:
                     raise ConfigError(
-                        f"{self.what.split()[0]} plugin {point.name!r} ({point.value}) "
+                        f"{self.what.removesuffix(' kind')} plugin {point.name!r} ({point.value}) "
                         f"failed to register: {exc}"
                     ) from exc
                 ran.append(point.name)

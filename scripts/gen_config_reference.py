@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install
 
 import kvstore.config as config_pkg  # noqa: E402
 from kvstore import _values  # noqa: E402
+from kvstore.codecs import codec_names  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig, tier_config_class  # noqa: E402
 from kvstore.config import server as server_mod  # noqa: E402
 from kvstore.config.tiers import tier_kinds  # noqa: E402
@@ -538,7 +539,7 @@ the resolved configuration with secrets hidden. For `kvstore-server`, a command-
 **Values.** *size*: bytes as an int or a string — `512MiB`, `2GiB`, `1.5GB`
 (`KiB`/`MiB`/`GiB`/`TiB` are powers of 1024, `KB`/`MB`/`GB`/`TB` of 1000, `k`/`m`/`g`/`t`
 alone mean KiB/MiB/GiB/TiB). *bool*: `true`/`false` (also `yes`/`no`, `on`, `1`/`0`).
-*codec*: {", ".join(f"`{c}`" for c in _values._CODECS)}. *null*: YAML `null` (left out means
+*codec*: {", ".join(f"`{c}`" for c in codec_names())}. *null*: YAML `null` (left out means
 the default). Times are in seconds.
 """
 

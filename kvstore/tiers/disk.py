@@ -55,6 +55,7 @@ from kvstore.codec import (
     BlockHeader,
     Codec,
     choose_codec,
+    codec_number,
     decode_into,
     encode_block,
     header_size,
@@ -185,7 +186,7 @@ class DiskTier(Tier):
         self._tree = Tree(Path(config.path).expanduser(), layout.fingerprint_hex)
         self._data_offset = _round_up(header_size(layout.num_layers))
         self._file_nbytes = self._data_offset + layout.block_nbytes
-        self._codec = None if config.codec == "auto" else Codec.parse(config.codec)
+        self._codec = None if config.codec == "auto" else codec_number(config.codec)
         self._nonce = itertools.count()
         self._counts: dict[str, int] = {}
         self._counts_lock = threading.Lock()  # guards _counts only

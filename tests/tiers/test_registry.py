@@ -204,12 +204,26 @@ def test_a_store_evicts_with_a_registered_policy() -> None:
 
 
 PLUGIN = """
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kvstore.config import HostTierConfig
 from kvstore.tiers import register_tier
+from kvstore.tiers.host import HostTier
+
+
+@dataclass(frozen=True)
+class PluggedConfig(HostTierConfig):
+    kind: ClassVar[str] = "plugged"
+    label: str = "plain"
+
+
+class PluggedTier(HostTier):
+    pass
 
 
 def register():
-    register_tier("plugged", "kvstore.tiers.host:HostTier", options=HostTierConfig)
+    register_tier("plugged", "plugged_tiers:PluggedTier", options=PluggedConfig)
 """
 
 
@@ -230,12 +244,15 @@ def test_a_tier_kind_from_an_installed_packages_entry_point_opens_from_yaml(
     monkeypatch.syspath_prepend(str(site))
     assert "plugged" not in registered_kinds()
     path = tmp_path / "store.yaml"
-    path.write_text("tiers:\n  - {kind: plugged, capacity: 64KiB, prefault: false}\n")
+    path.write_text("tiers:\n  - {kind: plugged, capacity: 64KiB, prefault: false, label: hot}\n")
     with KVStore(LAYOUT, path) as store:
         assert store.config.tiers[0].kind == "plugged"
-        assert isinstance(store.datapath.tiers[0], HostTier)
+        assert type(store.config.tiers[0]).__name__ == "PluggedConfig"
+        assert store.config.tiers[0].label == "hot"  # type: ignore[attr-defined]
+        assert type(store.datapath.tiers[0]).__name__ == "PluggedTier"
         roundtrip(store)
     assert "plugged" in registered_kinds()
+    assert TIERS.view["plugged"].options.__name__ == "PluggedConfig"
 
 
 def test_a_plugin_that_fails_to_register_is_a_config_error_naming_it(

@@ -1,0 +1,123 @@
+"""Codecs of one's own (:mod:`kvstore.codecs`): registered by name or through an installed
+package's ``kvstore.codecs`` entry point, named in a disk tier's YAML config, written in
+each block's header, and a block whose codec is not there reads as a miss."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import KVStore
+from kvstore.codec import codec_number, decode_block, encode_block, read_header
+from kvstore.codecs import CODECS, LayerCodec, codec_names
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, CorruptBlockError, InvalidInputError
+from kvstore.testing.data import random_blocks, small_layout
+
+LAYOUT = small_layout()
+
+
+def _compress(layer: np.ndarray, itemsize: int) -> bytes:
+    return zlib.compress(layer.tobytes(), 1)
+
+
+def _decompress(stored: bytes, raw_nbytes: int, itemsize: int) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(stored), dtype=np.uint8)
+
+
+ZLIB = LayerCodec(200, _compress, _decompress)
+
+
+@pytest.fixture(autouse=True)
+def fresh_codecs() -> Iterator[None]:
+    with CODECS.scoped():
+        yield
+
+
+def test_a_registered_codec_round_trips_and_is_named_in_the_header() -> None:
+    CODECS.register("zlib", f"{__name__}:ZLIB")
+    assert "zlib" in codec_names() and codec_number("zlib") == 200
+    block = torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype)
+    data = encode_block(b"k" * 16, LAYOUT, block, "zlib").tobytes()
+    assert read_header(data).codec == 200
+    assert torch.equal(decode_block(data, LAYOUT, b"k" * 16), block)
+    CODECS.register("zlib", LayerCodec(201, _compress, _decompress), clobber=True)
+    with pytest.raises(CorruptBlockError, match="unknown codec 200"):  # gone: never wrong KV
+        decode_block(data, LAYOUT, b"k" * 16)
+
+
+def test_a_codec_name_is_refused_twice_and_a_number_must_be_a_plugins() -> None:
+    CODECS.register("zlib", ZLIB)
+    with pytest.raises(ConfigError, match=r"'zlib' is registered already.*clobber=True"):
+        CODECS.register("zlib", LayerCodec(201, _compress, _decompress))
+    with pytest.raises(ConfigError, match="'raw' is registered already"):
+        CODECS.register("raw", ZLIB)
+    CODECS.register("low", LayerCodec(3, _compress, _decompress))
+    with pytest.raises(InvalidInputError, match=r"number 3 is not in 16\.\.255"):
+        codec_number("low")
+    CODECS.register("twin", LayerCodec(200, _compress, _decompress))
+    with pytest.raises(InvalidInputError, match="both have number 200"):
+        codec_number("twin")
+    with pytest.raises(ConfigError, match="'auto' is taken"):
+        CODECS.register("auto", ZLIB)
+
+
+def test_a_disk_tier_stores_with_a_registered_codec_named_in_yaml(tmp_path: Path) -> None:
+    CODECS.register("zlib", ZLIB)
+    path = tmp_path / "store.yaml"
+    path.write_text(
+        f"tiers:\n  - {{kind: disk, path: {tmp_path / 'blocks'}, capacity: 1MiB, codec: zlib}}\n"
+    )
+    kv = random_blocks(LAYOUT, 2)
+    with KVStore(LAYOUT, path) as store:
+        keys = store.hash_tokens(range(2 * LAYOUT.block_tokens), "m")
+        assert store.put(keys, kv) == 2
+    with KVStore(LAYOUT, path) as store:  # read back from the files
+        assert torch.equal(store.get(keys), kv)
+    files = [p for p in (tmp_path / "blocks").rglob("*") if p.is_file() and p.stat().st_size]
+    assert any(read_header(f.read_bytes()).codec == 200 for f in files if f.stat().st_size > 64)
+    with pytest.raises(ConfigError, match=r"unknown codec 'zstd'; use one of raw, lz4.*zlib"):
+        StoreConfig.from_dict({"tiers": [{"kind": "disk", "codec": "zstd"}]}, environ={})
+
+
+PLUGIN = """
+import zlib
+
+import numpy as np
+
+from kvstore.codecs import LayerCodec
+
+DEFLATE = LayerCodec(
+    201,
+    lambda layer, itemsize: zlib.compress(layer.tobytes()),
+    lambda stored, n, itemsize: np.frombuffer(zlib.decompress(stored), dtype=np.uint8),
+)
+"""
+
+
+def test_a_codec_from_an_installed_packages_entry_point_works_from_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    info = site / "deflate_codec-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deflate-codec\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[kvstore.codecs]\ndeflate = deflate_codec:DEFLATE\n")
+    (site / "deflate_codec.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(site))
+    assert "deflate" not in CODECS
+    path = tmp_path / "store.yaml"
+    path.write_text(
+        f"tiers:\n  - {{kind: disk, path: {tmp_path / 'b'}, capacity: 1MiB, codec: deflate}}\n"
+    )
+    kv = random_blocks(LAYOUT, 1)
+    with KVStore(LAYOUT, path) as store:
+        keys = store.hash_tokens(range(LAYOUT.block_tokens), "m")
+        store.put(keys, kv)
+    with KVStore(LAYOUT, path) as store:
+        assert torch.equal(store.get(keys), kv)
