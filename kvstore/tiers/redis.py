@@ -303,9 +303,7 @@ class RedisTier(Tier):
         layers: LayerRange = None,
     ) -> list[bool]:
         self._check_open()
-        check_get_args(self.layout, keys, outs, layers)
-        if layers is not None and tuple(layers) == (0, self.layout.num_layers):
-            layers = None
+        layers = check_get_args(self.layout, keys, outs, layers)
         done = [False] * len(keys)
         for idxs in self._chunks(len(keys)):
             if layers is None:

@@ -215,14 +215,19 @@ def check_put_args(
 
 def check_get_args(
     layout: KVLayout, keys: Sequence[BlockKey], outs: Sequence[torch.Tensor], layers: LayerRange
-) -> None:
-    """Raise :class:`InvalidInputError` for a get that could only fail (before any I/O)."""
+) -> LayerRange:
+    """Raise :class:`InvalidInputError` for a get that could only fail (before any I/O);
+    else the layers to read: ``layers``, or None when they are every layer (a tier then
+    reads whole values, as for ``layers=None``)."""
     if len(keys) != len(outs):
         raise InvalidInputError(f"{len(keys)} keys but {len(outs)} output tensors")
-    if layers is not None and not 0 <= layers[0] < layers[1] <= layout.num_layers:
+    if layers is None or tuple(layers) == (0, layout.num_layers):
+        return None
+    if not 0 <= layers[0] < layers[1] <= layout.num_layers:
         raise InvalidInputError(
             f"layer range {tuple(layers)} outside [0, {layout.num_layers}) or empty"
         )
+    return layers
 
 
 def key_from_hex(text: str) -> BlockKey | None:

@@ -220,9 +220,7 @@ class S3Tier(Tier):
         layers: LayerRange = None,
     ) -> list[bool]:
         self._check_open()
-        check_get_args(self.layout, keys, outs, layers)
-        if layers is not None and tuple(layers) == (0, self.layout.num_layers):
-            layers = None
+        layers = check_get_args(self.layout, keys, outs, layers)
         deadline_at = time.monotonic() + self.cfg.deadline
         if self._large and layers is None:
             done = [
