@@ -41,6 +41,38 @@ class Backoff:
         return (rng or random).uniform(0, ceiling)
 
 
+class _Schedule:
+    """One call's retries under ``policy``: after each error, the pause before the next
+    try, or None to give up (both drivers below share it, so they cannot drift apart)."""
+
+    def __init__(
+        self,
+        policy: Backoff,
+        retryable: Callable[[BaseException], bool],
+        clock: Callable[[], float],
+        on_retry: Callable[[int, BaseException], None] | None,
+    ) -> None:
+        self._policy = policy
+        self._retryable = retryable
+        self._clock = clock
+        self._on_retry = on_retry
+        self._start = clock()
+        self._attempt = 0
+
+    def pause_after(self, exc: Exception) -> float | None:
+        """The sleep before retrying ``exc``; None when it is not retryable, attempts
+        ran out, or the retry would end past the deadline."""
+        self._attempt += 1
+        if not self._retryable(exc) or self._attempt >= self._policy.max_attempts:
+            return None
+        pause = self._policy.delay(self._attempt - 1)
+        if self._clock() + pause - self._start > self._policy.deadline:
+            return None
+        if self._on_retry is not None:
+            self._on_retry(self._attempt, exc)
+        return pause
+
+
 def retry_call(
     fn: Callable[[], T],
     retryable: Callable[[BaseException], bool],
@@ -54,20 +86,14 @@ def retry_call(
     Raises the last error when it is not retryable, when attempts run out,
     or when the next retry would end past the deadline.
     """
-    start = clock()
-    attempt = 0
+    schedule = _Schedule(policy, retryable, clock, on_retry)
     while True:
         try:
             return fn()
         except Exception as exc:
-            attempt += 1
-            if not retryable(exc) or attempt >= policy.max_attempts:
+            pause = schedule.pause_after(exc)
+            if pause is None:
                 raise
-            pause = policy.delay(attempt - 1)
-            if clock() + pause - start > policy.deadline:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, exc)
             sleep(pause)
 
 
@@ -78,21 +104,14 @@ async def retry_async(
     on_retry: Callable[[int, BaseException], None] | None = None,
 ) -> T:
     """The asyncio form of :func:`retry_call`: the same policy, awaiting between tries."""
-    clock = time.monotonic
-    start = clock()
-    attempt = 0
+    schedule = _Schedule(policy, retryable, time.monotonic, on_retry)
     while True:
         try:
             return await fn()
         except Exception as exc:
-            attempt += 1
-            if not retryable(exc) or attempt >= policy.max_attempts:
+            pause = schedule.pause_after(exc)
+            if pause is None:
                 raise
-            pause = policy.delay(attempt - 1)
-            if clock() + pause - start > policy.deadline:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, exc)
             await asyncio.sleep(pause)
 
 
