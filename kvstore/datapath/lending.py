@@ -147,23 +147,22 @@ class Lender:
 
     def __init__(
         self,
-        books: Books,
-        io: TierIO,
-        finder: Finder,
         reader: Reader,
         layer_writes: LayerWrites,
         schedule: Callable[[FollowUps], None],
         lease_s: float,
     ) -> None:
-        self.books = books
-        self.io = io
-        self.finder = finder
+        # The books, tier calls and finder are the reader's: a loan pins and reads
+        # through the same pieces as a get (and a prefetch).
         self.reader = reader
+        self.books: Books = reader.books
+        self.io: TierIO = reader.io
+        self.finder: Finder = reader.finder
         self.layer_writes = layer_writes
         self.schedule = schedule
         self.lease_s = lease_s
-        self.layout = io.layout
-        self._host = [level for level in range(len(io.tiers)) if io.host_memory(level)]
+        self.layout = self.io.layout
+        self._host = [level for level in range(len(self.io.tiers)) if self.io.host_memory(level)]
 
     def lend(self, keys: Sequence[BlockKey], duration: float | None = None) -> Loan:
         """Pin every stored key of ``keys`` under one lease; views where host memory

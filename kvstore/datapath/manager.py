@@ -112,18 +112,8 @@ class BlockManager:
         self.writer = Writer(self.books, self.io)
         self.migrations = Migrations(self.books, self.io, self.writer, self.mover)
         self.layer_writes = LayerWrites(self.books, self.io, self.writer, lease_s)
-        self.prefetcher = Prefetcher(
-            self.books, self.io, self.reader, self.copies, self.config.prefetch, lease_s
-        )
-        self.lender = Lender(
-            self.books,
-            self.io,
-            self.finder,
-            self.reader,
-            self.layer_writes,
-            self.migrations.schedule,
-            lease_s,
-        )
+        self.prefetcher = Prefetcher(self.reader, self.copies, self.config.prefetch, lease_s)
+        self.lender = Lender(self.reader, self.layer_writes, self.migrations.schedule, lease_s)
         #: Restore planning: what a stored prefix is worth loading (``store.plan``).
         self.restorer = _restorer(self, tiers)
         #: Session hints: retain, demote, prefetch (``store.hint``).

@@ -231,21 +231,17 @@ class Prefetcher:
     ``prefetch`` lane (the destination's CUDA engine for a GPU destination)."""
 
     def __init__(
-        self,
-        books: Books,
-        io: TierIO,
-        reader: Reader,
-        copies: CopyEngine,
-        config: PrefetchConfig,
-        lease_s: float,
+        self, reader: Reader, copies: CopyEngine, config: PrefetchConfig, lease_s: float
     ) -> None:
-        self.books = books
-        self.io = io
+        # The books and tier calls are the reader's: a prefetch pins and reads through
+        # the same pieces as a get (and a loan).
         self.reader = reader
+        self.books: Books = reader.books
+        self.io: TierIO = reader.io
         self.copies = copies
         self.config = config
         self.lease_s = lease_s
-        self.num_layers = io.layout.num_layers
+        self.num_layers = self.io.layout.num_layers
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-prefetch")
         self._live: set[PrefetchHandle] = set()
         self._lock = threading.Lock()  # guards _live
