@@ -6,41 +6,10 @@ every registered policy in test_s3fifo.py.
 
 from __future__ import annotations
 
-from kvstore.policy import ARCPolicy, EvictionPolicy, LRUPolicy
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def lists(policy: ARCPolicy) -> dict[str, list[int]]:
-    return {
-        name: [int.from_bytes(key, "little") for key in keys]
-        for name, keys in policy.queues().items()
-    }
-
-
-def evict(policy: EvictionPolicy, n: int, pinned: frozenset[bytes] = frozenset()) -> list[bytes]:
-    """What the manager does: take the first ``n`` unpinned candidates, then remove them."""
-    victims: list[bytes] = []
-    for key in policy.candidates():
-        if len(victims) >= n:
-            break
-        if key not in pinned:
-            victims.append(key)
-    for key in victims:
-        policy.remove(key)
-    return victims
-
-
-def access(policy: EvictionPolicy, key: bytes, capacity: int) -> bool:
-    if key in policy:
-        policy.touch(key)
-        return True
-    if len(policy) >= capacity:
-        assert len(evict(policy, 1)) == 1
-    policy.insert(key)
-    return False
+from kvstore.policy import ARCPolicy, LRUPolicy
+from kvstore.testing.policies import access, evict
+from kvstore.testing.policies import policy_key as k
+from kvstore.testing.policies import queue_ids as lists
 
 
 def test_new_keys_enter_t1_and_a_use_moves_them_to_t2():

@@ -7,51 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.policy import (
-    ARCPolicy,
-    EvictionPolicy,
-    LRUPolicy,
-    S3FIFOPolicy,
-    make_policy,
-    policy_names,
-)
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def ids(keys) -> list[int]:
-    return [int.from_bytes(key, "little") for key in keys]
-
-
-def queues(policy: S3FIFOPolicy) -> dict[str, list[int]]:
-    return {name: ids(keys) for name, keys in policy.queues().items()}
-
-
-def evict(policy: EvictionPolicy, n: int, pinned: frozenset[bytes] = frozenset()) -> list[bytes]:
-    """What the manager does: take the first ``n`` unpinned candidates, then remove them."""
-    victims: list[bytes] = []
-    for key in policy.candidates():
-        if len(victims) >= n:
-            break
-        if key not in pinned:
-            victims.append(key)
-    for key in victims:
-        policy.remove(key)
-    return victims
-
-
-def access(policy: EvictionPolicy, key: bytes, capacity: int) -> bool:
-    """One cache access: a hit touches, a miss evicts one block if full and inserts."""
-    if key in policy:
-        policy.touch(key)
-        return True
-    if len(policy) >= capacity:
-        assert len(evict(policy, 1)) == 1
-    policy.insert(key)
-    return False
-
+from kvstore.policy import ARCPolicy, LRUPolicy, S3FIFOPolicy, make_policy, policy_names
+from kvstore.testing.policies import access, evict
+from kvstore.testing.policies import key_ids as ids
+from kvstore.testing.policies import policy_key as k
+from kvstore.testing.policies import queue_ids as queues
 
 # -- queue mechanics ----------------------------------------------------------
 
