@@ -83,6 +83,9 @@ def test_a_disk_tier_stores_with_a_registered_codec_named_in_yaml(tmp_path: Path
     assert any(read_header(f.read_bytes()).codec == 200 for f in files if f.stat().st_size > 64)
     with pytest.raises(ConfigError, match=r"unknown codec 'zstd'; use one of raw, lz4.*zlib"):
         StoreConfig.from_dict({"tiers": [{"kind": "disk", "codec": "zstd"}]}, environ={})
+    s3 = {"kind": "s3", "bucket": "b", "codec": "zlib"}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.codec: 'zlib' is a plug-in codec"):
+        StoreConfig.from_dict({"tiers": [s3]}, environ={})
 
 
 PLUGIN = """

@@ -20,6 +20,7 @@ from kvstore._values import (
     parse_size,
     parse_str,
 )
+from kvstore.codecs import AUTO, BUILT_IN
 from kvstore.config._fields import build as _build
 from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
@@ -374,6 +375,7 @@ class S3TierConfig(TierConfig):
         )
         if self.part_size < 5 * 1024**2:
             raise ConfigError(f"{path}.part_size: S3 parts must be >= 5MiB, got {self.part_size}")
+        _check_built_in_codec(self.codec, path)
 
 
 @dataclass(frozen=True)
@@ -428,6 +430,17 @@ class RedisTierConfig(TierConfig):
         if self.ttl is not None and self.ttl <= 0:
             raise ConfigError(f"{path}.ttl: must be > 0 seconds or null, got {self.ttl}")
         _check_positive(self, path, "pool_size", "socket_timeout", "retry_interval")
+        _check_built_in_codec(self.codec, path)
+
+
+def _check_built_in_codec(codec: str, path: str) -> None:
+    """Plug-in codecs (:mod:`kvstore.codecs`) are the disk tier's; the remote tiers write
+    with the built-in ones."""
+    if codec != AUTO and codec not in BUILT_IN:
+        raise ConfigError(
+            f"{path}.codec: {codec!r} is a plug-in codec, which only the disk tier writes "
+            f"with; use one of {', '.join(BUILT_IN)} or {AUTO}"
+        )
 
 
 NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
