@@ -9,7 +9,8 @@ Use it from a test module::
             return HostTier(HostTierConfig(capacity=capacity_blocks * layout.block_nbytes), layout)
 
 pytest collects the inherited ``test_*`` methods. Class attributes tune the
-suite for a medium: ``bounded`` (the tier refuses blocks past its capacity)
+suite for a medium: ``bounded`` (the tier refuses blocks past its capacity; an unbounded
+one takes puts past its nominal capacity)
 and ``capacity_blocks`` (the size the suite asks for).
 """
 
@@ -24,7 +25,7 @@ import torch
 
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.data import block_list, random_blocks, small_layout
 from kvstore.tiers.base import Tier
 
 __all__ = ["TierConformance", "make_keys"]
@@ -33,12 +34,6 @@ __all__ = ["TierConformance", "make_keys"]
 def make_keys(n: int, salt: int = 0) -> list[BlockKey]:
     """``n`` distinct 16-byte keys."""
     return [BlockKey(((salt << 64) | i).to_bytes(16, "little")) for i in range(n)]
-
-
-def _blocks(layout: KVLayout, n: int, seed: int) -> list[torch.Tensor]:
-    kv = random_blocks(layout, n, seed)
-    step = layout.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
 
 
 class TierConformance(ABC):
@@ -65,7 +60,7 @@ class TierConformance(ABC):
 
     # -- basic round trips --------------------------------------------------
     def test_put_get_round_trip(self, tier: Tier) -> None:
-        keys, blocks = make_keys(3), _blocks(self.layout, 3, seed=1)
+        keys, blocks = make_keys(3), block_list(self.layout, 3, seed=1)
         assert tier.put(keys, blocks) == [True] * 3
         outs = self._empty(3)
         assert tier.get(keys, outs) == [True] * 3
@@ -78,7 +73,7 @@ class TierConformance(ABC):
         assert bool((outs[0] == 7.0).all())
 
     def test_mixed_batch(self, tier: Tier) -> None:
-        keys, blocks = make_keys(4), _blocks(self.layout, 4, seed=2)
+        keys, blocks = make_keys(4), block_list(self.layout, 4, seed=2)
         tier.put(keys[::2], blocks[::2])
         outs = self._empty(4)
         assert tier.get(keys, outs) == [True, False, True, False]
@@ -86,13 +81,13 @@ class TierConformance(ABC):
         assert tier.contains(keys) == [True, False, True, False]
 
     def test_stored_keys_lists_exactly_what_is_held(self, tier: Tier) -> None:
-        keys, blocks = make_keys(5), _blocks(self.layout, 5, seed=3)
+        keys, blocks = make_keys(5), block_list(self.layout, 5, seed=3)
         tier.put(keys, blocks)
         tier.delete(keys[:2])
         assert sorted(tier.stored_keys()) == sorted(keys[2:])
 
     def test_put_of_a_stored_key_keeps_one_copy(self, tier: Tier) -> None:
-        keys, blocks = make_keys(1), _blocks(self.layout, 2, seed=4)
+        keys, blocks = make_keys(1), block_list(self.layout, 2, seed=4)
         assert tier.put(keys, blocks[:1]) == [True]
         assert tier.put(keys, blocks[:1]) == [True]
         assert list(tier.stored_keys()) == keys
@@ -101,7 +96,7 @@ class TierConformance(ABC):
         assert torch.equal(out[0], blocks[0])
 
     def test_delete(self, tier: Tier) -> None:
-        keys, blocks = make_keys(2), _blocks(self.layout, 2, seed=5)
+        keys, blocks = make_keys(2), block_list(self.layout, 2, seed=5)
         tier.put(keys, blocks)
         tier.delete([keys[0], *make_keys(1, salt=3)])  # absent keys are ignored
         assert tier.contains(keys) == [False, True]
@@ -109,7 +104,7 @@ class TierConformance(ABC):
 
     def test_distinct_blocks_never_alias(self, tier: Tier) -> None:
         n = self.capacity_blocks
-        keys, blocks = make_keys(n), _blocks(self.layout, n, seed=6)
+        keys, blocks = make_keys(n), block_list(self.layout, n, seed=6)
         assert all(tier.put(keys, blocks))
         outs = self._empty(n)
         assert all(tier.get(keys, outs))
@@ -130,7 +125,7 @@ class TierConformance(ABC):
         assert torch.equal(out, kv)
 
     def test_layer_range_get(self, tier: Tier) -> None:
-        keys, blocks = make_keys(2), _blocks(self.layout, 2, seed=8)
+        keys, blocks = make_keys(2), block_list(self.layout, 2, seed=8)
         tier.put(keys, blocks)
         first, last = 1, self.layout.num_layers
         outs = [
@@ -149,12 +144,17 @@ class TierConformance(ABC):
             assert tier.capacity_blocks >= self.capacity_blocks
 
     def test_full_tier_refuses_and_capacity_returns(self, tier: Tier) -> None:
-        if not self.bounded:
-            pytest.skip("this medium has no hard block limit")
+        if not self.bounded:  # no hard block limit: puts past it land, deletes leave nothing
+            n = tier.capacity_blocks + 2
+            keys = make_keys(n, salt=7)
+            assert tier.put(keys, block_list(self.layout, n)) == [True] * n
+            tier.delete(keys)
+            assert list(tier.stored_keys()) == []
+            return
         n = tier.capacity_blocks
         for round_ in range(3):  # capacity comes back exactly after deletes
             keys = make_keys(n, salt=round_)
-            blocks = _blocks(self.layout, n, seed=round_)
+            blocks = block_list(self.layout, n, seed=round_)
             assert all(tier.put(keys, blocks))
             extra = make_keys(1, salt=100 + round_)
             assert tier.put(extra, blocks[:1]) == [False]
@@ -163,7 +163,7 @@ class TierConformance(ABC):
 
     # -- two-step stores (optional: memory tiers hand out their memory) ------
     def test_two_step_store(self, tier: Tier) -> None:
-        keys, blocks = make_keys(3), _blocks(self.layout, 3, seed=9)
+        keys, blocks = make_keys(3), block_list(self.layout, 3, seed=9)
         views = tier.reserve(keys)
         assert len(views) == 3
         if all(v is None for v in views):
@@ -182,7 +182,7 @@ class TierConformance(ABC):
         assert torch.equal(outs[0], blocks[0]) and torch.equal(outs[1], blocks[1])
         if self.bounded:  # the aborted reservation's room came back
             n = tier.capacity_blocks - 2
-            assert all(tier.put(make_keys(n, salt=7), _blocks(self.layout, n, seed=10)))
+            assert all(tier.put(make_keys(n, salt=7), block_list(self.layout, n, seed=10)))
 
     # -- concurrency and lifecycle -----------------------------------------
     def test_concurrent_writers_and_readers(self, tier: Tier) -> None:
@@ -191,7 +191,7 @@ class TierConformance(ABC):
 
         def work(t: int) -> None:
             keys = make_keys(per_thread, salt=50 + t)
-            blocks = _blocks(self.layout, per_thread, seed=50 + t)
+            blocks = block_list(self.layout, per_thread, seed=50 + t)
             for _ in range(5):
                 if not all(tier.put(keys, blocks)):
                     errors.append(f"thread {t}: put failed")

@@ -6,7 +6,7 @@ import torch
 
 from kvstore.layout import KVLayout
 
-__all__ = ["host_config", "random_blocks", "small_layout"]
+__all__ = ["block_list", "empty_blocks", "host_config", "random_blocks", "small_layout"]
 
 
 def small_layout(**overrides: object) -> KVLayout:
@@ -30,6 +30,23 @@ def random_blocks(layout: KVLayout, num_blocks: int, seed: int = 0) -> torch.Ten
         return torch.randn(shape, generator=gen).to(layout.dtype)
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * layout.itemsize), generator=gen)
     return raw.to(torch.uint8).view(layout.dtype)
+
+
+def block_list(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
+    """:func:`random_blocks` cut into ``n`` contiguous blocks (``layout.block_shape``), as a
+    tier's ``put`` takes them."""
+    kv = random_blocks(layout, n, seed)
+    step = layout.block_tokens
+    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
+
+
+def empty_blocks(
+    layout: KVLayout, n: int = 1, layers: tuple[int, int] | None = None
+) -> list[torch.Tensor]:
+    """``n`` zeroed blocks to read into: whole, or only ``layers`` (first, end)."""
+    first, last = layers or (0, layout.num_layers)
+    shape = (last - first, *layout.block_shape[1:])
+    return [torch.zeros(shape, dtype=layout.dtype) for _ in range(n)]
 
 
 def host_config(layout: KVLayout, blocks: int, **extra: object) -> dict[str, object]:

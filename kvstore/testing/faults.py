@@ -23,7 +23,7 @@ from kvstore.keys import BlockKey
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.files import Buffer, FileOps
 
-__all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier"]
+__all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier", "wait_for_tier"]
 
 
 class FaultyTier(Tier):
@@ -187,3 +187,18 @@ DAMAGES: dict[str, Callable[[bytes], bytes]] = {
 }
 """Ways someone else can damage a stored value (a remote object, a Redis string): each
 maps the good bytes to the damaged ones. Every one must read as a miss, never as data."""
+
+
+def wait_for_tier(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``check`` until it is true (a :class:`TierError` counts as not yet: the
+    medium is still down); False after ``timeout`` seconds. For tests that bring a
+    server back under a tier."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if check():
+                return True
+        except TierError:  # still down: try again
+            pass
+        time.sleep(0.05)
+    return False

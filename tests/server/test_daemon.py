@@ -14,25 +14,15 @@ import pytest
 import torch
 
 from kvstore.client import Client, ClientOptions
-from kvstore.layout import KVLayout
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import block_list as blocks_of
+from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.wire.protocol import SlotStatus
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()
-
-
-def blocks_of(layout: KVLayout, n: int, seed: int) -> list[torch.Tensor]:
-    kv = random_blocks(layout, n, seed)
-    step = layout.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
-
-
-def empty(layout: KVLayout, n: int, layers: tuple[int, int] | None = None) -> list[torch.Tensor]:
-    count = layout.num_layers if layers is None else layers[1] - layers[0]
-    return [torch.zeros((count, *layout.block_shape[1:]), dtype=layout.dtype) for _ in range(n)]
 
 
 def address(server: ServerThread, transport: str) -> str:

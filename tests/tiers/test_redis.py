@@ -7,12 +7,11 @@ plain redis-py client. No client is mocked.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +24,11 @@ from kvstore.config import HostTierConfig, RedisTierConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
+from kvstore.testing.data import block_list as blocks_of
+from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import DAMAGES
+from kvstore.testing.faults import wait_for_tier as wait_for
 from kvstore.testing.servers import RedisCluster, RedisServer, free_port, redis_command
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
@@ -42,30 +44,6 @@ def redis_config(url: str, **fields: Any) -> RedisTierConfig:
     }
     base.update(fields)
     return RedisTierConfig(**base)
-
-
-def blocks_of(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
-    kv = random_blocks(layout, n, seed)
-    step = layout.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
-
-
-def empty(
-    layout: KVLayout, n: int = 1, layers: tuple[int, int] | None = None
-) -> list[torch.Tensor]:
-    first, last = layers or (0, layout.num_layers)
-    shape = (last - first, *layout.block_shape[1:])
-    return [torch.zeros(shape, dtype=layout.dtype) for _ in range(n)]
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with contextlib.suppress(TierError):  # still down: try again
-            if check():
-                return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -101,14 +79,6 @@ class TestRedisTier(TierConformance):
     def make_tier(self, layout: KVLayout, capacity_blocks: int) -> RedisTier:
         config = redis_config(self.url, capacity=capacity_blocks * layout.block_nbytes)
         return RedisTier(config, layout)
-
-    def test_full_tier_refuses_and_capacity_returns(self, tier: RedisTier) -> None:  # type: ignore[override]
-        """Unbounded medium: puts past the nominal capacity land; deletes leave nothing."""
-        n = tier.capacity_blocks + 2
-        keys = make_keys(n, salt=7)
-        assert tier.put(keys, blocks_of(self.layout, n)) == [True] * n
-        tier.delete(keys)
-        assert list(tier.stored_keys()) == []
 
 
 class TestRedisClusterTier(TestRedisTier):

@@ -7,7 +7,6 @@ objects are written with a plain boto3 client. No client is mocked.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import time
@@ -25,8 +24,11 @@ from kvstore.config import S3TierConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
+from kvstore.testing.data import block_list as blocks_of
+from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import DAMAGES
+from kvstore.testing.faults import wait_for_tier as wait_for
 from kvstore.testing.servers import DUMMY_AWS_ENV, FaultProxy, S3Server, free_port
 from kvstore.tiers.s3 import S3Tier
 
@@ -52,30 +54,6 @@ def s3_config(server: S3Server, **fields: Any) -> S3TierConfig:
     }
     base.update(fields)
     return S3TierConfig(**base)
-
-
-def wait_for(check: Any, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with contextlib.suppress(TierError):  # still down: try again
-            if check():
-                return True
-        time.sleep(0.05)
-    return False
-
-
-def blocks_of(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
-    kv = random_blocks(layout, n, seed)
-    step = layout.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
-
-
-def empty(
-    layout: KVLayout, n: int = 1, layers: tuple[int, int] | None = None
-) -> list[torch.Tensor]:
-    first, last = layers or (0, layout.num_layers)
-    shape = (last - first, *layout.block_shape[1:])
-    return [torch.zeros(shape, dtype=layout.dtype) for _ in range(n)]
 
 
 @pytest.fixture
@@ -126,14 +104,6 @@ class TestS3Tier(TierConformance):
     def make_tier(self, layout: KVLayout, capacity_blocks: int) -> S3Tier:
         config = s3_config(self.server, capacity=capacity_blocks * layout.block_nbytes)
         return S3Tier(config, layout)
-
-    def test_full_tier_refuses_and_capacity_returns(self, tier: S3Tier) -> None:  # type: ignore[override]
-        """Unbounded medium: puts past the nominal capacity land; deletes leave nothing."""
-        n = tier.capacity_blocks + 2
-        keys = make_keys(n, salt=7)
-        assert tier.put(keys, blocks_of(self.layout, n)) == [True] * n
-        tier.delete(keys)
-        assert list(tier.stored_keys()) == []
 
 
 # -- naming, codecs, layers ---------------------------------------------------------------------
