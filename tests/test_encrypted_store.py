@@ -67,7 +67,7 @@ def test_round_trip_restart_and_rotation(tmp_path: Path) -> None:
         more = store.hash_tokens(list(range(100, 100 + 2 * layout.block_tokens)), "m")
         store.put(more, random_blocks(layout, 2, seed=5))
         assert torch.equal(store.get(keys), kv)  # old blocks, read under k1
-        assert store._manager.drain(timeout=10)
+        assert store.drain(timeout=10)
         disk = store.stats()["tiers"][0]
         assert disk["reencrypted"] == 4 and disk["reencrypt_pending"] == 0
     assert key_ids(tmp_path / "d") == ["k2"] * 6
@@ -252,7 +252,7 @@ def test_rotation_rewrites_redis_blocks(tmp_path: Path, redis_server: Any) -> No
         assert store.put(keys, kv) == 3
     write_keyring(key_file, {"k1": k1, "k2": k2}, "k2")
     with KVStore(layout, config) as store:
-        assert store._manager.drain(timeout=10)
+        assert store.drain(timeout=10)
         stats = store.stats()["tiers"][0]
         assert stats["reencrypted"] == 3 and stats["reencrypt_pending"] == 0
     client = redis.Redis.from_url(redis_server.url)

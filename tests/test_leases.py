@@ -7,9 +7,9 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import HostTierConfig, StoreConfig
+from kvstore.datapath import BlockManager
 from kvstore.datapath.index import Entry
 from kvstore.datapath.leases import LeaseTable
-from kvstore.datapath.manager import BlockManager
 from kvstore.errors import CapacityError, InvalidInputError
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import host_config, random_blocks, small_layout

@@ -12,8 +12,8 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import DeviceTierConfig, HostTierConfig
+from kvstore.datapath import BlockManager
 from kvstore.datapath.contracts import Medium
-from kvstore.datapath.manager import BlockManager
 from kvstore.errors import BlockNotFoundError, CapacityError, ClosedError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
@@ -116,7 +116,7 @@ def test_capacity_returns_exactly_after_deletes_and_evictions(layout: KVLayout) 
             manager.delete(keys)
         else:
             manager.evict(0, 6)
-        assert tier._slab.num_free == 6
+        assert tier.free_blocks == 6
         assert len(manager) == 0
     manager.close()
 
@@ -321,7 +321,7 @@ def test_concurrent_put_of_same_key_stores_once(layout: KVLayout) -> None:
     for t in threads:
         t.join()
     assert len(manager) == 1
-    assert tier._slab.num_used == 1
+    assert tier.capacity_blocks - tier.free_blocks == 1  # one slot used
     manager.close()
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.config import StoreConfig, format_size
-from kvstore.datapath.manager import BlockManager
+from kvstore.datapath import BlockManager
 from kvstore.layout import KVLayout
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier

@@ -11,7 +11,7 @@ import torch
 
 from kvstore import InvalidInputError, KVStore, LayoutMismatchError
 from kvstore.config import HostTierConfig, StoreConfig
-from kvstore.datapath.manager import BlockManager
+from kvstore.datapath import BlockManager
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.testing.data import host_config, random_blocks, small_layout
@@ -163,7 +163,7 @@ def test_corrupt_block_mid_prefetch_is_reported_and_never_returned(tmp_path: Pat
     keys = store.hash_tokens(torch.arange(4 * layout.block_tokens), "m")
     kv = random_blocks(layout, 4)
     store.put(keys, kv)
-    victim = Path(store.datapath.tiers[0]._tree.block_path(keys[2]))
+    victim = Path(store.datapath.tiers[0].block_path(keys[2]))
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0x10  # flip a bit in the last layer's payload
     victim.write_bytes(bytes(data))
@@ -238,11 +238,11 @@ def test_an_abandoned_layerwise_write_expires_and_returns_its_room() -> None:
     kv = random_blocks(layout, 2)
     step = layout.block_tokens
     manager.write_layer(keys, 0, [kv[0, :, i * step : (i + 1) * step] for i in range(2)])
-    assert tier._slab.num_free == 2  # two slots reserved for the blocks in flight
+    assert tier.free_blocks == 2  # two slots reserved for the blocks in flight
     assert manager.lookup(keys) == 0
     clock[0] += 6  # the request was aborted: no more layers come
     assert manager.evict(0, 0) == []  # any pass through eviction reaps expired writes
-    assert tier._slab.num_free == 4 and manager.counters.layer_writes_expired == 2
+    assert tier.free_blocks == 4 and manager.counters.layer_writes_expired == 2
     assert manager.pinned_blocks() == 0
     manager.close()
 
@@ -275,7 +275,7 @@ def test_put_layer_bad_input_changes_nothing() -> None:
         with pytest.raises(InvalidInputError):
             store.put_layer(keys, 0, "not a tensor")  # type: ignore[arg-type]
         assert store.datapath.pinned_blocks() == 0 and len(store.datapath) == 0
-        assert store.datapath.tiers[0]._slab.num_free == 4
+        assert store.datapath.tiers[0].free_blocks == 4
 
 
 @pytest.mark.cuda

@@ -330,6 +330,10 @@ class DiskTier(Tier):
                 log.warning("disk tier: cannot delete %s: %s", key.hex(), exc)
                 self._count("delete_errors")
 
+    def block_path(self, key: BlockKey) -> str:
+        """The file that holds (or would hold) block ``key``."""
+        return self._tree.block_path(key)
+
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [os.path.exists(self._tree.block_path(key)) for key in keys]
 

@@ -75,6 +75,11 @@ class SlabTier(Tier):
         return self._slab.num_slots
 
     @property
+    def free_blocks(self) -> int:
+        """Slots free now (neither holding a block nor reserved for one being written)."""
+        return self._slab.num_free
+
+    @property
     def device(self) -> torch.device:
         return self._slab.device
 

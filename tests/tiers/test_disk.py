@@ -216,7 +216,7 @@ def misaligned(block: torch.Tensor) -> torch.Tensor:
 
 
 def block_file(tier: DiskTier, key: bytes) -> str:
-    return tier._tree.block_path(key)
+    return tier.block_path(key)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs mincore")

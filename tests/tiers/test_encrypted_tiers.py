@@ -19,6 +19,8 @@ from kvstore.crypt import BlockCipher
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.testing.conformance import TierConformance, make_keys
+from kvstore.testing.data import block_list as blocks_of
+from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.servers import RedisServer, S3Server
 from kvstore.tiers.base import Tier
@@ -30,18 +32,6 @@ K1, K2 = os.urandom(32), os.urandom(32)
 
 def cipher(active: str = "k1", **keys: bytes) -> BlockCipher:
     return BlockCipher("default", TenantKeys(active, keys or {"k1": K1}))
-
-
-def blocks_of(layout: KVLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
-    kv = random_blocks(layout, n, seed)
-    step = layout.block_tokens
-    return [kv[:, :, i * step : (i + 1) * step].contiguous() for i in range(n)]
-
-
-def empty(layout: KVLayout, n: int, layers: tuple[int, int] | None = None) -> list[torch.Tensor]:
-    first, last = layers or (0, layout.num_layers)
-    shape = (last - first, *layout.block_shape[1:])
-    return [torch.zeros(shape, dtype=layout.dtype) for _ in range(n)]
 
 
 def disk_tier(path: Path, layout: KVLayout, codec: str = "raw", **fields: Any) -> DiskTier:
@@ -94,7 +84,7 @@ def medium(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     def damage(tier: Tier, key: BlockKey) -> None:
         if kind.startswith("disk"):
             assert isinstance(tier, DiskTier)
-            name = tier._tree.block_path(key)
+            name = tier.block_path(key)
             data = bytearray(Path(name).read_bytes())
             data[4096 + 10] ^= 0x01  # the first layer's ciphertext (the file is page-padded)
             Path(name).write_bytes(data)
@@ -145,7 +135,7 @@ def test_stored_bytes_are_sealed(tmp_path: Path) -> None:
     tier.encrypt_with(cipher())
     key, block = make_keys(1)[0], blocks_of(layout, 1)[0]
     assert tier.put([key], [block]) == [True]
-    data = Path(tier._tree.block_path(key)).read_bytes()
+    data = Path(tier.block_path(key)).read_bytes()
     header = read_header(data)
     assert header.sealed and header.key_id == "k1" and len(header.nonce) == 12
     assert data[4] == SEALED_VERSION
@@ -160,7 +150,7 @@ def test_plain_tier_bytes_unchanged(tmp_path: Path) -> None:
     tier = disk_tier(tmp_path, layout)
     key, block = make_keys(1)[0], blocks_of(layout, 1)[0]
     tier.put([key], [block])
-    data = Path(tier._tree.block_path(key)).read_bytes()
+    data = Path(tier.block_path(key)).read_bytes()
     header = parse_header(data, layout, key)
     assert not header.sealed and data[4] == 1 and header.header_nbytes == 128
     tier.close()
