@@ -39,7 +39,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.codec import TAG_BYTES, BlockHeader, EncodedBlock, header_size, parse_header
+from kvstore.codec import TAG_BYTES, BlockHeader, EncodedBlock, parse_header
 from kvstore.config import RedisTierConfig, TierConfig
 from kvstore.errors import (
     ClosedError,
@@ -52,11 +52,11 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, retry_call
-from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.base import LayerRange
 from kvstore.tiers.remote_common import (
     Breaker,
     BufferPool,
-    Counters,
+    ValueTier,
     check_get_args,
     check_put_args,
     decode_layers,
@@ -64,7 +64,6 @@ from kvstore.tiers.remote_common import (
     encode_value,
     key_from_hex,
     pack_into,
-    value_header_size,
 )
 
 __all__ = ["RedisTier"]
@@ -123,13 +122,14 @@ def _redact(url: str) -> str:
     )
 
 
-class RedisTier(Tier):
+class RedisTier(ValueTier):
     """Blocks as values in Redis or Redis Cluster (see the module docstring)."""
 
     kind = "redis"
     persistent = True
     shared = True  # other processes write the same keys
     local = False
+    counter_names = _COUNTERS
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, RedisTierConfig):
@@ -137,29 +137,16 @@ class RedisTier(Tier):
         config.validate("redis")
         super().__init__(config, layout)
         self.cfg = config
-        self._capacity = self.blocks_in(config.capacity)
         self._prefix = f"{config.key_prefix}:{layout.fingerprint_hex}:".encode()
-        self._header_nbytes = value_header_size(layout)
         self._per_pipeline = max(1, _PIPELINE_BYTES // (layout.block_nbytes + self._header_nbytes))
         self._ttl_ms = None if config.ttl is None else max(1, round(config.ttl * 1000))
-        self._counters = Counters(_COUNTERS)
         self._buffers = BufferPool(_PIPELINE_BYTES)
         self._breaker = Breaker(config.retry_interval)
         self._client: Any = None
         self._client_lock = threading.Lock()
-        self._closed = False
         self._ping_at_open()
 
-    def encrypt_with(self, cipher: Any) -> None:
-        """Seal values with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
-        self.cipher = cipher
-        self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
-
     # -- names and sizes ----------------------------------------------------
-    @property
-    def capacity_blocks(self) -> int:
-        return self._capacity
-
     @property
     def available(self) -> bool:
         """False while Redis is unreachable (calls then raise TierError at once)."""
@@ -617,19 +604,13 @@ class RedisTier(Tier):
         self._counters.add("errors")
         log.warning("redis tier: %s failed: %s", op, reply)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the redis tier is closed")
-
     def stats(self) -> dict[str, Any]:
-        return {
-            **self._counters.snapshot(),
-            "available": self.available,
-            "url": _redact(self.cfg.url),
-            "cluster": self.cfg.cluster,
-            "codec": self.cfg.codec,
-            **(self.cipher.stats() if self.cipher is not None else {}),
-        }
+        return self._value_stats(
+            self.cfg.codec,
+            available=self.available,
+            url=_redact(self.cfg.url),
+            cluster=self.cfg.cluster,
+        )
 
     def close(self) -> None:
         with self._client_lock:

@@ -9,7 +9,9 @@ Public helpers for tier implementations: the S3 and Redis tiers
 - :func:`encode_value`, :func:`decode_value`, :func:`decode_span`, :func:`pack_into`:
   a block stored as one value in the self-describing format of :mod:`kvstore.codec`
   (header with per-layer checksums, then the payload), verified on every read;
-- :func:`key_from_hex`: a key back from the hex of an object or entry name.
+- :func:`key_from_hex`: a key back from the hex of an object or entry name;
+- :class:`ValueTier`: the base of a tier that keeps each block as one such value (S3,
+  Redis): its capacity, header size (sealed or not), counters, closed state and stats.
 
 Nothing here imports a client library.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +34,12 @@ from kvstore.codec import (
     header_size,
     parse_header,
 )
-from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
+from kvstore.config import TierConfig
+from kvstore.errors import ClosedError, CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.layout import KVLayout
 from kvstore.retry import Breaker
-from kvstore.tiers.base import LayerRange
+from kvstore.tiers.base import LayerRange, Tier
 
 if TYPE_CHECKING:
     from kvstore.crypt import BlockCipher
@@ -45,6 +48,7 @@ __all__ = [
     "Breaker",
     "BufferPool",
     "Counters",
+    "ValueTier",
     "check_get_args",
     "check_put_args",
     "decode_layers",
@@ -238,3 +242,37 @@ def key_from_hex(text: str) -> BlockKey | None:
         return BlockKey(bytes.fromhex(text))
     except ValueError:
         return None
+
+
+class ValueTier(Tier):
+    """The part of a tier keeping each block as one value outside this process that is
+    the same for every such tier (the S3 and Redis tiers): its capacity in blocks, the
+    size of a value's header (larger once values are sealed), its counters
+    (``counter_names``), the closed state and the stats all of them report."""
+
+    counter_names: tuple[str, ...] = ()
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        self._capacity = self.blocks_in(config.capacity)
+        self._header_nbytes = value_header_size(layout)
+        self._counters = Counters(self.counter_names)
+        self._closed = False
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    def encrypt_with(self, cipher: Any) -> None:
+        """Seal values with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
+        self.cipher = cipher
+        self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"the {self.kind} tier is closed")
+
+    def _value_stats(self, codec: str, **fields: Any) -> dict[str, Any]:
+        """The counters, then ``fields``, the ``codec`` setting and the cipher's stats."""
+        cipher = self.cipher.stats() if self.cipher is not None else {}
+        return {**self._counters.snapshot(), **fields, "codec": codec, **cipher}

@@ -51,14 +51,12 @@ from kvstore.codec import (
     BlockHeader,
     Codec,
     EncodedBlock,
-    header_size,
     layer_pieces,
     parse_header,
     verify_layers,
 )
 from kvstore.config import S3TierConfig, TierConfig
 from kvstore.errors import (
-    ClosedError,
     ConfigError,
     CorruptBlockError,
     DecryptError,
@@ -78,10 +76,10 @@ from kvstore.tiers._s3util import (
     error_info,
     has_code,
 )
-from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.base import LayerRange
 from kvstore.tiers.remote_common import (
     BufferPool,
-    Counters,
+    ValueTier,
     check_get_args,
     check_put_args,
     decode_layers,
@@ -89,7 +87,6 @@ from kvstore.tiers.remote_common import (
     encode_value,
     key_from_hex,
     pack_into,
-    value_header_size,
 )
 
 __all__ = ["S3Tier"]
@@ -144,7 +141,7 @@ def etag_matches(body: bytes, etag: str) -> bool:
     return hashlib.md5(body, usedforsecurity=False).hexdigest() == tag
 
 
-class S3Tier(Tier):
+class S3Tier(ValueTier):
     """Blocks as objects in an S3 bucket (see the module docstring)."""
 
     kind = "s3"
@@ -153,6 +150,7 @@ class S3Tier(Tier):
     local = False
     #: Objects per listing request (S3 returns at most 1000).
     list_page = 1000
+    counter_names = _COUNTERS
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, S3TierConfig):
@@ -160,16 +158,12 @@ class S3Tier(Tier):
         config.validate("s3")
         super().__init__(config, layout)
         self.cfg = config
-        self._capacity = self.blocks_in(config.capacity)
         self._dir = f"{config.prefix.strip('/')}/{layout.fingerprint_hex}/"
-        self._header_nbytes = value_header_size(layout)
         # Above the threshold a whole block moves in part_size pieces, in parallel.
         self._large = layout.block_nbytes + self._header_nbytes > config.multipart_threshold
-        self._counters = Counters(_COUNTERS)
         self._headers = HeaderCache(_HEADER_CACHE_ENTRIES)
         self._buffers = BufferPool(_IDLE_BUFFER_BYTES)
         self._healthy = True
-        self._closed = False
         #: The client, its thread pool and breaker: every request goes through it.
         self._s3 = S3Requests(config, self._counters)
         try:  # a missing bucket or refused credentials fail the open, in one line
@@ -179,19 +173,15 @@ class S3Tier(Tier):
             raise
 
     def encrypt_with(self, cipher: Any) -> None:
-        """Seal objects with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
-        self.cipher = cipher
-        self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
+        """Seal objects with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`); a
+        sealed block carries a tag a layer, which may make it a multipart one."""
+        super().encrypt_with(cipher)
         tags = TAG_BYTES * self.layout.num_layers
         self._large = self.layout.block_nbytes + tags + self._header_nbytes > (
             self.cfg.multipart_threshold
         )
 
     # -- names and sizes ----------------------------------------------------
-    @property
-    def capacity_blocks(self) -> int:
-        return self._capacity
-
     @property
     def directory(self) -> str:
         """``<prefix>/<layout fingerprint hex>/``: where this tier's objects live."""
@@ -631,20 +621,14 @@ class S3Tier(Tier):
         except Exception as err:
             log.warning("s3 tier: could not delete corrupt %s: %s", self.object_name(key), err)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the s3 tier is closed")
-
     def stats(self) -> dict[str, Any]:
-        return {
-            **self._counters.snapshot(),
-            "available": self._s3.available,
-            "bucket": self.cfg.bucket,
-            "prefix": self._dir,
-            "concurrency": self.cfg.concurrency,
-            "codec": self.cfg.codec,
-            **(self.cipher.stats() if self.cipher is not None else {}),
-        }
+        return self._value_stats(
+            self.cfg.codec,
+            available=self._s3.available,
+            bucket=self.cfg.bucket,
+            prefix=self._dir,
+            concurrency=self.cfg.concurrency,
+        )
 
     def close(self) -> None:
         if self._closed:
