@@ -47,7 +47,7 @@ from kvstore import _values  # noqa: E402
 from kvstore.codecs import codec_names  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig, tier_config_class  # noqa: E402
 from kvstore.config import server as server_mod  # noqa: E402
-from kvstore.config.tiers import tier_kinds  # noqa: E402
+from kvstore.config.kinds import tier_kinds  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config-reference.md"
 SCRIPT = "scripts/gen_config_reference.py"

@@ -54,6 +54,7 @@ from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
 from kvstore.config.encryption import EncryptionConfig
 from kvstore.config.events import EventsConfig
+from kvstore.config.kinds import build_tier, tier_config_class, tier_kinds
 from kvstore.config.restore import check_prefill_table, parse_prefill_table
 from kvstore.config.server import ServerConfig, TokenConfig
 from kvstore.config.tiers import (
@@ -64,10 +65,7 @@ from kvstore.config.tiers import (
     RemoteTierConfig,
     S3TierConfig,
     TierConfig,
-    build_tier,
     default_tiers,
-    tier_config_class,
-    tier_kinds,
 )
 from kvstore.errors import ConfigError
 

@@ -13,7 +13,7 @@ three are read by their registries (:mod:`kvstore.registry`).
 
 from __future__ import annotations
 
-from kvstore.config.tiers import TIERS
+from kvstore.config.kinds import TIERS
 
 __all__ = ["TIER_PLUGIN_GROUP", "load_tier_plugins"]
 

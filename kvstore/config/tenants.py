@@ -39,7 +39,8 @@ from typing import Any
 from kvstore._values import parse_optional_str, parse_size, parse_str
 from kvstore.config._fields import build, opt
 from kvstore.config.events import EventsConfig
-from kvstore.config.tiers import check_namespace, tier_kinds
+from kvstore.config.kinds import tier_kinds
+from kvstore.config.tiers import check_namespace
 from kvstore.errors import ConfigError
 
 __all__ = [

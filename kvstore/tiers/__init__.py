@@ -13,7 +13,7 @@ both before the config is read::
     register_tier("mem2", "mypkg.tiers:Mem2Tier", options=Mem2Config)
     KVStore(layout, {"tiers": [{"kind": "mem2", "capacity": "1GiB", "my_setting": 3}]})
 
-The kinds live in one registry, :data:`kvstore.config.tiers.TIERS` (each name pairs the
+The kinds live in one registry, :data:`kvstore.config.kinds.TIERS` (each name pairs the
 tier class with its config class; :mod:`kvstore.registry`). An installed package
 registers its kinds in every process through the ``kvstore.tiers`` entry-point group.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstore.config.tiers import TIERS
+from kvstore.config.kinds import TIERS
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -12,9 +12,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-import kvstore.config.tiers as config_tiers
 from kvstore import KVStore
-from kvstore.config import HostTierConfig, StoreConfig, TierConfig, parse_size
+from kvstore.config import HostTierConfig, StoreConfig, TierConfig, parse_size, tier_kinds
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.policy import POLICIES, LRUPolicy, make_policy, register_policy
@@ -153,7 +152,7 @@ def test_a_bad_registration_is_one_clear_error_and_registers_nothing(
     with pytest.raises(ConfigError, match=message):
         register_tier(kind, target, options=options)  # type: ignore[arg-type]
     assert kind not in registered_kinds()
-    assert kind not in config_tiers.tier_kinds()
+    assert kind not in tier_kinds()
 
 
 def test_a_registered_class_that_is_not_there_is_a_config_error() -> None:
