@@ -99,7 +99,12 @@ class Registry(Generic[T]):
         self._entries: dict[str, Entry[T]] = {}
         self._lock = threading.RLock()  # owned here; re-entered by plug-ins that register
         self._ran: set[str] = set()  # "name=value" of each entry point run (or tried)
-        self.view: Mapping[str, Entry[T]] = MappingProxyType(self._entries)
+        self._view: Mapping[str, Entry[T]] = MappingProxyType(self._entries)
+
+    @property
+    def view(self) -> Mapping[str, Entry[T]]:
+        """The entries by name, read-only (a live view: later registrations show)."""
+        return self._view
 
     @property
     def what(self) -> str:

@@ -89,6 +89,8 @@ def test_the_view_is_read_only() -> None:
             registry.view["x"] = None  # type: ignore[index]
         with pytest.raises(TypeError):
             del registry.view["lru"]  # type: ignore[attr-defined]
+        with pytest.raises(AttributeError):
+            registry.view = {}  # type: ignore[misc]
     assert {"host", "disk", "s3", "redis", "remote"} <= set(TIERS.view)
     assert {"lru", "s3fifo", "arc"} <= set(POLICIES.view)
 
