@@ -75,21 +75,6 @@ _PIPELINE_BYTES = 64 * 1024**2
 _READ_SIZE = 256 * 1024
 _DIRECT_WRITE = 64 * 1024  # payload pieces at least this big are written without a copy
 _SCAN_COUNT = 1000
-_COUNTERS = (
-    "requests",
-    "retries",
-    "errors",
-    "skipped_unavailable",
-    "outages",
-    "reconnects",
-    "corrupt",
-    "decrypt_failures",
-    "misses",
-    "blocks_put",
-    "blocks_got",
-    "bytes_out",
-    "bytes_in",
-)
 # A stale pooled connection (server restarted) fails with ConnectionError; one
 # immediate retry reconnects it. Timeouts are not retried: they already waited.
 _STALE_RETRY = Backoff(base=0.005, cap=0.02, max_attempts=2, deadline=1.0)
@@ -129,7 +114,6 @@ class RedisTier(ValueTier):
     persistent = True
     shared = True  # other processes write the same keys
     local = False
-    counter_names = _COUNTERS
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         if not isinstance(config, RedisTierConfig):

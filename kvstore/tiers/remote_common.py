@@ -250,7 +250,22 @@ class ValueTier(Tier):
     size of a value's header (larger once values are sealed), its counters
     (``counter_names``), the closed state and the stats all of them report."""
 
-    counter_names: tuple[str, ...] = ()
+    #: What every such tier counts (a tier adds its own).
+    counter_names: tuple[str, ...] = (
+        "requests",
+        "retries",
+        "errors",
+        "skipped_unavailable",
+        "outages",
+        "reconnects",
+        "corrupt",
+        "decrypt_failures",
+        "misses",
+        "blocks_put",
+        "blocks_got",
+        "bytes_out",
+        "bytes_in",
+    )
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)

@@ -94,26 +94,14 @@ __all__ = ["S3Tier"]
 log = logging.getLogger(__name__)
 
 _COUNTERS = (
-    "requests",
-    "retries",
-    "errors",
+    *ValueTier.counter_names,
     "deadline_exceeded",
     "retries_exhausted",
-    "corrupt",
     "corrupt_deleted",
     "corrupt_kept",
-    "decrypt_failures",
     "damaged_in_transit",
-    "misses",
-    "blocks_put",
-    "blocks_got",
-    "bytes_out",
-    "bytes_in",
     "multipart_uploads",
     "ranged_gets",
-    "outages",
-    "reconnects",
-    "skipped_unavailable",
 )
 _HEADER_CACHE_ENTRIES = 4096
 # Encoded values and GET bodies go through reused buffers: a fresh multi-MiB buffer
