@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,38 @@ class GatedTier(HostTier):
         return super().get(keys, outs, layers)
 
 
+@dataclass
+class HeldRead:
+    """A manager over one :class:`GatedTier` with a get of ``keys[:reading]`` stuck in the
+    tier, so their pins stay held until :meth:`finish`."""
+
+    gated: GatedTier
+    manager: BlockManager
+    keys: list[BlockKey]
+    blocks: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    reader: threading.Thread
+
+    def finish(self) -> None:
+        """Open the gate and wait for the get to end."""
+        self.gated.gate.set()
+        self.reader.join()
+
+
+def hold_a_read(layout: KVLayout, capacity: int, stored: int, reading: int) -> HeldRead:
+    """Store ``stored`` blocks in a gated tier of ``capacity``; start reading the first
+    ``reading`` and return once that get is in the tier."""
+    gated = GatedTier(layout, capacity)
+    manager = BlockManager(layout, [gated])
+    keys, blocks = make_keys(stored), chunks(layout, stored)
+    manager.put(keys, blocks)
+    outs: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: outs.extend(read(manager, keys[:reading])))
+    reader.start()
+    assert gated.entered.wait(10)
+    return HeldRead(gated, manager, keys, blocks, outs, reader)
+
+
 @pytest.fixture
 def layout() -> KVLayout:
     return small_layout()
@@ -122,41 +155,28 @@ def test_capacity_returns_exactly_after_deletes_and_evictions(layout: KVLayout) 
 
 
 def test_evict_is_all_or_nothing(layout: KVLayout) -> None:
-    gated = GatedTier(layout, 8)
-    manager = BlockManager(layout, [gated])
-    keys, blocks = make_keys(4), chunks(layout, 4)
-    manager.put(keys, blocks)
-    reader = threading.Thread(target=read, args=(manager, keys[:2]))
-    reader.start()
-    assert gated.entered.wait(10)
+    held = hold_a_read(layout, capacity=8, stored=4, reading=2)
+    manager = held.manager
     assert manager.pinned_blocks() == 2
     with pytest.raises(CapacityError, match="only 2 are unpinned"):
         manager.evict(0, 3)
     assert len(manager) == 4  # nothing was evicted
-    gated.gate.set()
-    reader.join()
+    held.finish()
     evicted = manager.evict(0, 3)
     assert len(evicted) == 3 and len(manager) == 1
     manager.close()
 
 
 def test_a_block_being_read_is_never_evicted(layout: KVLayout) -> None:
-    gated = GatedTier(layout, 4)
-    manager = BlockManager(layout, [gated])
-    keys, blocks = make_keys(4), chunks(layout, 4)
-    manager.put(keys, blocks)
-    outs: list[torch.Tensor] = []
-    reader = threading.Thread(target=lambda: outs.extend(read(manager, keys[:1])))
-    reader.start()
-    assert gated.entered.wait(10)
+    held = hold_a_read(layout, capacity=4, stored=4, reading=1)
+    manager = held.manager
     # Fill the tier with new blocks: everything but the pinned block may go.
     new_keys, new_blocks = make_keys(4, salt=1), chunks(layout, 4, seed=1)
     stored = manager.put(new_keys, new_blocks)
     assert stored == 3
-    assert manager.contains(keys[0])
-    gated.gate.set()
-    reader.join()
-    assert torch.equal(outs[0], blocks[0])
+    assert manager.contains(held.keys[0])
+    held.finish()
+    assert torch.equal(held.outs[0], held.blocks[0])
     manager.close()
 
 
@@ -289,25 +309,18 @@ def test_evict_demotes_and_blocks_stay_readable(layout: KVLayout) -> None:
 
 
 def test_delete_waits_for_readers(layout: KVLayout) -> None:
-    gated = GatedTier(layout, 4)
-    manager = BlockManager(layout, [gated])
-    keys, blocks = make_keys(1), chunks(layout, 1)
-    manager.put(keys, blocks)
-    outs: list[torch.Tensor] = []
-    reader = threading.Thread(target=lambda: outs.extend(read(manager, keys)))
-    reader.start()
-    assert gated.entered.wait(10)
+    held = hold_a_read(layout, capacity=4, stored=1, reading=1)
+    manager, keys = held.manager, held.keys
     deleted: list[int] = []
     deleter = threading.Thread(target=lambda: deleted.append(manager.delete(keys)))
     deleter.start()
     deleter.join(0.2)
     assert deleter.is_alive()  # waits for the reader's pin
     assert not manager.contains(keys[0])  # but the block is already invisible
-    gated.gate.set()
-    reader.join()
+    held.finish()
     deleter.join(10)
     assert deleted == [1]
-    assert torch.equal(outs[0], blocks[0])  # the reader got whole, correct data
+    assert torch.equal(held.outs[0], held.blocks[0])  # the reader got whole, correct data
     manager.close()
 
 
