@@ -330,6 +330,17 @@ class DiskTier(Tier):
                 log.warning("disk tier: cannot delete %s: %s", key.hex(), exc)
                 self._count("delete_errors")
 
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of one block's file (header, padding to the page, payload): the unit its
+        capacity is counted in."""
+        return self._file_nbytes
+
+    @property
+    def data_offset(self) -> int:
+        """Where a block file's payload starts (its header comes first)."""
+        return self._data_offset
+
     def block_path(self, key: BlockKey) -> str:
         """The file that holds (or would hold) block ``key``."""
         return self._tree.block_path(key)

@@ -25,7 +25,7 @@ from kvstore.tiers.host import HostTier
 
 def disk_tier(path: Path, layout: KVLayout, blocks: int = 16, **extra: object) -> DiskTier:
     probe = DiskTier(DiskTierConfig(path=str(path), capacity=1 << 30), layout)
-    file_nbytes = probe._file_nbytes
+    file_nbytes = probe.file_nbytes
     probe.close()
     config = DiskTierConfig(path=str(path), capacity=blocks * file_nbytes, **extra)  # type: ignore[arg-type]
     return DiskTier(config, layout)
@@ -105,7 +105,7 @@ def test_other_layouts_in_the_same_directory_are_ignored(tmp_path: Path) -> None
 # -- through KVStore -------------------------------------------------------------
 def two_tier_config(path: Path, layout: KVLayout, host_blocks: int, disk_blocks: int) -> dict:
     probe = disk_tier(path, layout, 1)
-    file_nbytes = probe._file_nbytes
+    file_nbytes = probe.file_nbytes
     probe.close()
     return {
         "tiers": [
@@ -358,7 +358,7 @@ def test_codec_raw_stores_raw_even_where_compression_would_pay(
     block = torch.randn(layout.block_shape).to(layout.dtype)
     assert tier.put(key, [block]) == [True]
     with open(block_file(tier, key[0]), "rb") as f:
-        head = f.read(tier._data_offset)
+        head = f.read(tier.data_offset)
     assert parse_header(head, layout, key[0]).codec == stored
     out = torch.empty_like(block)
     assert tier.get(key, [out]) == [True] and torch.equal(out, block)
