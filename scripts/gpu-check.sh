@@ -36,7 +36,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ " $parts " == *" tests "* ]]; then
   timeout 120 "$py" -m pytest -q -p no:cacheprovider --timeout 90 -n 4 \
-    tests/copies tests/test_saves.py tests/test_prefetch_gpu.py tests/test_prefetch.py \
+    tests/copies tests/datapath/test_saves.py tests/datapath/test_prefetch_gpu.py tests/datapath/test_prefetch.py \
     tests/tiers/test_device.py tests/tiers/test_host.py tests/test_memory.py \
     tests/connectors/test_vllm_groups.py > "$out/tests.log" 2>&1
   echo "exit $?" >> "$out/tests.log"
