@@ -78,13 +78,13 @@ def test_demote_frees_memory_and_keeps_the_blocks_on_disk(tmp_path: Path) -> Non
         keys = session(store, 3, seed=1)
         answer = store.hint(keys, session="agent-1", demote=True)
         assert (answer.status, answer.demoted) == ("accepted", 3)  # queued
-        store.datapath.mover.drain(5.0)
+        store.drain(5.0)
         assert in_memory(store, keys) == 0
         assert all(1 in store.datapath.where(k) for k in keys)  # on disk
         # the next turn is near: name the session alone
         answer = store.hint(session="agent-1", prefetch=True)
         assert (answer.status, answer.prefetching) == ("accepted", 3)
-        store.datapath.mover.drain(5.0)
+        store.drain(5.0)
         assert in_memory(store, keys) == 3
         assert store.get(keys).shape == LAYOUT.tensor_shape(3)
         hints = store.stats()["hints"]
@@ -100,7 +100,7 @@ def test_demote_leaves_hot_blocks_other_sessions_read(tmp_path: Path) -> None:
             store.get(keys[:1])
         answer = store.hint(keys, demote=True)
         assert answer.demoted == 2
-        store.datapath.mover.drain(5.0)
+        store.drain(5.0)
         assert [0 in store.datapath.where(k) for k in keys] == [True, False, False]
 
 

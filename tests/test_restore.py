@@ -396,7 +396,7 @@ def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> 
         assert torch.equal(
             out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens]
         )
-        store.datapath.mover.drain(5.0)
+        store.drain(5.0)
         assert all(0 in store.datapath.where(k) for k in keys)  # warmed into memory
         assert store.plan(keys).load == 6  # the next request finds them fast
         stats = store.stats()["restore"]

@@ -82,7 +82,7 @@ def test_the_plan_follows_a_link_that_slows_and_a_stale_estimate_is_probed(
         clock.now += 61  # ... until the estimate goes stale: the plan probes the tier
         assert store.plan(keys).load == 0
         assert store.stats()["restore"]["stale_probes"] == 1
-        store.datapath.mover.drain(10.0)
+        store.drain(10.0)
         clock.now += 5  # the probe's fast read outweighs the old slow ones
         assert store.plan(keys).load == N
         restore = store.stats()["restore"]
@@ -149,7 +149,7 @@ def test_a_plan_does_not_ask_a_tier_too_slow_to_pay_and_warms_what_it_holds_behi
         assert (plan.stored, plan.load) == (0, 0)  # the bucket was not asked: a miss
         assert store.stats()["tiers"][1]["requests"] == requests
         assert store.stats()["restore"]["lookups_deferred"] == 1
-        store.datapath.mover.drain(30.0)  # the search and the warming, in the background
+        store.drain(30.0)  # the search and the warming, in the background
         assert store.stats()["tiers"][1]["requests"] > requests
         plan = store.plan(keys)
         assert (plan.load, plan.tier_chunks) == (N, {0: N})  # now on disk: loaded

@@ -54,7 +54,7 @@ def test_retain_demote_and_prefetch_a_session(kv_server: Start) -> None:
 
         answer = c.hint(session="agent-7", demote=True)  # the session went idle
         assert (answer.status, answer.blocks, answer.demoted) == ("accepted", 4, 4)
-        store.datapath.mover.drain(5.0)  # demotions run in the background
+        store.drain(5.0)  # demotions run in the background
         assert in_memory(store, agent) == 0 and c.exists(agent) == [True] * 4
 
         answer = c.hint(session="agent-7", prefetch=True)  # its next turn is near
