@@ -2,6 +2,9 @@
 
 - :mod:`kvstore.testing.conformance` -- :class:`TierConformance`, the test
   suite every tier must pass (subclass it in a pytest module).
+- :mod:`kvstore.testing.policy_conformance` -- :class:`PolicyConformance`, the
+  suite every eviction policy must pass; :mod:`kvstore.testing.policies` drives a policy
+  as the data path does (``evict``, ``access``).
 - :mod:`kvstore.testing.faults` -- :class:`FaultyTier`, a wrapper that injects
   errors, misses and delays into a real tier.
 - :mod:`kvstore.testing.lockcheck` -- :class:`LockCheckedTier`, a wrapper that
@@ -10,5 +13,6 @@
 - :mod:`kvstore.testing.commands` -- ``kvstore`` and ``kvstore-server`` run as a
   user runs them, and the one-line error a mistake must get.
 
-Importing :mod:`kvstore.testing.conformance` needs pytest (the ``dev`` extra).
+Importing :mod:`kvstore.testing.conformance` needs pytest, and
+:mod:`kvstore.testing.policy_conformance` hypothesis too (the ``dev`` extra).
 """

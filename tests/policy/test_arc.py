@@ -1,7 +1,7 @@
 """ARC list mechanics: T1/T2, the B1/B2 ghosts and the adaptive target p.
 
 Termination under skipped candidates and the model-based property test run for
-every registered policy in test_s3fifo.py.
+every registered policy in test_policy_conformance.py.
 """
 
 from __future__ import annotations

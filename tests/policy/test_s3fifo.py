@@ -1,11 +1,9 @@
-"""S3-FIFO queue mechanics, scan resistance, termination, and a model-based property test
-that every registered eviction policy must pass."""
+"""S3-FIFO queue mechanics, scan resistance and pins, and the registry's policies.
+
+Termination and the model-based property test run for every registered policy in
+test_policy_conformance.py."""
 
 from __future__ import annotations
-
-import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvstore.policy import ARCPolicy, LRUPolicy, S3FIFOPolicy, make_policy, policy_names
 from kvstore.testing.policies import access, evict
@@ -149,35 +147,7 @@ def test_one_hit_wonder_scan_does_not_evict_hot_keys():
         assert (hits == 6 * len(hot)) is survives, (policy.name, hits)
 
 
-# -- termination ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ["s3fifo", "arc", "lru"])
-def test_candidates_end_when_the_caller_skips_everything(name):
-    p = make_policy(name, 50)
-    for i in range(40):
-        p.insert(k(i))
-        for _ in range(i % 5):
-            p.touch(k(i))
-    for _ in range(3):  # and again: skipped keys stay tracked and are offered again
-        seen = list(p.candidates())
-        assert len(seen) == len(set(seen)) == 40
-        assert set(seen) == {k(i) for i in range(40)}
-        assert len(p) == 40
-
-
-@pytest.mark.parametrize("name", ["s3fifo", "arc"])
-def test_abandoned_iteration_leaves_state_whole(name):
-    p = make_policy(name, 20)
-    for i in range(20):
-        p.insert(k(i))
-        if i % 3 == 0:
-            p.touch(k(i))
-    it = p.candidates()
-    first = [next(it) for _ in range(4)]
-    del it
-    assert len(p) == 20 and all(k(i) in p for i in range(20))
-    assert list(p.candidates())[:4] == first  # skipped (pinned) keys stay first in line
+# -- pins ---------------------------------------------------------------------
 
 
 def test_pinned_keys_are_passed_over_then_evicted_when_free():
@@ -190,52 +160,7 @@ def test_pinned_keys_are_passed_over_then_evicted_when_free():
     assert queues(p)["ghost"] == [2, 3, 0, 1]
 
 
-# -- model-based property test (every registered policy) ------------------------
-
-KEYS = st.integers(0, 24)
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), KEYS),
-        st.tuples(st.just("touch"), KEYS),
-        st.tuples(st.just("remove"), KEYS),
-        st.tuples(st.just("evict"), st.integers(0, 6), st.frozensets(KEYS, max_size=8)),
-        st.tuples(st.just("peek"), st.integers(0, 30)),
-    ),
-    max_size=120,
-)
-
-
-@pytest.mark.parametrize("name", sorted(policy_names()))
-@settings(max_examples=150, deadline=None)
-@given(ops=OPS, capacity=st.integers(0, 16))
-def test_policy_tracks_exactly_the_model_set(name, ops, capacity):
-    p = make_policy(name, capacity)
-    model: set[bytes] = set()
-    for op in ops:
-        if op[0] == "insert":
-            p.insert(k(op[1]))
-            model.add(k(op[1]))
-        elif op[0] == "touch":
-            p.touch(k(op[1]))
-        elif op[0] == "remove":
-            p.remove(k(op[1]))
-            model.discard(k(op[1]))
-        elif op[0] == "evict":
-            pinned = frozenset(k(i) for i in op[2])
-            victims = evict(p, op[1], pinned)
-            assert len(victims) == min(op[1], len(model - pinned))
-            assert not set(victims) & pinned and set(victims) <= model
-            model -= set(victims)
-        else:  # a partial iteration the caller abandons
-            seen = [key for _, key in zip(range(op[1]), p.candidates(), strict=False)]
-            assert len(seen) == len(set(seen)) and set(seen) <= model
-        assert len(p) == len(model)
-        assert all((k(i) in p) == (k(i) in model) for i in range(25))
-    full = list(p.candidates())
-    assert len(full) == len(set(full)) and set(full) == model  # every key, once
-
-
-def test_property_test_covers_the_scan_resistant_policies():
+def test_conformance_covers_the_scan_resistant_policies():
     assert {"lru", "s3fifo", "arc"} <= set(policy_names())
     assert isinstance(make_policy("s3fifo", 8), S3FIFOPolicy)
     assert isinstance(make_policy("arc", 8), ARCPolicy)
