@@ -156,6 +156,10 @@ class DataPath(Protocol):
     def use_quota(self, ledger: QuotaLedger, owner: str) -> QuotaHook:
         """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on."""
 
+    def pinned_blocks(self) -> int:
+        """Blocks pinned right now (loans, reservations, reads and writes in flight): what
+        a leak check expects back at 0 once its clients are gone."""
+
 
 class Pin(Protocol):
     """A lease as users hold it: ``with store.pin(keys) as pin: ...``.
