@@ -2,7 +2,9 @@
 parallelism, vLLM's own prefix cache next to kvstore, and repeatable outputs.
 
 Every vLLM run is a new process of ``examples/vllm_offline.py`` on one disk store shared by
-the whole module, in this order (each ~40-60 s on two cores):
+the whole module (the TP=2 and default-layout runs a fresh interpreter with a random hash
+seed, the in-process TP=1 runs a child of the fork server, tests/connectors/vllm_zygote.py),
+in this order (each ~20-60 s on two cores):
 
 1. ``tp2_store``: TP=2, the connector on an empty store: misses; each rank stores its shard.
 2. ``tp2_hits``: TP=2 again, same prompts: hits from both ranks' shards.
@@ -30,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 from kvstore import KVLayout, Namespace
 from kvstore.keys import chain_keys, tokens_to_bytes
@@ -78,11 +80,16 @@ def drive(
     cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", *args]
     full_env = engine_env(in_process, PYTHONHASHSEED="random")
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=900)
-    if proc.returncode != 0:
+    if in_process and "--tensor-parallel-size" not in args:  # one process: a forked child
+        rc = run_engine(cmd, full_env, log, timeout=900)
+    else:  # the engine's own processes: started as vLLM starts them
+        with open(log, "w") as f:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=900
+            ).returncode
+    if rc != 0:
         tail = log.read_text()[-6000:]
-        pytest.fail(f"{name}: the vLLM run failed (rc {proc.returncode}):\n{tail}")
+        pytest.fail(f"{name}: the vLLM run failed (rc {rc}):\n{tail}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
     return result

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 #: The block size vLLM picks for these models (attention pages as large as a state's).
 BLOCK = 256
@@ -58,10 +57,9 @@ def drive(work: Path, model: str, name: str, prompts: list[list[int]]) -> dict[s
     cmd += ["--max-tokens", "16", "--logprobs", "--out", str(out)]
     env = engine_env()
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name}: rc {proc.returncode}\n{log.read_text()[-5000:]}")
+    rc = run_engine(cmd, env, log, timeout=600)
+    if rc != 0:
+        raise RuntimeError(f"{name}: rc {rc}\n{log.read_text()[-5000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
     result["log"] = log.read_text()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, vllm_marks
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 MODELS = ("mla", "gemma3")
 PREFIX = 1100  # tokens of shared prefix: 4 chunks of 256, a tail mid-chunk
@@ -77,10 +76,9 @@ def drive(work: Path, model: str, name: str, core: str) -> dict[str, Any]:
     cmd += ["--max-num-batched-tokens", "256"]
     env = engine_env(VLLM_CPU_OMP_THREADS_BIND=core)
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{model} {name}: rc {proc.returncode}\n{log.read_text()[-5000:]}")
+    rc = run_engine(cmd, env, log, timeout=1200)
+    if rc != 0:
+        raise RuntimeError(f"{model} {name}: rc {rc}\n{log.read_text()[-5000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     if model == "mla":  # compare the prompts, not their seeds
         result["seeds"], result["results"] = result["results"][::2], result["results"][1::2]

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, engine_env, vllm_marks
+from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 from kvstore import KVLayout
 from kvstore.client import Client, ClientOptions
@@ -86,10 +86,9 @@ def drive_disk(work: Path, role: str, store: Path) -> dict[str, Any]:
     if role == "prefill":
         cmd += ["--max-tokens", "1"]
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(), timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"disk {role}: the vLLM run failed (rc {proc.returncode}):\n{tail(log)}")
+    rc = run_engine(cmd, vllm_env(), log, timeout=900)
+    if rc != 0:
+        pytest.fail(f"disk {role}: the vLLM run failed (rc {rc}):\n{tail(log)}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
     return result

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_venv import ROOT, VLLM_PYTHON, engine_env, vllm_marks
+from vllm_venv import ROOT, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 from kvstore import KVLayout, KVStore
 from kvstore.keys import BlockKey
@@ -41,10 +41,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--store", str(work / "store")]
     cmd += ["--stats-dir", str(work / "stats"), "--out", str(out), "--dtype", "bfloat16"]
     env = engine_env()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1000)
-    if proc.returncode != 0:
-        pytest.fail(f"the vLLM run failed (rc {proc.returncode}):\n{log.read_text()[-6000:]}")
+    rc = run_engine(cmd, env, log, timeout=1000)
+    if rc != 0:
+        pytest.fail(f"the vLLM run failed (rc {rc}):\n{log.read_text()[-6000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = log.read_text()
     result["store"] = str(work / "store")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_venv import DRIVER, VLLM_PYTHON, engine_env
+from vllm_venv import DRIVER, VLLM_PYTHON, engine_env, run_engine
 
 CHUNK = 256
 SEED_TOKENS = 2 * CHUNK
@@ -54,10 +54,9 @@ def drive(work: Path, name: str, core: str, extra: list[str]) -> dict[str, Any]:
         cmd += ["--prefix-caching"]
     env = engine_env(VLLM_CPU_OMP_THREADS_BIND=core)
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name}: rc {proc.returncode}\n{log.read_text()[-6000:]}")
+    rc = run_engine(cmd, env, log, timeout=900)
+    if rc != 0:
+        raise RuntimeError(f"{name}: rc {rc}\n{log.read_text()[-6000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - start
     result["log"] = log.read_text()
