@@ -8,7 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/setup-vllm.sh
+# The engines' venv is the longest install (mostly download): it runs beside the rest of
+# the set-up and the lint, after setup.sh (both install this checkout in editable mode).
+bash scripts/setup-vllm.sh &
+engines=$!
+trap 'kill "$engines" 2>/dev/null || true' EXIT
 bash scripts/setup-dynamo.sh
 bash scripts/install-servers.sh
 bin="${KVSTORE_VENV:-.venv}/bin"
@@ -17,6 +21,8 @@ echo "== ruff" >&2
 "$bin/ruff" format --check kvstore tests benchmarks examples scripts
 echo "== mypy" >&2
 "$bin/mypy" kvstore
+wait "$engines"  # its exit status: a failed set-up fails the run here
+trap - EXIT
 echo "== pytest" >&2
 workers="${KVSTORE_TEST_WORKERS:-2}"
 parallel=()
