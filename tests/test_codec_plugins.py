@@ -4,6 +4,7 @@ each block's header, and a block whose codec is not there reads as a miss."""
 
 from __future__ import annotations
 
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvstore.codecs import CODECS, LayerCodec, codec_names
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidInputError
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.servers import RedisServer, S3Server
 
 LAYOUT = small_layout()
 
@@ -83,9 +85,26 @@ def test_a_disk_tier_stores_with_a_registered_codec_named_in_yaml(tmp_path: Path
     assert any(read_header(f.read_bytes()).codec == 200 for f in files if f.stat().st_size > 64)
     with pytest.raises(ConfigError, match=r"unknown codec 'zstd'; use one of raw, lz4.*zlib"):
         StoreConfig.from_dict({"tiers": [{"kind": "disk", "codec": "zstd"}]}, environ={})
-    s3 = {"kind": "s3", "bucket": "b", "codec": "zlib"}
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.codec: 'zlib' is a plug-in codec"):
-        StoreConfig.from_dict({"tiers": [s3]}, environ={})
+
+
+def test_s3_and_redis_tiers_store_with_a_registered_codec(
+    s3_server: S3Server, redis_server: RedisServer, aws_env: None
+) -> None:
+    CODECS.register("zlib", ZLIB)
+    s3 = {"kind": "s3", "bucket": s3_server.bucket, "endpoint_url": s3_server.url}
+    s3.update(prefix=f"codec-{uuid.uuid4().hex[:12]}", region="us-east-1", codec="zlib")
+    redis = {"kind": "redis", "url": redis_server.url, "codec": "zlib"}
+    redis["key_prefix"] = f"codec-{uuid.uuid4().hex[:12]}"
+    kv = random_blocks(LAYOUT, 2)
+    for tier in (s3, redis):
+        with KVStore(LAYOUT, {"tiers": [tier]}) as store:
+            keys = store.hash_tokens(range(2 * LAYOUT.block_tokens), str(tier["kind"]))
+            assert store.put(keys, kv) == 2
+        with KVStore(LAYOUT, {"tiers": [tier]}) as store:  # a new store: read from the server
+            assert torch.equal(store.get(keys), kv)
+    stored = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=s3["prefix"])
+    body = s3_server.client().get_object(Bucket=s3_server.bucket, Key=stored["Contents"][0]["Key"])
+    assert read_header(body["Body"].read()).codec == 200
 
 
 PLUGIN = """

@@ -18,7 +18,6 @@ from kvstore._values import (
     parse_size,
     parse_str,
 )
-from kvstore.codecs import AUTO, BUILT_IN
 from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
@@ -321,8 +320,9 @@ class S3TierConfig(TierConfig):
 
     ``part_size``: the part and range size of those (S3 needs at least 5 MiB).
 
-    ``codec``: ``raw``, ``lz4``, ``shuffle-lz4`` or ``auto`` (the default
-    here: shuffle-lz4 for a block where it saves at least 10%, else raw).
+    ``codec``: ``raw``, ``lz4``, ``shuffle-lz4``, a registered plug-in codec
+    (:mod:`kvstore.codecs`) or ``auto`` (the default here: shuffle-lz4 for a block where it
+    saves at least 10%, else raw).
     """
 
     kind: ClassVar[str] = "s3"
@@ -363,7 +363,6 @@ class S3TierConfig(TierConfig):
         )
         if self.part_size < 5 * 1024**2:
             raise ConfigError(f"{path}.part_size: S3 parts must be >= 5MiB, got {self.part_size}")
-        _check_built_in_codec(self.codec, path)
 
 
 @dataclass(frozen=True)
@@ -393,7 +392,7 @@ class RedisTierConfig(TierConfig):
     ``retry_interval``: while Redis is unreachable, calls fail at once
     (misses) and one probe per this many seconds reconnects.
 
-    ``codec``: ``raw``, ``lz4``, ``shuffle-lz4`` or ``auto``, as for the disk tier.
+    ``codec``: as for the S3 tier (``raw`` here by default).
     """
 
     kind: ClassVar[str] = "redis"
@@ -418,17 +417,6 @@ class RedisTierConfig(TierConfig):
         if self.ttl is not None and self.ttl <= 0:
             raise ConfigError(f"{path}.ttl: must be > 0 seconds or null, got {self.ttl}")
         _check_positive(self, path, "pool_size", "socket_timeout", "retry_interval")
-        _check_built_in_codec(self.codec, path)
-
-
-def _check_built_in_codec(codec: str, path: str) -> None:
-    """Plug-in codecs (:mod:`kvstore.codecs`) are the disk tier's; the remote tiers write
-    with the built-in ones."""
-    if codec != AUTO and codec not in BUILT_IN:
-        raise ConfigError(
-            f"{path}.codec: {codec!r} is a plug-in codec, which only the disk tier writes "
-            f"with; use one of {', '.join(BUILT_IN)} or {AUTO}"
-        )
 
 
 NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"

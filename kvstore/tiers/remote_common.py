@@ -26,9 +26,9 @@ import torch
 
 from kvstore.codec import (
     BlockHeader,
-    Codec,
     EncodedBlock,
     choose_codec,
+    codec_number,
     decode_into,
     encode_block,
     header_size,
@@ -135,7 +135,7 @@ def encode_value(key: BlockKey, layout: KVLayout, block: torch.Tensor, codec: st
     ``"auto"`` asks :func:`~kvstore.codec.choose_codec` per block (it keeps
     byte-shuffled lz4 only where it saves at least 10%).
     """
-    chosen = choose_codec(block, layout) if codec == "auto" else Codec.parse(codec)
+    chosen = choose_codec(block, layout) if codec == "auto" else codec_number(codec)
     return encode_block(key, layout, block, chosen)
 
 
