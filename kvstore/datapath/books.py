@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.datapath.contracts import ChangeFeed, Medium
+from kvstore.datapath.contracts import ChangeFeed
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import (
@@ -36,10 +36,10 @@ from kvstore.datapath.index import (
     HeatClock,
     Index,
     Level,
-    lowest_bit,
 )
 from kvstore.datapath.leases import Lease, LeaseTable
 from kvstore.datapath.partials import PartialBooks
+from kvstore.datapath.queries import QueryBooks
 from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
 from kvstore.placement import Placement
@@ -89,6 +89,8 @@ class Books:
         )
         #: The blocks being written layer by layer (under the same lock).
         self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
+        #: What the books say: read-only questions (under the same lock).
+        self.queries = QueryBooks(self._guard, self._index, placement, heat)
 
     # -- the lock -----------------------------------------------------------------
     def _locked(self) -> Guard:
@@ -152,71 +154,6 @@ class Books:
         with self._locked():
             if feed in self._index.changes:
                 self._index.changes.remove(feed)
-
-    # -- queries ------------------------------------------------------------------
-    def leading(self, keys: Sequence[BlockKey], local: bool = False) -> int:
-        """Leading ``keys`` readable (from a tier of this machine, with ``local``)."""
-        with self._locked():
-            self._guard.check_open()
-            return self._index.leading(keys, self.local if local else -1)
-
-    def readable(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Which of ``keys`` are readable."""
-        with self._locked():
-            return [self._index.ready(k) is not None for k in keys]
-
-    def where(self, key: BlockKey) -> list[int]:
-        """Indexes of the tiers holding a copy of ``key`` (fastest first)."""
-        with self._locked():
-            entry = self._index.ready(key)
-            if entry is None:
-                return []
-            return [lv.index for lv in self._levels if entry.tiers & lv.bit]
-
-    def heat_of(self, key: BlockKey) -> int:
-        """The decayed access count of ``key`` (0 if not stored)."""
-        with self._locked():
-            entry = self._index.get(key)
-            return 0 if entry is None else self.heat.heat(entry)
-
-    def ready_count(self) -> int:
-        """Blocks readable now."""
-        with self._locked():
-            return sum(1 for _, e in self._index.items() if e.state == READY)
-
-    def stored_keys(self, local: bool = False) -> list[BlockKey]:
-        """Readable keys (with a copy in a tier of this machine, with ``local``)."""
-        mask = self.local if local else -1
-        with self._locked():
-            return [k for k, e in self._index.items() if e.state == READY and e.tiers & mask]
-
-    def stored_media(self) -> list[tuple[BlockKey, Medium]]:
-        """Each readable key with a copy in a tier of this machine or a shared
-        persistent one, and its nearest :class:`Medium` (what a cluster node publishes)."""
-        with self._locked():
-            media = (
-                (k, self._index.medium(e.tiers)) for k, e in self._index.items() if e.state == READY
-            )
-            return [(k, m) for k, m in media if m != Medium.NONE]
-
-    def unpersisted(self) -> int:
-        """Readable blocks no persistent tier holds (kept as a count, not scanned)."""
-        with self._locked():
-            return max(0, self._index.unpersisted)
-
-    def unpersisted_keys(self) -> list[BlockKey]:
-        """The readable keys no persistent tier holds."""
-        with self._locked():
-            return [
-                k
-                for k, e in self._index.items()
-                if e.state == READY and e.tiers and not e.tiers & self.persistent
-            ]
-
-    def persisted(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether each key has a copy in a persistent tier."""
-        with self._locked():
-            return [bool((e := self._index.get(k)) and e.tiers & self.persistent) for k in keys]
 
     def pinned_count(self) -> int:
         """Blocks pinned now (after ending expired leases)."""
@@ -452,52 +389,6 @@ class Books:
             self._index.end_drop(self._levels[level], keys)
             self._guard.notify()
 
-    # -- reads --------------------------------------------------------------------
-    def sources(
-        self, entries: Sequence[Entry], pending: Sequence[int], tried: Sequence[int]
-    ) -> dict[int, list[int]]:
-        """Group the positions ``pending`` by the fastest tier holding the entry that
-        ``tried[i]`` (a bitmask) has not been tried in; entries with no copy left out."""
-        groups: dict[int, list[int]] = {}
-        with self._locked():
-            for i in pending:
-                untried = entries[i].tiers & ~tried[i]
-                if untried:
-                    groups.setdefault(lowest_bit(untried), []).append(i)
-        return groups
-
-    def tiers_of(self, entries: Sequence[Entry]) -> list[int]:
-        """The bitmask of the tiers holding each entry."""
-        with self._locked():
-            return [entry.tiers for entry in entries]
-
-    def fastest(self, entries: Sequence[Entry]) -> list[int]:
-        """The fastest tier holding each entry (-1: none)."""
-        with self._locked():
-            return [lowest_bit(e.tiers) for e in entries]
-
-    def promotions(
-        self, keys: Sequence[BlockKey], entries: Sequence[Entry], promotable: Callable[[int], bool]
-    ) -> list[tuple[BlockKey, int]]:
-        """``(key, target tier)`` for blocks just read that the rules copy upwards.
-
-        ``promotable(level)``: whether the manager may copy blocks of that tier up by
-        itself (not another node's).
-        """
-        jobs = []
-        with self._locked():
-            for key, entry in zip(keys, entries, strict=True):
-                if not entry.tiers or entry.state != READY:
-                    continue
-                fastest = lowest_bit(entry.tiers)
-                if not promotable(fastest):
-                    continue
-                copies = bin(entry.tiers & ~self.persistent).count("1")
-                target = self.placement.promotion_target(fastest, self.heat.heat(entry), copies)
-                if target is not None:
-                    jobs.append((key, target))
-        return jobs
-
     # -- discovery ----------------------------------------------------------------
     def adopt(self, found: Sequence[tuple[BlockKey, int]]) -> None:
         """Record copies found in tiers (``(key, bits)``): other processes wrote them."""
@@ -513,11 +404,6 @@ class Books:
                         self._index.note_copy(key, entry, lv.bit)
                         lv.policy.insert(key)
                         lv.resident += 1
-
-    def entries(self, keys: Sequence[BlockKey]) -> list[Entry | None]:
-        """The entries of ``keys`` (None where absent)."""
-        with self._locked():
-            return [self._index.get(k) for k in keys]
 
     def forget_gone(
         self, keys: Sequence[BlockKey], entries: Sequence[Entry], verdicts: dict[int, list[bool]]

@@ -45,9 +45,9 @@ class Finder:
         bit mask ``skip`` are not asked (a restore plan knows no load from them can
         pay): what the index says of them stands.
         """
-        known = n = self.books.leading(keys)
+        known = n = self.books.queries.leading(keys)
         if n < len(keys) and self.discover(keys[n:], skip=skip):
-            n = self.books.leading(keys)
+            n = self.books.queries.leading(keys)
         # What discovery just found is confirmed; only what the index knew before is asked.
         if recheck and known:
             confirmed = self.recheck(keys[:known], skip=skip)
@@ -58,10 +58,10 @@ class Finder:
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which of ``keys`` are readable, after asking shared tiers about missing ones."""
-        n = self.books.leading(keys)
+        n = self.books.queries.leading(keys)
         if n < len(keys):
             self.discover(keys[n:])
-        return self.books.readable(keys)
+        return self.books.queries.readable(keys)
 
     def discover(self, keys: Sequence[BlockKey], batch: int = 16, skip: int = 0) -> int:
         """Index the leading ``keys`` that shared tiers hold but the index lacks.
@@ -78,7 +78,7 @@ class Finder:
         shared = [level for level in self._shared if not skip >> level & 1]
         if not shared:
             return 0
-        keys = keys[self.books.leading(keys, local=True) :]
+        keys = keys[self.books.queries.leading(keys, local=True) :]
         adopted = 0
         start = 0
         while start < len(keys):
@@ -107,7 +107,7 @@ class Finder:
         """
         if not self._peers or not keys:
             return 0
-        masks = self.books.tiers_of(entries)
+        masks = self.books.queries.tiers_of(entries)
         peer_bits = sum(1 << lv for lv in self._peers)
         probe = [i for i, bits in enumerate(masks) if bits and not bits & (self._near | peer_bits)]
         if not probe:
@@ -133,9 +133,9 @@ class Finder:
         """
         for start in range(0, len(keys), batch):
             chunk = list(keys[start : start + batch])
-            entries = self.books.entries(chunk)
+            entries = self.books.queries.entries(chunk)
             known = [i for i, e in enumerate(entries) if e is not None]
-            masks = self.books.tiers_of([e for e in entries if e is not None])
+            masks = self.books.queries.tiers_of([e for e in entries if e is not None])
             probe = [i for i, tiers in zip(known, masks, strict=True) if not tiers & self._own]
             gone = self._gone([chunk[i] for i in probe], [entries[i] for i in probe], skip)
             if gone is not None:
@@ -149,7 +149,7 @@ class Finder:
             return None
         known = [e for e in entries if e is not None]
         assert len(known) == len(keys)
-        masks = self.books.tiers_of(known)
+        masks = self.books.queries.tiers_of(known)
         confirmed = [False] * len(keys)
         verdicts: dict[int, list[bool]] = {}
         # Fastest shared tier first; a key one of them still holds is not asked about

@@ -171,7 +171,7 @@ class Lender:
         self.finder.discover(keys)  # blocks other processes wrote to shared tiers count
         lease, pinned = self.books.lease_stored(keys, duration or self.lease_s)
         self.books.count(gets=1, blocks_read=len(pinned), blocks_missed=len(keys) - len(pinned))
-        masks = dict(zip(pinned, self.books.tiers_of(list(pinned.values())), strict=True))
+        masks = dict(zip(pinned, self.books.queries.tiers_of(list(pinned.values())), strict=True))
         views = [
             self._host_view(keys[i], masks[i]) if i in pinned else None for i in range(len(keys))
         ]

@@ -148,7 +148,7 @@ class BlockManager:
         return self.books.closed
 
     def __len__(self) -> int:
-        return self.books.ready_count()
+        return self.books.queries.ready_count()
 
     def report(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """A consistent copy of the counters, and per tier its usage and own figures."""
@@ -177,7 +177,7 @@ class BlockManager:
     def contains(self, key: BlockKey) -> bool:
         """Whether ``key`` is stored and readable."""
         self.settle([key])
-        return self.books.leading([key]) == 1
+        return self.books.queries.leading([key]) == 1
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which of ``keys`` are readable, after asking shared tiers about missing ones."""
@@ -186,23 +186,23 @@ class BlockManager:
 
     def where(self, key: BlockKey) -> list[int]:
         """Indexes of the tiers holding a copy of ``key`` (fastest first)."""
-        return self.books.where(key)
+        return self.books.queries.where(key)
 
     def heat_of(self, key: BlockKey) -> int:
         """The decayed access count of ``key`` (0 if not stored)."""
-        return self.books.heat_of(key)
+        return self.books.queries.heat_of(key)
 
     def stored_keys(self, local: bool = False) -> list[BlockKey]:
         """Every readable key the index knows (after :meth:`rescan`, also what other
         processes stored in persistent tiers); with ``local``, only those with a copy
         in a tier of this machine (memory, local disk)."""
-        return self.books.stored_keys(local)
+        return self.books.queries.stored_keys(local)
 
     def stored_media(self) -> list[tuple[BlockKey, Medium]]:
         """Each key held in this machine's tiers or a shared remote one, with the
         :class:`~kvstore.datapath.contracts.Medium` of its nearest copy (what a cluster node
         publishes)."""
-        return self.books.stored_media()
+        return self.books.queries.stored_media()
 
     def rescan(self) -> None:
         """Index what persistent tiers hold now (blocks other processes wrote since)."""
@@ -309,7 +309,8 @@ class BlockManager:
         chosen = [
             k
             for k in keys
-            if set(memory) & set(self.books.where(k)) and not hot(self.books.heat_of(k))
+            if set(memory) & set(self.books.queries.where(k))
+            and not hot(self.books.queries.heat_of(k))
         ]
         return self.migrations.demote_later(chosen, memory)
 
@@ -325,17 +326,21 @@ class BlockManager:
     def warm(self, keys: Sequence[BlockKey]) -> int:
         """Copy those of ``keys`` the fastest tier lacks into it, in the background; how
         many copies were queued."""
-        return self.migrations.warm([k for k in keys if 0 not in self.books.where(k)])
+        return self.migrations.warm([k for k in keys if 0 not in self.books.queries.where(k)])
 
     def warm_now(self, keys: Sequence[BlockKey]) -> int:
         """:meth:`warm` on the caller's thread; how many copies landed."""
-        return self.migrations.promote_now([k for k in keys if 0 not in self.books.where(k)], 0)
+        return self.migrations.promote_now(
+            [k for k in keys if 0 not in self.books.queries.where(k)], 0
+        )
 
     def forward_hint(self, keys: Sequence[BlockKey], hint: Hint) -> int:
         """Pass a hint to the tiers outside this process that hold some of ``keys`` (a
         kvstore-server honours it in its own tiers); how many tiers were told."""
         remote = [level for level, tier in enumerate(self.tiers) if not tier.local]
-        held = {level: [k for k in keys if level in self.books.where(k)] for level in remote}
+        held = {
+            level: [k for k in keys if level in self.books.queries.where(k)] for level in remote
+        }
         for level, some in held.items():
             self.io.hint(level, some, hint)
         return sum(1 for some in held.values() if some)
@@ -352,7 +357,7 @@ class BlockManager:
 
     def _find_and_warm(self, keys: list[BlockKey], skip: int) -> None:
         self.finder.discover(keys, skip=skip)
-        self.warm(keys[: self.books.leading(keys)])
+        self.warm(keys[: self.books.queries.leading(keys)])
 
     def probe(self, key: BlockKey) -> bool:
         """Read ``key`` into scratch memory in the background (refreshing its tier's read

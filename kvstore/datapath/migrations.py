@@ -58,7 +58,7 @@ class Migrations:
 
     def promote_later(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
         """After a read, copy blocks served from slow tiers up where the rules say so."""
-        for key, target in self.books.promotions(keys, entries, self.io.promotable):
+        for key, target in self.books.queries.promotions(keys, entries, self.io.promotable):
             self.mover.submit(functools.partial(self._copy_up, key, target), key=("up", key))
 
     def warm(self, keys: Sequence[BlockKey], target: int = 0) -> int:
@@ -146,7 +146,7 @@ class Migrations:
         cipher = self.io.tiers[level].cipher
         if cipher is None or not cipher.old_keys:  # one key: nothing can be under another
             return 0
-        keys = self.books.stored_keys()
+        keys = self.books.queries.stored_keys()
         if not keys:
             return 0
         job = functools.partial(self._reencrypt, level, keys, batch)
@@ -194,7 +194,7 @@ class Migrations:
         True for each key on a persistent tier afterwards."""
         if self.persistent_target is not None:
             self._persist(keys, self.persistent_target)
-        return self.books.persisted(keys)
+        return self.books.queries.persisted(keys)
 
     def _persist(self, keys: Sequence[BlockKey], target: int) -> int:
         persistent = self.books.persistent
@@ -215,17 +215,17 @@ class Migrations:
             return 0
         nbytes = self._block_nbytes
         if progress is not None:
-            progress.begin(self.books.unpersisted() * nbytes, self.io.describe(target))
+            progress.begin(self.books.queries.unpersisted() * nbytes, self.io.describe(target))
             while not self.mover.drain(timeout=0.25):
-                progress.update(self.books.unpersisted() * nbytes)
+                progress.update(self.books.queries.unpersisted() * nbytes)
         self.mover.drain()
-        todo = self.books.unpersisted_keys()
+        todo = self.books.queries.unpersisted_keys()
         done = 0
         for start in range(0, len(todo), batch):
             done += self._persist(todo[start : start + batch], target)
             if progress is not None:
-                progress.update(self.books.unpersisted() * nbytes)
+                progress.update(self.books.queries.unpersisted() * nbytes)
         if progress is not None:  # what is left now: blocks no persistent tier took
-            progress.update(self.books.unpersisted() * nbytes, force=True)
+            progress.update(self.books.queries.unpersisted() * nbytes, force=True)
             progress.end()
         return done

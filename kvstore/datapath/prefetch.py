@@ -319,7 +319,7 @@ class Prefetcher:
         """For each pinned block, a view of its fastest copy where a memory tier holds it."""
         entries = load.lease.entries
         sources: list[torch.Tensor | None] = []
-        for key, level in zip(load.handle.keys, self.books.fastest(entries), strict=False):
+        for key, level in zip(load.handle.keys, self.books.queries.fastest(entries), strict=False):
             sources.append(self.io.view(level, key) if level >= 0 else None)
         return sources
 
@@ -330,7 +330,9 @@ class Prefetcher:
         entries = load.lease.entries
         levels = {
             level
-            for level, source in zip(self.books.fastest(entries), load.sources, strict=False)
+            for level, source in zip(
+                self.books.queries.fastest(entries), load.sources, strict=False
+            )
             if source is None and level >= 0
         }
         most = load.step

@@ -103,7 +103,7 @@ class Reader:
         tried = [0] * len(entries)
         pending = list(range(len(entries)))
         while pending:
-            groups = self.books.sources(entries, pending, tried)
+            groups = self.books.queries.sources(entries, pending, tried)
             pending = []
             for level, idxs in groups.items():
                 got = [keys[i] for i in idxs]

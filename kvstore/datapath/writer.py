@@ -175,7 +175,7 @@ class Writer:
         """Write pinned blocks, from their fastest copies, into tiers ``start..stop``;
         how many landed."""
         moves = []
-        fastest = self.books.fastest([entry for _, entry in pinned])
+        fastest = self.books.queries.fastest([entry for _, entry in pinned])
         for (key, entry), level in zip(pinned, fastest, strict=True):
             src = self.io.source(level, key) if level >= 0 else None
             if src is not None:

@@ -164,17 +164,17 @@ def test_memory_only_count_follows_every_change(tmp_path: Path) -> None:
     store.put(keys, random_blocks(layout, 6))
     store.drain()  # (the host tier writes back ahead of eviction, in the background)
     before = only_in_memory()
-    assert books.unpersisted() == before > 0
+    assert books.queries.unpersisted() == before > 0
     store.persist(keys[:2])
     store.drain()
-    assert books.unpersisted() == only_in_memory() < before
+    assert books.queries.unpersisted() == only_in_memory() < before
     store.delete(keys[2:3])
     store.evict(1, tier=0)
     store.drain()
-    assert books.unpersisted() == only_in_memory()
-    assert store.stats()["blocks_memory_only"] == books.unpersisted()
+    assert books.queries.unpersisted() == only_in_memory()
+    assert store.stats()["blocks_memory_only"] == books.queries.unpersisted()
     store.flush()
-    assert books.unpersisted() == only_in_memory() == 0
+    assert books.queries.unpersisted() == only_in_memory() == 0
     store.close()
 
 
