@@ -31,7 +31,6 @@ from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import (
     DELETING,
     READY,
-    WRITING,
     Entry,
     HeatClock,
     Index,
@@ -39,14 +38,13 @@ from kvstore.datapath.index import (
 )
 from kvstore.datapath.leases import Lease, LeaseTable
 from kvstore.datapath.partials import PartialBooks
+from kvstore.datapath.pins import PinBooks, pin_leading_locked, touch_locked, unpin_locked
 from kvstore.datapath.queries import QueryBooks
 from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
 from kvstore.placement import Placement
 
 __all__ = ["Books", "Reservation", "Victims"]
-
-Want = Callable[[Entry], bool]
 
 
 class Books:
@@ -91,6 +89,8 @@ class Books:
         self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
         #: What the books say: read-only questions (under the same lock).
         self.queries = QueryBooks(self._guard, self._index, placement, heat)
+        #: Pins taken and dropped, a put's new entries among them (under the same lock).
+        self.pins = PinBooks(self._guard, self._index, heat, self.counters, self._reap_leases)
 
     # -- the lock -----------------------------------------------------------------
     def _locked(self) -> Guard:
@@ -136,7 +136,7 @@ class Books:
             self._guard.closed = True
             reserved = self.partials.abort_idle_locked()
             for lease in self._leases.expired_all():
-                self._unpin(lease.entries)
+                unpin_locked(self._guard, lease.entries)
             while any(e.pins for _, e in self._index.items()):
                 self._wait()
             return reserved
@@ -154,12 +154,6 @@ class Books:
         with self._locked():
             if feed in self._index.changes:
                 self._index.changes.remove(feed)
-
-    def pinned_count(self) -> int:
-        """Blocks pinned now (after ending expired leases)."""
-        with self._locked():
-            self._reap_leases()
-            return sum(1 for _, e in self._index.items() if e.pins)
 
     # -- counters -----------------------------------------------------------------
     def count(self, **amounts: float) -> None:
@@ -186,60 +180,12 @@ class Books:
             return [usage(lv, self.counters) for lv in self._levels]
 
     # -- pins and leases ----------------------------------------------------------
-    def pin_leading(self, keys: Sequence[BlockKey], get: bool = False) -> list[Entry]:
-        """Pin (and touch) the leading readable entries of ``keys`` (``get``: count a get)."""
-        with self._locked():
-            self._guard.check_open()
-            self.counters.gets += get
-            return self._pin_leading(keys)
-
-    def _pin_leading(self, keys: Sequence[BlockKey]) -> list[Entry]:
-        entries: list[Entry] = []
-        for key in keys:
-            entry = self._index.ready(key)
-            if entry is None:
-                break
-            entry.pins += 1
-            self._touch(key, entry)
-            entries.append(entry)
-        return entries
-
-    def repin_leading(self, entries: list[Entry], keys: Sequence[BlockKey]) -> list[Entry]:
-        """Unpin ``entries`` and pin the leading readable ``keys`` again (after discovery)."""
-        with self._locked():
-            self._unpin(entries)
-            return self._pin_leading(keys)
-
-    def pin_where(self, keys: Sequence[BlockKey], want: Want) -> list[tuple[BlockKey, Entry]]:
-        """Pin the readable ``keys`` whose entry ``want`` accepts (a pure test of the
-        entry, run under the lock); skipped while closed."""
-        with self._locked():
-            if self._guard.closed:
-                return []
-            pinned = []
-            for key in dict.fromkeys(keys):
-                entry = self._index.ready(key)
-                if entry is not None and want(entry):
-                    entry.pins += 1
-                    pinned.append((key, entry))
-            return pinned
-
-    def unpin(self, entries: Sequence[Entry]) -> None:
-        """Drop one pin of each entry."""
-        with self._locked():
-            self._unpin(entries)
-
-    def _unpin(self, entries: Sequence[Entry]) -> None:
-        for entry in entries:
-            entry.pins -= 1
-        self._guard.notify()
-
     def lease(self, keys: Sequence[BlockKey], duration: float) -> Lease:
         """Pin the leading readable ``keys`` under a lease of ``duration`` seconds."""
         with self._locked():
             self._guard.check_open()
             self._reap_leases()
-            return self._leases.add(self._pin_leading(keys), duration)
+            return self._leases.add(pin_leading_locked(self._index, self.heat, keys), duration)
 
     def lease_stored(
         self, keys: Sequence[BlockKey], duration: float
@@ -254,7 +200,7 @@ class Books:
                 if entry is None or i in pinned:
                     continue
                 entry.pins += 1
-                self._touch(key, entry)
+                touch_locked(self._index, self.heat, key, entry)
                 pinned[i] = entry
             return self._leases.add(list(pinned.values()), duration), pinned
 
@@ -266,48 +212,14 @@ class Books:
     def release(self, lease: Lease) -> None:
         """End a lease (idempotent)."""
         with self._locked():
-            self._unpin(self._leases.release(lease))
+            unpin_locked(self._guard, self._leases.release(lease))
 
     def _reap_leases(self) -> None:
         for lease in self._leases.expired():
             self.counters.leases_expired += 1
-            self._unpin(lease.entries)
-
-    def _touch(self, key: BlockKey, entry: Entry) -> None:
-        self.heat.touch(entry)
-        self._index.touch(key, entry)
+            unpin_locked(self._guard, lease.entries)
 
     # -- puts and placement -------------------------------------------------------
-    def claim(self, keys: Sequence[BlockKey]) -> tuple[list[tuple[BlockKey, Entry]], int]:
-        """Entries (being written, pinned) for the new ``keys``, and how many were stored.
-
-        Keys already stored are touched, not written again; a key being
-        written by someone else, or deleted, is left to them.
-        """
-        with self._locked():
-            self._guard.check_open()
-            self.counters.puts += 1
-            fresh, present = [], 0
-            for key in dict.fromkeys(keys):
-                entry = self._index.get(key)
-                if entry is None:
-                    entry = self._index.add(key, WRITING, pins=1)
-                    self.heat.touch(entry)
-                    fresh.append((key, entry))
-                elif entry.state == READY:
-                    present += 1
-                    self._touch(key, entry)
-            self.counters.blocks_already_present += present
-            return fresh, present
-
-    def settle(self, entries: Sequence[Entry], unwritten: Sequence[tuple[BlockKey, Entry]]) -> None:
-        """Unpin a put's new entries and forget those no tier took."""
-        with self._locked():
-            self._unpin(entries)
-            for key, entry in unwritten:
-                if entry.state == WRITING:
-                    self._index.remove(key, entry)
-
     def _pins(self, entry: Entry | None, allowed: int = 0) -> None:
         """End expired leases; then, with an ``entry``, wait until it has no more than
         ``allowed`` pins (lock held, released while waiting)."""

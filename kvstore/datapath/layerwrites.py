@@ -193,7 +193,7 @@ class LayerWrites:
             landed = self.writer.publish(FIRST, reserved, ok, follow)
         left = self.writer.place(FIRST, staged, None, follow) if staged else []
         failed = [mv for mv in reserved if id(mv) not in landed] + left
-        self.books.settle([p.entry for p in done], [(mv.key, mv.entry) for mv in failed])
+        self.books.pins.settle([p.entry for p in done], [(mv.key, mv.entry) for mv in failed])
         self.books.count(
             blocks_stored=len(done) - len(failed),
             bytes_written_in_place=len(landed) * self.layout.block_nbytes,

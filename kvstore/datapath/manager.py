@@ -211,7 +211,7 @@ class BlockManager:
     def pinned_blocks(self) -> int:
         """Blocks pinned right now (for tests and leak checks)."""
         self.layer_writes.reap()
-        return self.books.pinned_count()
+        return self.books.pins.pinned_count()
 
     def watch(self) -> ChangeFeed:
         """A new feed recording which keys gain or lose their copies in local tiers;

@@ -111,7 +111,7 @@ class Migrations:
         """Promote (or replicate) ``key`` into tier ``target`` if still worth it; True
         if a copy landed."""
         bit = 1 << target
-        pinned = self.books.pin_where([key], lambda entry: not entry.tiers & bit)
+        pinned = self.books.pins.pin_where([key], lambda entry: not entry.tiers & bit)
         if not pinned:
             return False
         landed = bool(self._copy(pinned, target, target + 1))
@@ -123,7 +123,9 @@ class Migrations:
         """Write-through: copy blocks ``source`` holds (and no tier below it does) into
         ``target`` or below."""
         bit, below = 1 << source, ~((1 << (source + 1)) - 1)
-        pinned = self.books.pin_where(keys, lambda e: bool(e.tiers & bit) and not e.tiers & below)
+        pinned = self.books.pins.pin_where(
+            keys, lambda e: bool(e.tiers & bit) and not e.tiers & below
+        )
         if pinned:
             done = self._copy(pinned, target, None)
             self.books.count_level("write_through_copies", target, done)
@@ -134,7 +136,7 @@ class Migrations:
         try:
             return self.writer.copy(pinned, start, stop, follow)
         finally:
-            self.books.unpin([entry for _, entry in pinned])
+            self.books.pins.unpin([entry for _, entry in pinned])
             self.schedule(follow)
 
     # -- re-encryption --------------------------------------------------------------
@@ -164,12 +166,12 @@ class Migrations:
                 cipher.count("reencrypt_pending", -len(keys))
                 return
             now, keys = keys[:batch], keys[batch:]
-            pinned = self.books.pin_where(now, lambda entry: bool(entry.tiers & bit))
+            pinned = self.books.pins.pin_where(now, lambda entry: bool(entry.tiers & bit))
             try:
                 if pinned:
                     self._rewrite(level, [key for key, _ in pinned])
             finally:
-                self.books.unpin([entry for _, entry in pinned])
+                self.books.pins.unpin([entry for _, entry in pinned])
                 cipher.count("reencrypt_pending", -len(now))
             if not keys:
                 return
@@ -198,7 +200,7 @@ class Migrations:
 
     def _persist(self, keys: Sequence[BlockKey], target: int) -> int:
         persistent = self.books.persistent
-        pinned = self.books.pin_where(keys, lambda entry: not entry.tiers & persistent)
+        pinned = self.books.pins.pin_where(keys, lambda entry: not entry.tiers & persistent)
         return self._copy(pinned, target, None) if pinned else 0
 
     def flush(self, batch: int = 32, progress: FlushProgress | None = None) -> int:

@@ -59,7 +59,7 @@ class Reader:
         try:
             done = self.read(keys[: len(entries)], entries, outs, layers)
         finally:
-            self.books.unpin(entries)
+            self.books.pins.unpin(entries)
         n = next((i for i, ok in enumerate(done) if not ok), len(done))
         self.books.count(blocks_read=n, blocks_missed=len(keys) - n)
         if not prefix and n < len(keys):
@@ -75,11 +75,11 @@ class Reader:
 
     def _pin(self, keys: Sequence[BlockKey], prefix: bool) -> list[Entry]:
         """Pin the leading readable entries (asking shared tiers about missing ones)."""
-        entries = self.books.pin_leading(keys, get=True)
+        entries = self.books.pins.pin_leading(keys, get=True)
         if len(entries) < len(keys) and self.finder.discover(keys[len(entries) :]):
-            entries = self.books.repin_leading(entries, keys)
+            entries = self.books.pins.repin_leading(entries, keys)
         if not prefix and len(entries) < len(keys):
-            self.books.unpin(entries)
+            self.books.pins.unpin(entries)
             self.books.count(blocks_missed=len(keys) - len(entries))
             self._raise_if_refused(keys, len(entries))
             missing = keys[len(entries)]

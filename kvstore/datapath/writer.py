@@ -67,11 +67,11 @@ class Writer:
         srcs: dict[BlockKey, torch.Tensor] = {}
         for key, block in zip(keys, blocks, strict=True):
             srcs.setdefault(key, block)
-        fresh, present = self.books.claim(keys)
+        fresh, present = self.books.pins.claim(keys)
         moves = [Move(key, entry, srcs[key]) for key, entry in fresh]
         follow = FollowUps()
         left = self.place(0, moves, None, follow) if moves else []
-        self.books.settle([m.entry for m in moves], [(m.key, m.entry) for m in left])
+        self.books.pins.settle([m.entry for m in moves], [(m.key, m.entry) for m in left])
         self.books.count(blocks_stored=len(moves) - len(left), blocks_not_stored=len(left))
         return present + len(moves) - len(left), follow
 

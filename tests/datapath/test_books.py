@@ -133,7 +133,7 @@ def test_the_check_sees_a_tier_call_made_under_the_lock(tmp_path: Path) -> None:
         tiers[0].view(keys[0])
         return False
 
-    store.datapath.books.pin_where(keys, calls_the_tier)
+    store.datapath.books.pins.pin_where(keys, calls_the_tier)
     assert len(tiers[0].violations) == 1 and "view under the books' lock" in tiers[0].violations[0]
     store.close()
 
@@ -190,6 +190,6 @@ def test_tierio_refuses_a_call_under_the_lock(tmp_path: Path) -> None:
         return False
 
     with pytest.raises(AssertionError, match="under the books' lock"):
-        store.datapath.books.pin_where(keys, through_tierio)
+        store.datapath.books.pins.pin_where(keys, through_tierio)
     assert store.lookup(keys) == 1  # the lock was released on the way out
     store.close()
