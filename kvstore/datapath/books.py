@@ -36,9 +36,9 @@ from kvstore.datapath.index import (
     Index,
     Level,
 )
-from kvstore.datapath.leases import Lease, LeaseTable
+from kvstore.datapath.leases import LeaseBooks
 from kvstore.datapath.partials import PartialBooks
-from kvstore.datapath.pins import PinBooks, pin_leading_locked, touch_locked, unpin_locked
+from kvstore.datapath.pins import PinBooks
 from kvstore.datapath.queries import QueryBooks
 from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
@@ -72,32 +72,30 @@ class Books:
         self.clock = clock
         self.counters = ManagerCounters.for_tiers(len(levels))
         self._levels = list(levels)
-        self._index = Index(self._levels, self.persistent, self.local)
-        self._leases = LeaseTable(clock)
-        self._guard = Guard()
-        #: Room, eviction and write-back in each tier (under the same lock).
+        self._index = index = Index(self._levels, self.persistent, self.local)
+        self._guard = guard = Guard()
+        #: Leases: pins that expire (under the same lock, as every ledger below).
+        self.leases = LeaseBooks(guard, index, heat, self.counters, clock)
+        #: Pins taken and dropped, a put's new entries among them.
+        self.pins = PinBooks(guard, index, heat, self.counters, self.leases.reap_locked)
+        #: What the books say: read-only questions.
+        self.queries = QueryBooks(guard, index, placement, heat)
+        #: Room, eviction and write-back in each tier.
         self.room = RoomBooks(
-            self._guard,
-            self._index,
+            guard,
+            index,
             placement,
             heat,
             self.counters,
-            self._pins,
+            self.leases.wait_pins_locked,
             retained or (lambda key: None),
         )
-        #: The blocks being written layer by layer (under the same lock).
-        self.partials = PartialBooks(self._guard, self._index, heat, self.counters, clock)
-        #: What the books say: read-only questions (under the same lock).
-        self.queries = QueryBooks(self._guard, self._index, placement, heat)
-        #: Pins taken and dropped, a put's new entries among them (under the same lock).
-        self.pins = PinBooks(self._guard, self._index, heat, self.counters, self._reap_leases)
+        #: The blocks being written layer by layer.
+        self.partials = PartialBooks(guard, index, heat, self.counters, clock)
 
     # -- the lock -----------------------------------------------------------------
     def _locked(self) -> Guard:
         return self._guard
-
-    def _wait(self, timeout: float | None = None) -> None:
-        self._guard.wait(timeout)
 
     def held_by_me(self) -> bool:
         """True while the calling thread holds the books' lock (tier calls must not)."""
@@ -135,10 +133,9 @@ class Books:
         with self._locked():
             self._guard.closed = True
             reserved = self.partials.abort_idle_locked()
-            for lease in self._leases.expired_all():
-                unpin_locked(self._guard, lease.entries)
+            self.leases.end_all_locked()
             while any(e.pins for _, e in self._index.items()):
-                self._wait()
+                self._guard.wait()
             return reserved
 
     def watch(self) -> ChangeFeed:
@@ -170,7 +167,7 @@ class Books:
         """A consistent copy of the counters, with the live leases."""
         with self._locked():
             snapshot = self.counters.snapshot()
-            snapshot["leases_live"] = len(self._leases)
+            snapshot["leases_live"] = self.leases.live_locked()
             snapshot["blocks_memory_only"] = max(0, self._index.unpersisted)
             return snapshot
 
@@ -178,55 +175,6 @@ class Books:
         """Per tier: blocks held, capacity and watermarks (blocks), policy, movements."""
         with self._locked():
             return [usage(lv, self.counters) for lv in self._levels]
-
-    # -- pins and leases ----------------------------------------------------------
-    def lease(self, keys: Sequence[BlockKey], duration: float) -> Lease:
-        """Pin the leading readable ``keys`` under a lease of ``duration`` seconds."""
-        with self._locked():
-            self._guard.check_open()
-            self._reap_leases()
-            return self._leases.add(pin_leading_locked(self._index, self.heat, keys), duration)
-
-    def lease_stored(
-        self, keys: Sequence[BlockKey], duration: float
-    ) -> tuple[Lease, dict[int, Entry]]:
-        """Pin every readable key among ``keys`` under one lease; ``{position: entry}``."""
-        with self._locked():
-            self._guard.check_open()
-            self._reap_leases()
-            pinned: dict[int, Entry] = {}
-            for i, key in enumerate(keys):
-                entry = self._index.ready(key)
-                if entry is None or i in pinned:
-                    continue
-                entry.pins += 1
-                touch_locked(self._index, self.heat, key, entry)
-                pinned[i] = entry
-            return self._leases.add(list(pinned.values()), duration), pinned
-
-    def renew(self, lease: Lease, duration: float) -> bool:
-        """Extend a lease; False if it already ended."""
-        with self._locked():
-            return self._leases.renew(lease, duration)
-
-    def release(self, lease: Lease) -> None:
-        """End a lease (idempotent)."""
-        with self._locked():
-            unpin_locked(self._guard, self._leases.release(lease))
-
-    def _reap_leases(self) -> None:
-        for lease in self._leases.expired():
-            self.counters.leases_expired += 1
-            unpin_locked(self._guard, lease.entries)
-
-    # -- puts and placement -------------------------------------------------------
-    def _pins(self, entry: Entry | None, allowed: int = 0) -> None:
-        """End expired leases; then, with an ``entry``, wait until it has no more than
-        ``allowed`` pins (lock held, released while waiting)."""
-        self._reap_leases()
-        while entry is not None and entry.pins > allowed:
-            self._wait(0.05)  # wakes for lease expiry as well as unpins
-            self._reap_leases()
 
     # -- deletes and lost copies --------------------------------------------------
     def begin_delete(self, keys: Sequence[BlockKey]) -> tuple[Victims, dict[int, Victims]]:
@@ -241,7 +189,7 @@ class Books:
                     self._index.set_state(entry, DELETING)
                     targets.append((key, entry))
             for _, entry in targets:
-                self._pins(entry, 0)
+                self.leases.wait_pins_locked(entry, 0)
             groups: dict[int, Victims] = {}
             for key, entry in targets:
                 for lv in self._levels:

@@ -7,8 +7,10 @@ would keep the block -- and its memory -- forever; peers leak pinned memory
 exactly this way. So long-lived pins are leases: they end when released, or
 when they expire, whichever comes first, and expiries are counted.
 
-Not thread-safe: :class:`~kvstore.datapath.books.Books` calls the table under its
-lock, and does the unpinning itself.
+:class:`LeaseTable` is plain data, not thread-safe; :class:`LeaseBooks` is the ledger
+:class:`~kvstore.datapath.books.Books` keeps it in (``books.leases``): its methods take the
+books' lock (the :class:`~kvstore.datapath.guard.Guard` the books own and hand to it),
+pin or unpin the entries, record the lease in the table, and return.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore.datapath import contracts
-from kvstore.datapath.index import Entry
+from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.guard import Guard
+from kvstore.datapath.index import Entry, HeatClock, Index
+from kvstore.datapath.pins import pin_leading_locked, touch_locked, unpin_locked
+from kvstore.keys import BlockKey
 
-__all__ = ["Lease", "LeaseKeeper", "LeaseTable", "Pin"]
+__all__ = ["Lease", "LeaseBooks", "LeaseKeeper", "LeaseTable", "Pin"]
 
 
 @dataclass(eq=False)
@@ -98,6 +104,83 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+
+class LeaseBooks:
+    """Leases taken, renewed, released and reaped under the books' lock (see the
+    module docstring). The ``*_locked`` methods are for the books' other ledgers,
+    which call them with the lock held."""
+
+    def __init__(
+        self,
+        guard: Guard,
+        index: Index,
+        heat: HeatClock,
+        counters: ManagerCounters,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._guard = guard
+        self._index = index
+        self._heat = heat
+        self._counters = counters
+        self._table = LeaseTable(clock)
+
+    def lease(self, keys: Sequence[BlockKey], duration: float) -> Lease:
+        """Pin the leading readable ``keys`` under a lease of ``duration`` seconds."""
+        with self._guard.locked():
+            self._guard.check_open()
+            self.reap_locked()
+            return self._table.add(pin_leading_locked(self._index, self._heat, keys), duration)
+
+    def lease_stored(
+        self, keys: Sequence[BlockKey], duration: float
+    ) -> tuple[Lease, dict[int, Entry]]:
+        """Pin every readable key among ``keys`` under one lease; ``{position: entry}``."""
+        with self._guard.locked():
+            self._guard.check_open()
+            self.reap_locked()
+            pinned: dict[int, Entry] = {}
+            for i, key in enumerate(keys):
+                entry = self._index.ready(key)
+                if entry is None or i in pinned:
+                    continue
+                entry.pins += 1
+                touch_locked(self._index, self._heat, key, entry)
+                pinned[i] = entry
+            return self._table.add(list(pinned.values()), duration), pinned
+
+    def renew(self, lease: Lease, duration: float) -> bool:
+        """Extend a lease; False if it already ended."""
+        with self._guard.locked():
+            return self._table.renew(lease, duration)
+
+    def release(self, lease: Lease) -> None:
+        """End a lease (idempotent)."""
+        with self._guard.locked():
+            unpin_locked(self._guard, self._table.release(lease))
+
+    def reap_locked(self) -> None:
+        """End (and count) the expired leases, unpinning their entries; lock held."""
+        for lease in self._table.expired():
+            self._counters.leases_expired += 1
+            unpin_locked(self._guard, lease.entries)
+
+    def wait_pins_locked(self, entry: Entry | None, allowed: int = 0) -> None:
+        """End expired leases; then, with an ``entry``, wait until it has no more than
+        ``allowed`` pins (lock held, released while waiting)."""
+        self.reap_locked()
+        while entry is not None and entry.pins > allowed:
+            self._guard.wait(0.05)  # wakes for lease expiry as well as unpins
+            self.reap_locked()
+
+    def end_all_locked(self) -> None:
+        """End every live lease, unpinning its entries (at close); lock held."""
+        for lease in self._table.expired_all():
+            unpin_locked(self._guard, lease.entries)
+
+    def live_locked(self) -> int:
+        """How many leases are live; lock held."""
+        return len(self._table)
 
 
 class LeaseKeeper(Protocol):

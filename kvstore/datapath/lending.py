@@ -82,7 +82,7 @@ class Loan(contracts.Loan):
         return [done[i] for i in idxs]
 
     def renew(self) -> bool:
-        return self._lender.books.renew(self._lease, self._lender.lease_s)
+        return self._lender.books.leases.renew(self._lease, self._lender.lease_s)
 
     @property
     def released(self) -> bool:
@@ -94,7 +94,7 @@ class Loan(contracts.Loan):
             if self._released:
                 return
             self._released = True
-        self._lender.books.release(self._lease)
+        self._lender.books.leases.release(self._lease)
 
     def __enter__(self) -> Loan:
         return self
@@ -169,7 +169,7 @@ class Lender:
         holds it (taken with the books' lock released: the pins keep them valid)."""
         keys = list(keys)
         self.finder.discover(keys)  # blocks other processes wrote to shared tiers count
-        lease, pinned = self.books.lease_stored(keys, duration or self.lease_s)
+        lease, pinned = self.books.leases.lease_stored(keys, duration or self.lease_s)
         self.books.count(gets=1, blocks_read=len(pinned), blocks_missed=len(keys) - len(pinned))
         masks = dict(zip(pinned, self.books.queries.tiers_of(list(pinned.values())), strict=True))
         views = [

@@ -388,7 +388,7 @@ class BlockManager:
     def pin(self, keys: Sequence[BlockKey], duration: float | None = None) -> Lease:
         """Pin the leading stored ``keys`` under a lease of ``duration`` seconds
         (``config.lease_s`` by default); ``len(lease.entries)`` is how many."""
-        return self.books.lease(keys, duration or self.config.lease_s)
+        return self.books.leases.lease(keys, duration or self.config.lease_s)
 
     def hold(self, keys: Sequence[BlockKey], duration: float | None = None) -> Pin:
         """:meth:`pin`, as users hold it (``KVStore.pin``)."""
@@ -396,11 +396,11 @@ class BlockManager:
 
     def renew(self, lease: Lease, duration: float | None = None) -> bool:
         """Extend a lease; False if it already ended (released or expired)."""
-        return self.books.renew(lease, duration or self.config.lease_s)
+        return self.books.leases.renew(lease, duration or self.config.lease_s)
 
     def release(self, lease: Lease) -> None:
         """End a lease (idempotent)."""
-        self.books.release(lease)
+        self.books.leases.release(lease)
 
     def lend(self, keys: Sequence[BlockKey], duration: float | None = None) -> Loan:
         """Pin the stored ``keys`` for zero-copy reads of their memory (see lending.py)."""

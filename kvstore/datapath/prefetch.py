@@ -266,7 +266,7 @@ class Prefetcher:
         if ordered is None:
             ordered = gpu
         ready = engine.mark() if ordered else None  # the caller's last use of ``out``
-        lease = self.books.lease(keys, self.lease_s)
+        lease = self.books.leases.lease(keys, self.lease_s)
         handle = PrefetchHandle(keys, len(lease.entries), self.num_layers, self.config)
         with self._lock:
             self._live.add(handle)
@@ -294,7 +294,7 @@ class Prefetcher:
             for event in load.in_flight:  # the lease keeps the sources alive until here
                 event.wait()
             load.staging.clear()
-            self.books.release(load.lease)
+            self.books.leases.release(load.lease)
             load.handle._finish(complete)
             with self._lock:
                 self._live.discard(load.handle)
@@ -362,7 +362,7 @@ class Prefetcher:
 
     def _keep_alive(self, load: _Load) -> None:
         if load.lease.expiry - self.books.clock() < self.lease_s / 2:  # rarely: keep it alive
-            self.books.renew(load.lease, self.lease_s)
+            self.books.leases.renew(load.lease, self.lease_s)
 
     def _submit(
         self,

@@ -204,8 +204,9 @@ class RoomBooks:
     The ledger :class:`~kvstore.datapath.books.Books` keeps as ``books.room``: its
     methods take the books' lock (the :class:`~kvstore.datapath.guard.Guard` handed to
     it), run the rules of this module over the levels and the index, and
-    return. ``pins(entry, allowed)`` is the books' own: it ends expired leases
-    and waits, the lock held, until ``entry`` has no more than ``allowed`` pins
+    return. ``pins(entry, allowed)`` is the lease ledger's
+    (:meth:`~kvstore.datapath.leases.LeaseBooks.wait_pins_locked`): it ends expired
+    leases and waits, the lock held, until ``entry`` has no more than ``allowed`` pins
     (no entry: only the expiry).
     """
 
