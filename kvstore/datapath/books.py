@@ -29,7 +29,6 @@ from kvstore.datapath.contracts import ChangeFeed
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import (
-    DELETING,
     READY,
     Entry,
     HeatClock,
@@ -40,6 +39,7 @@ from kvstore.datapath.leases import LeaseBooks
 from kvstore.datapath.partials import PartialBooks
 from kvstore.datapath.pins import PinBooks
 from kvstore.datapath.queries import QueryBooks
+from kvstore.datapath.removals import RemovalBooks
 from kvstore.datapath.room import Reservation, RetainedFn, RoomBooks, Victims, usage
 from kvstore.keys import BlockKey
 from kvstore.placement import Placement
@@ -78,6 +78,8 @@ class Books:
         self.leases = LeaseBooks(guard, index, heat, self.counters, clock)
         #: Pins taken and dropped, a put's new entries among them.
         self.pins = PinBooks(guard, index, heat, self.counters, self.leases.reap_locked)
+        #: Deletes, drops and lost copies, taken off the books around the tier calls.
+        self.removals = RemovalBooks(guard, index, self.counters, self.leases.wait_pins_locked)
         #: What the books say: read-only questions.
         self.queries = QueryBooks(guard, index, placement, heat)
         #: Room, eviction and write-back in each tier.
@@ -175,79 +177,6 @@ class Books:
         """Per tier: blocks held, capacity and watermarks (blocks), policy, movements."""
         with self._locked():
             return [usage(lv, self.counters) for lv in self._levels]
-
-    # -- deletes and lost copies --------------------------------------------------
-    def begin_delete(self, keys: Sequence[BlockKey]) -> tuple[Victims, dict[int, Victims]]:
-        """Mark readable ``keys`` deleted, wait for their readers, take every copy off
-        the books. Returns the targets and, per tier, the copies to delete."""
-        with self._locked():
-            self._guard.check_open()
-            targets: Victims = []
-            for key in dict.fromkeys(keys):
-                entry = self._index.ready(key)
-                if entry is not None:
-                    self._index.set_state(entry, DELETING)
-                    targets.append((key, entry))
-            for _, entry in targets:
-                self.leases.wait_pins_locked(entry, 0)
-            groups: dict[int, Victims] = {}
-            for key, entry in targets:
-                for lv in self._levels:
-                    if self._index.begin_drop(lv, key, entry):
-                        groups.setdefault(lv.index, []).append((key, entry))
-            return targets, groups
-
-    def begin_drop_local(self, keys: Sequence[BlockKey]) -> tuple[Victims, dict[int, Victims]]:
-        """Take the copies in this machine's tiers of readable, unpinned ``keys`` off
-        the books; copies in shared remote tiers (S3) stay. Returns the keys left with
-        no copy at all (forgotten) and, per tier, the copies to delete; the caller
-        deletes them from the tiers, then calls :meth:`end_drop` for each tier."""
-        with self._locked():
-            self._guard.check_open()
-            gone: Victims = []
-            groups: dict[int, Victims] = {}
-            for key in dict.fromkeys(keys):
-                entry = self._index.ready(key)
-                if entry is None or entry.pins:  # being read: its copies stay for now
-                    continue
-                for lv in self._levels:
-                    if lv.bit & self.local and self._index.begin_drop(lv, key, entry):
-                        groups.setdefault(lv.index, []).append((key, entry))
-                if not entry.tiers:
-                    self._index.set_state(entry, DELETING)
-                    self._index.remove(key, entry)
-                    gone.append((key, entry))
-            return gone, groups
-
-    def end_delete(self, targets: Victims, groups: dict[int, Victims]) -> int:
-        """The tiers deleted the copies: give their room back, forget the keys."""
-        with self._locked():
-            for level, dropped in groups.items():
-                self._index.end_drop(self._levels[level], [k for k, _ in dropped])
-            for key, entry in targets:
-                self._index.remove(key, entry)
-            self.counters.blocks_deleted += len(targets)
-            self._guard.notify()
-            return len(targets)
-
-    def lose_copy(self, level: int, key: BlockKey, entry: Entry) -> bool:
-        """A tier failed to produce ``key``: forget that copy (and the block if it was
-        the last); False if the books had no such copy. The caller deletes it from
-        the tier, then calls :meth:`end_drop`."""
-        with self._locked():
-            if not self._index.begin_drop(self._levels[level], key, entry):
-                return False
-            self.counters.copies_lost += 1
-            if not entry.tiers:
-                self._index.set_state(entry, DELETING)
-                self._index.remove(key, entry)
-            return True
-
-    def end_drop(self, level: int, keys: Sequence[BlockKey]) -> None:
-        """The tier deleted these copies: give their room back."""
-        with self._locked():
-            self._index.end_drop(self._levels[level], keys)
-            self._guard.notify()
 
     # -- discovery ----------------------------------------------------------------
     def adopt(self, found: Sequence[tuple[BlockKey, int]]) -> None:

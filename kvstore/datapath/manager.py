@@ -269,19 +269,19 @@ class BlockManager:
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys`` from every tier; return how many were stored."""
-        targets, groups = self.books.begin_delete(keys)
+        targets, groups = self.books.removals.begin_delete(keys)
         for level, dropped in groups.items():
             self.io.delete(level, [key for key, _ in dropped])
-        return self.books.end_delete(targets, groups)
+        return self.books.removals.end_delete(targets, groups)
 
     def drop_local(self, keys: Sequence[BlockKey]) -> int:
         """Delete the copies of ``keys`` in this machine's tiers (memory, local disk),
         keeping those in shared remote tiers such as S3: a cluster replica giving up
         its place. Blocks being read are skipped. Returns how many copies went."""
-        _, groups = self.books.begin_drop_local(keys)
+        _, groups = self.books.removals.begin_drop_local(keys)
         for level, dropped in groups.items():
             self.io.delete(level, [key for key, _ in dropped])
-            self.books.end_drop(level, [key for key, _ in dropped])
+            self.books.removals.end_drop(level, [key for key, _ in dropped])
         return sum(len(dropped) for dropped in groups.values())
 
     def evict(self, tier_index: int, n: int) -> list[BlockKey]:

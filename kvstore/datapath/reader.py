@@ -127,7 +127,7 @@ class Reader:
         that gave up, bytes damaged on the way) says nothing certain about the
         object. Such a tier deletes what it knows to be bad itself.
         """
-        if self.books.lose_copy(level, key, entry):
+        if self.books.removals.lose_copy(level, key, entry):
             if not self._shared >> level & 1:
                 self.io.delete(level, [key])
-            self.books.end_drop(level, [key])
+            self.books.removals.end_drop(level, [key])
