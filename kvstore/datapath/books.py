@@ -27,10 +27,9 @@ from typing import Any
 
 from kvstore.datapath.contracts import ChangeFeed
 from kvstore.datapath.counters import ManagerCounters
+from kvstore.datapath.discovery import DiscoveryBooks
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import (
-    READY,
-    Entry,
     HeatClock,
     Index,
     Level,
@@ -80,6 +79,8 @@ class Books:
         self.pins = PinBooks(guard, index, heat, self.counters, self.leases.reap_locked)
         #: Deletes, drops and lost copies, taken off the books around the tier calls.
         self.removals = RemovalBooks(guard, index, self.counters, self.leases.wait_pins_locked)
+        #: Copies other processes wrote or freed in the shared tiers, recorded.
+        self.discovery = DiscoveryBooks(guard, index)
         #: What the books say: read-only questions.
         self.queries = QueryBooks(guard, index, placement, heat)
         #: Room, eviction and write-back in each tier.
@@ -177,39 +178,3 @@ class Books:
         """Per tier: blocks held, capacity and watermarks (blocks), policy, movements."""
         with self._locked():
             return [usage(lv, self.counters) for lv in self._levels]
-
-    # -- discovery ----------------------------------------------------------------
-    def adopt(self, found: Sequence[tuple[BlockKey, int]]) -> None:
-        """Record copies found in tiers (``(key, bits)``): other processes wrote them."""
-        with self._locked():
-            for key, bits in found:
-                entry = self._index.get(key)
-                if entry is None:
-                    entry = self._index.add(key, READY)
-                elif entry.state != READY:
-                    continue
-                for lv in self._levels:
-                    if bits & lv.bit and not entry.tiers & lv.bit:
-                        self._index.note_copy(key, entry, lv.bit)
-                        lv.policy.insert(key)
-                        lv.resident += 1
-
-    def forget_gone(
-        self, keys: Sequence[BlockKey], entries: Sequence[Entry], verdicts: dict[int, list[bool]]
-    ) -> int | None:
-        """Forget copies the shared tiers said they no longer hold (``verdicts[level][i]``);
-        the position of the first block left with none, or None."""
-        first_gone = None
-        with self._locked():
-            for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
-                for level, present in verdicts.items():
-                    lv = self._levels[level]
-                    gone = entry.tiers & lv.bit and not present[i]
-                    if gone and self._index.begin_drop(lv, key, entry):
-                        self._index.end_drop(lv, [key])  # the other process freed it
-                if not entry.tiers:
-                    first_gone = i if first_gone is None else first_gone
-                    if entry.state == READY and entry.pins == 0:
-                        self._index.remove(key, entry)
-            self._guard.notify()
-        return first_gone

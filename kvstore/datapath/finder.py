@@ -90,7 +90,7 @@ class Finder:
                 for i, present in enumerate(self.io.contains(level, chunk)):
                     found[i] |= (1 << level) if present else 0
             run = next((i for i, bits in enumerate(found) if not bits), len(chunk))
-            self.books.adopt(list(zip(chunk[:run], found[:run], strict=True)))
+            self.books.discovery.adopt(list(zip(chunk[:run], found[:run], strict=True)))
             adopted += run
             if run < len(chunk):
                 break
@@ -118,7 +118,7 @@ class Finder:
             for j, present in enumerate(held):
                 found[j] |= (1 << level) if present else 0
         adopted = [(keys[i], bits) for i, bits in zip(probe, found, strict=True) if bits]
-        self.books.adopt(adopted)
+        self.books.discovery.adopt(adopted)
         return len(adopted)
 
     def recheck(self, keys: Sequence[BlockKey], batch: int = 16, skip: int = 0) -> int:
@@ -165,10 +165,10 @@ class Finder:
                 verdict[i] = present
                 confirmed[i] = confirmed[i] or present
             verdicts[level] = verdict
-        return self.books.forget_gone(keys, known, verdicts)
+        return self.books.discovery.forget_gone(keys, known, verdicts)
 
     def adopt_persistent(self) -> None:
         """Index the blocks persistent tiers hold now (on open, and on a rescan)."""
         for level in self.io.persistent_levels():
             keys = self.io.stored_keys(level)  # a directory scan or a listing: no lock
-            self.books.adopt([(key, 1 << level) for key in keys])
+            self.books.discovery.adopt([(key, 1 << level) for key in keys])
