@@ -13,8 +13,9 @@ The modules form a staircase, each importing only those below it::
     prefetch · lending · layerwrites · migrations · reader
     writer · finder  where a block goes, what is where
     tierio · mover   every tier call (timed, failure → miss); background jobs
-    books            the index, THE lock, levels, heat, leases, partial writes (room,
-                     partials, index, leases, guard, counters, progress)
+    books            the index, THE lock, levels, heat, counters, and its ledgers
+                     (pins, leases, queries, removals, discovery, room, partials;
+                     index, guard, counters, progress)
     contracts        the front door's types (imports nothing of the data path)
 
 docs/architecture.md draws the pieces and the path of each operation. Importing this

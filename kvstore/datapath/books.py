@@ -1,14 +1,31 @@
 """The books: what is stored where, who uses it, and THE lock that guards it all.
 
 :class:`Books` owns the index (:class:`~kvstore.datapath.index.Index`), the per-tier
-levels, heat, the leases, the change feed, the counters and the one lock (a
-:class:`~kvstore.datapath.guard.Guard`) that guards every one of them, with two ledgers
-kept under that same lock: ``books.room`` (:class:`~kvstore.datapath.room.RoomBooks`:
-room, eviction and write-back in each tier) and ``books.partials``
-(:class:`~kvstore.datapath.partials.PartialBooks`: blocks being written layer by
-layer). Books is the only owner of the lock: every other piece of the data
-path calls a method here or on a ledger, which takes the lock, changes the
-books and returns.
+levels, heat, the change feed, the counters and the one lock (a
+:class:`~kvstore.datapath.guard.Guard`) that guards every one of them, and keeps the
+store's lifecycle (open, closing, closed), the watchers and the counters itself. The
+rest is done by its ledgers, each a small class that gets only the lock and the parts
+of the books it needs, and keeps its state under that same lock:
+
+=====================  ==============================================================
+``books.pins``         :class:`~kvstore.datapath.pins.PinBooks`: pins taken and
+                       dropped, a put's new entries (claim, settle)
+``books.leases``       :class:`~kvstore.datapath.leases.LeaseBooks`: pins that expire
+``books.queries``      :class:`~kvstore.datapath.queries.QueryBooks`: read-only
+                       questions (where, leading, stored keys, fastest copy, ...)
+``books.removals``     :class:`~kvstore.datapath.removals.RemovalBooks`: deletes, local
+                       drops, lost copies
+``books.discovery``    :class:`~kvstore.datapath.discovery.DiscoveryBooks`: copies other
+                       processes wrote or freed in the shared tiers
+``books.room``         :class:`~kvstore.datapath.room.RoomBooks`: room, eviction and
+                       write-back in each tier
+``books.partials``     :class:`~kvstore.datapath.partials.PartialBooks`: blocks being
+                       written layer by layer
+=====================  ==============================================================
+
+Books is the only owner of the lock: it creates the Guard and hands it to its ledgers
+only; every other piece of the data path calls a method here or on a ledger, which
+takes the lock, changes the books and returns.
 
 Books never calls a tier and never copies bytes: an operation pins its blocks
 here, does its I/O with the lock released (through
@@ -29,11 +46,7 @@ from kvstore.datapath.contracts import ChangeFeed
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.discovery import DiscoveryBooks
 from kvstore.datapath.guard import Guard
-from kvstore.datapath.index import (
-    HeatClock,
-    Index,
-    Level,
-)
+from kvstore.datapath.index import HeatClock, Index, Level
 from kvstore.datapath.leases import LeaseBooks
 from kvstore.datapath.partials import PartialBooks
 from kvstore.datapath.pins import PinBooks

@@ -1,10 +1,10 @@
 """The books' lock: a condition variable that knows which thread holds it.
 
 Created by :class:`~kvstore.datapath.books.Books`, which owns it, and handed only to
-the books' own ledgers (:class:`~kvstore.datapath.room.RoomBooks`,
-:class:`~kvstore.datapath.partials.PartialBooks`): nothing else in the data path takes
-it. Knowing the holder lets TierIO and the tests check the rule that tier I/O
-never runs under it (:meth:`Guard.held_by_me`). The store's lifecycle
+the books' own ledgers (``books.pins``, ``leases``, ``queries``, ``removals``,
+``discovery``, ``room``, ``partials``): nothing else in the data path takes it.
+Knowing the holder lets TierIO and the tests check the rule that tier I/O never runs
+under it (:meth:`Guard.held_by_me`). The store's lifecycle
 (``closing``, ``closed``) is kept here too, read and written under the lock.
 """
 
