@@ -19,8 +19,29 @@ from kvstore.testing.kvserver import server_test_config
 from kvstore.testing.mounts import mount_tmpfs, unmount
 from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 
+#: Modules besides those marked ``slow`` that take half a minute or more on two cores.
+LONG_MODULES = frozenset(
+    {
+        "test_soak_short.py",
+        "test_docs_snippets.py",
+        "test_limits.py",
+        "test_bench_peers.py",
+        "test_bench_gpu_model.py",
+        "test_bench_cluster.py",
+        "test_run_all.py",
+        "test_trust.py",
+        "test_nodes.py",
+    }
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Long modules first (a stable sort keeps the order within each): with ``--dist
+    # loadfile`` a module runs on one worker, and a long one handed out last leaves the
+    # other worker idle at the end.
+    long = {item.path for item in items if item.get_closest_marker("slow")}
+    long |= {item.path for item in items if item.path.name in LONG_MODULES}
+    items.sort(key=lambda item: item.path not in long)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
