@@ -48,7 +48,7 @@ from kvstore.errors import InvalidInputError, LayoutMismatchError
 from kvstore.layout import KVLayout
 
 try:  # compiled by the install (setup.py); optional
-    from kvstore import _chain
+    import kvstore._chain as _chain
 except ImportError:  # pragma: no cover - exercised by test_keys in a subprocess
     _chain = None  # type: ignore[assignment]
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 try:  # built by the install (csrc/memcopy.c); without it, a copy_ per pair
-    from kvstore import _memcopy
+    import kvstore._memcopy as _memcopy
 except ImportError:  # pragma: no cover - an install without a C compiler
     _memcopy = None  # type: ignore[assignment]
 
