@@ -2,7 +2,7 @@
 
 :func:`render` writes ``results.json``, the plots (:mod:`_plots`) and the
 README into a directory, from a ``results.json`` document and the registry of
-``run_all.py`` (whose :class:`~run_all.Figure` rows say what to tabulate).
+``run_all.py`` (whose :class:`Figure` rows, defined here, say what to tabulate).
 """
 
 from __future__ import annotations
@@ -13,17 +13,42 @@ import os
 import platform
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from _plots import draw_all, resolve
 
-if TYPE_CHECKING:
-    from run_all import Bench, Figure
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the registry's rows: data only (run_all.REGISTRY lists them) --------------------------
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: a figure of a script's JSON and its bar."""
+
+    path: str  #: dotted path into the JSON (see ``_plots.resolve``)
+    baseline: str = ""  #: what the figure is compared with ("" for an absolute figure)
+    target: str = ""  #: ``">= 0.8"``, ``"<= 1"``; "" for none
+    unit: str = ""  #: ``"x"`` for ratios, ``"ms"``, ``"GB/s"``, ``"B"`` ...
+    baseline_path: str = ""  #: the baseline's own figure in the same JSON, shown beside it
+    baseline_unit: str = ""
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark script: how to run it, fully and with ``--quick``, and what to tabulate."""
+
+    name: str
+    script: str  #: a file in benchmarks/ (or an absolute path)
+    figures: tuple[Figure, ...]
+    args: tuple[str, ...] = ()  #: a full run's arguments (``{tmp}``: a scratch directory)
+    quick_args: tuple[str, ...] | None = ("--quick",)  #: None: not part of ``--quick``
+    timeout_s: float = 900.0
+    quick_timeout_s: float = 180.0
+    note: str = ""  #: shown in the README (why it is not in ``--quick``, say)
 
 
 def minutes(seconds: float) -> str:

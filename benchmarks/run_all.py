@@ -41,11 +41,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from _report import machine, minutes, render
+from _report import Bench, Figure, machine, minutes, render
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -60,32 +59,6 @@ _NO_BINARY = re.compile(r"ConfigError: ([\w.-]+) is not installed; run scripts/i
 
 
 # -- the registry: data only -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Figure:
-    """One row of the table: a figure of a script's JSON and its bar."""
-
-    path: str  #: dotted path into the JSON (see ``_plots.resolve``)
-    baseline: str = ""  #: what the figure is compared with ("" for an absolute figure)
-    target: str = ""  #: ``">= 0.8"``, ``"<= 1"``; "" for none
-    unit: str = ""  #: ``"x"`` for ratios, ``"ms"``, ``"GB/s"``, ``"B"`` ...
-    baseline_path: str = ""  #: the baseline's own figure in the same JSON, shown beside it
-    baseline_unit: str = ""
-
-
-@dataclass(frozen=True)
-class Bench:
-    """One benchmark script: how to run it, fully and with ``--quick``, and what to tabulate."""
-
-    name: str
-    script: str  #: a file in benchmarks/ (or an absolute path)
-    figures: tuple[Figure, ...]
-    args: tuple[str, ...] = ()  #: a full run's arguments (``{tmp}``: a scratch directory)
-    quick_args: tuple[str, ...] | None = ("--quick",)  #: None: not part of ``--quick``
-    timeout_s: float = 900.0
-    quick_timeout_s: float = 180.0
-    note: str = ""  #: shown in the README (why it is not in ``--quick``, say)
-
-
 def _ratio(path: str, baseline: str, target: str = "", base: str = "", unit: str = "") -> Figure:
     return Figure(path, baseline, target, "x", base, unit)
 
