@@ -24,8 +24,10 @@ of the books it needs, and keeps its state under that same lock:
 =====================  ==============================================================
 
 Books is the only owner of the lock: it creates the Guard and hands it to its ledgers
-only; every other piece of the data path calls a method here or on a ledger, which
-takes the lock, changes the books and returns.
+only (the ledgers that pin, lease, make room and write layer by layer get it with the
+index, heat clock and counters as one :class:`~kvstore.datapath.ledger.LedgerParts`);
+every other piece of the data path calls a method here or on a ledger, which takes the
+lock, changes the books and returns.
 
 Books never calls a tier and never copies bytes: an operation pins its blocks
 here, does its I/O with the lock released (through
@@ -48,6 +50,7 @@ from kvstore.datapath.discovery import DiscoveryBooks
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import HeatClock, Index, Level
 from kvstore.datapath.leases import LeaseBooks
+from kvstore.datapath.ledger import LedgerParts
 from kvstore.datapath.partials import PartialBooks
 from kvstore.datapath.pins import PinBooks
 from kvstore.datapath.queries import QueryBooks
@@ -86,10 +89,11 @@ class Books:
         self._levels = list(levels)
         self._index = index = Index(self._levels, self.persistent, self.local)
         self._guard = guard = Guard()
+        parts = LedgerParts(guard, index, heat, self.counters)
         #: Leases: pins that expire (under the same lock, as every ledger below).
-        self.leases = LeaseBooks(guard, index, heat, self.counters, clock)
+        self.leases = LeaseBooks(parts, clock)
         #: Pins taken and dropped, a put's new entries among them.
-        self.pins = PinBooks(guard, index, heat, self.counters, self.leases.reap_locked)
+        self.pins = PinBooks(parts, self.leases.reap_locked)
         #: Deletes, drops and lost copies, taken off the books around the tier calls.
         self.removals = RemovalBooks(guard, index, self.counters, self.leases.wait_pins_locked)
         #: Copies other processes wrote or freed in the shared tiers, recorded.
@@ -98,16 +102,10 @@ class Books:
         self.queries = QueryBooks(guard, index, placement, heat)
         #: Room, eviction and write-back in each tier.
         self.room = RoomBooks(
-            guard,
-            index,
-            placement,
-            heat,
-            self.counters,
-            self.leases.wait_pins_locked,
-            retained or (lambda key: None),
+            parts, placement, self.leases.wait_pins_locked, retained or (lambda key: None)
         )
         #: The blocks being written layer by layer.
-        self.partials = PartialBooks(guard, index, heat, self.counters, clock)
+        self.partials = PartialBooks(parts, clock)
 
     # -- the lock -----------------------------------------------------------------
     def _locked(self) -> Guard:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore.datapath import contracts
-from kvstore.datapath.counters import ManagerCounters
-from kvstore.datapath.guard import Guard
-from kvstore.datapath.index import Entry, HeatClock, Index
+from kvstore.datapath.index import Entry
+from kvstore.datapath.ledger import LedgerParts
 from kvstore.datapath.pins import pin_leading_locked, touch_locked, unpin_locked
 from kvstore.keys import BlockKey
 
@@ -111,18 +110,11 @@ class LeaseBooks:
     module docstring). The ``*_locked`` methods are for the books' other ledgers,
     which call them with the lock held."""
 
-    def __init__(
-        self,
-        guard: Guard,
-        index: Index,
-        heat: HeatClock,
-        counters: ManagerCounters,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._guard = guard
-        self._index = index
-        self._heat = heat
-        self._counters = counters
+    def __init__(self, parts: LedgerParts, clock: Callable[[], float] = time.monotonic) -> None:
+        self._guard = parts.guard
+        self._index = parts.index
+        self._heat = parts.heat
+        self._counters = parts.counters
         self._table = LeaseTable(clock)
 
     def lease(self, keys: Sequence[BlockKey], duration: float) -> Lease:

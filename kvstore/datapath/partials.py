@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.datapath.counters import ManagerCounters
-from kvstore.datapath.guard import Guard
-from kvstore.datapath.index import WRITING, Entry, HeatClock, Index
+from kvstore.datapath.index import WRITING, Entry
+from kvstore.datapath.ledger import LedgerParts
 from kvstore.keys import BlockKey
 
 __all__ = ["Partial", "PartialBooks", "PartialTable", "Room"]
@@ -90,18 +89,11 @@ class PartialTable:
 class PartialBooks:
     """The partial writes, kept under the books' lock (see the module docstring)."""
 
-    def __init__(
-        self,
-        guard: Guard,
-        index: Index,
-        heat: HeatClock,
-        counters: ManagerCounters,
-        clock: Callable[[], float],
-    ) -> None:
-        self._guard = guard
-        self._index = index
-        self._heat = heat
-        self._counters = counters
+    def __init__(self, parts: LedgerParts, clock: Callable[[], float]) -> None:
+        self._guard = parts.guard
+        self._index = parts.index
+        self._heat = parts.heat
+        self._counters = parts.counters
         self._clock = clock
         self._table = PartialTable()
 

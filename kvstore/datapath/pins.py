@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import READY, WRITING, Entry, HeatClock, Index
+from kvstore.datapath.ledger import LedgerParts
 from kvstore.keys import BlockKey
 
 __all__ = ["PinBooks", "Want", "pin_leading_locked", "touch_locked", "unpin_locked"]
@@ -57,18 +57,11 @@ class PinBooks:
     pins too) before :meth:`pinned_count` counts.
     """
 
-    def __init__(
-        self,
-        guard: Guard,
-        index: Index,
-        heat: HeatClock,
-        counters: ManagerCounters,
-        reap: Callable[[], None],
-    ) -> None:
-        self._guard = guard
-        self._index = index
-        self._heat = heat
-        self._counters = counters
+    def __init__(self, parts: LedgerParts, reap: Callable[[], None]) -> None:
+        self._guard = parts.guard
+        self._index = parts.index
+        self._heat = parts.heat
+        self._counters = parts.counters
         self._reap = reap
 
     def pin_leading(self, keys: Sequence[BlockKey], get: bool = False) -> list[Entry]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.datapath.counters import ManagerCounters
-from kvstore.datapath.guard import Guard
 from kvstore.datapath.index import DELETING, READY, WRITING, Entry, HeatClock, Index, Level
+from kvstore.datapath.ledger import LedgerParts
 from kvstore.errors import CapacityError
 from kvstore.keys import BlockKey
 from kvstore.placement import Placement
@@ -212,21 +212,18 @@ class RoomBooks:
 
     def __init__(
         self,
-        guard: Guard,
-        index: Index,
+        parts: LedgerParts,
         placement: Placement,
-        heat: HeatClock,
-        counters: ManagerCounters,
         pins: Callable[[Entry | None, int], None],
         retained: RetainedFn = _never,
     ) -> None:
-        self._guard = guard
+        self._guard = parts.guard
         self._retained = retained
-        self._index = index
-        self._levels = index.levels
+        self._index = parts.index
+        self._levels = parts.index.levels
         self._placement = placement
-        self._heat = heat
-        self._counters = counters
+        self._heat = parts.heat
+        self._counters = parts.counters
         self._pins = pins
         #: Owner accounting shared with other stores (None: this store's tiers are its own).
         self._quota: QuotaHook | None = None
