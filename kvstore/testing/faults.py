@@ -9,6 +9,7 @@ one block); everything else still goes through the real tier.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -195,10 +196,8 @@ def wait_for_tier(check: Callable[[], bool], timeout: float = 5.0) -> bool:
     server back under a tier."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        try:
+        with contextlib.suppress(TierError):  # still down: try again
             if check():
                 return True
-        except TierError:  # still down: try again
-            pass
         time.sleep(0.05)
     return False
