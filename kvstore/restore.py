@@ -17,7 +17,9 @@ so a hit is never expected to be slower than a miss. Ties go to the longer load;
 a plan never loads less than the leading chunks in the store's fast (memory) tiers;
 with planning off, or no known prefill speed, every stored chunk is loaded.
 Stored chunks a plan leaves behind on slow tiers are *warmed*: copied up in the
-background so the next request finds them fast.
+background so the next request finds them fast; so are those it loads from a slow tier
+(another machine's storage always; below memory when it leaves chunks behind), or the
+next request would find the prompt's head on the slow tier again.
 
 A shared tier so slow that even a prompt stored whole on it would be recomputed
 (its estimate fresh, not stale) is not asked during the plan at all: asking costs a
@@ -69,6 +71,10 @@ class RestoreCosts:
     fast: frozenset[int]
     prefill: PrefillSpeed
     num_layers: int = 1
+    #: Chunks from tiers below memory are read whole before the first layer reaches the
+    #: engine (a GPU destination: the prefetcher stages them in pinned memory), so under
+    #: a layer-by-layer load they do not overlap compute; memory tiers' chunks still do.
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,18 +169,28 @@ def _calls(level: int, costs: RestoreCosts, overlap: bool) -> int:
     that tier (:meth:`SpeedEstimate.layers_per_call`: a slow link's latency is paid once
     a chunk, a fast tier's a layer)."""
     layers = max(1, costs.num_layers)
-    if not overlap:
+    if not overlap or _staged(level, costs):
         return 1
     per_call = costs.speeds[level].layers_per_call(costs.chunk_bytes // layers, layers)
     return -(-layers // per_call)
 
 
-def _load_seconds(per_level: dict[int, int], costs: RestoreCosts, overlap: bool) -> float:
+def _staged(level: int, costs: RestoreCosts) -> bool:
+    """Whether chunks of ``level`` are read whole before compute starts
+    (:attr:`RestoreCosts.staged`)."""
+    return costs.staged and level not in costs.fast
+
+
+def _load_seconds(
+    per_level: dict[int, int], costs: RestoreCosts, overlap: bool, staged: bool | None = None
+) -> float:
     """Seconds to read ``per_level[level]`` chunks from each level (the levels one after
-    another, each level's chunks read side by side)."""
+    another, each level's chunks read side by side); only the staged levels, or only the
+    others, where ``staged`` says which."""
     return sum(
         costs.speeds[level].seconds_for(n * costs.chunk_bytes, _calls(level, costs, overlap))
         for level, n in per_level.items()
+        if staged is None or _staged(level, costs) == staged
     )
 
 
@@ -187,12 +203,18 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
     floor = first
     while floor < stored and request.levels[floor] in costs.fast:
         floor += 1
-    loads, groups, per_level = [0.0], [max(1, costs.num_layers)], dict[int, int]()
+    loads, before = [0.0], [0.0]  # all of a load; its part read before compute (staged)
+    groups, per_level = [max(1, costs.num_layers)], dict[int, int]()
     for i in range(first, stored):
         level = request.levels[i]
         per_level[level] = per_level.get(level, 0) + 1
         loads.append(_load_seconds(per_level, costs, request.overlap))
-        groups.append(min(groups[-1], _calls(level, costs, request.overlap)))
+        staged = request.overlap and _staged(level, costs)
+        before.append(_load_seconds(per_level, costs, True, True) if staged else before[-1])
+        if not staged:
+            groups.append(min(groups[-1], _calls(level, costs, request.overlap)))
+        else:
+            groups.append(groups[-1])
     prefill = costs.prefill
 
     def ready(n: int) -> float | None:
@@ -203,8 +225,10 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
         if request.overlap:
             # A pipeline of ``g`` groups of layers: the engine computes a group once it
             # has arrived, so the slower side runs whole and the other adds one group.
-            g = groups[n - first]
-            return max(load + compute / g, compute + load / g)
+            # Staged chunks are read before the pipeline starts.
+            g, staged = groups[n - first], before[n - first]
+            load -= staged
+            return staged + max(load + compute / g, compute + load / g)
         return load + compute
 
     nocache = ready(first)
@@ -349,6 +373,9 @@ class RestorerParts:
     #: ``warm_now(keys)``: :attr:`warm` on the caller's thread; how many copies landed
     #: (None: warming queues every copy at once and cannot yield to the engine).
     warm_now: Callable[[Sequence[BlockKey]], int] | None = None
+    #: Loads go to a GPU, which reads chunks below memory whole first
+    #: (:attr:`RestoreCosts.staged`).
+    staged: bool = False
 
 
 class Restorer:
@@ -384,6 +411,7 @@ class Restorer:
             self.parts.fast,
             self.prefill,
             self.num_layers,
+            self.parts.staged,
         )
 
     def plan(self, keys: Sequence[BlockKey], request: RestoreRequest) -> RestorePlan:
@@ -407,7 +435,7 @@ class Restorer:
         self.stats.planned(plan, costs.chunk_tokens)
         if plan.ready_s is not None:
             self._busy_until = max(self._busy_until, time.monotonic() + plan.ready_s)
-        warm = [*self._loaded_remote(levels, plan), *plan.warm]
+        warm = [*self._loaded_slow(levels, plan, costs), *plan.warm]
         if warm and self.warming:
             self._after_compute(self._warm_job([keys[i] for i in warm]))
         if hopeless and self.warming:
@@ -417,16 +445,25 @@ class Restorer:
         self._probe_stale(keys, levels, plan, costs)
         return plan
 
-    def _loaded_remote(self, levels: Sequence[int], plan: RestorePlan) -> list[int]:
-        """Chunks the plan loads from another machine's storage (a bucket, Redis, a
-        peer): the engine reads them into its own memory, which no tier of this store
-        sees, so they are copied up too, or the next request would find its head on the
-        slow tier again and recompute the whole prefix."""
+    def _loaded_slow(
+        self, levels: Sequence[int], plan: RestorePlan, costs: RestoreCosts
+    ) -> list[int]:
+        """Chunks the plan loads that the next request would find on a slow tier again.
+
+        Those from another machine's storage (a bucket, Redis, a peer): the engine reads
+        them into its own memory, which no tier of this store sees. And, where the plan
+        leaves chunks behind (a local disk too slow for the whole prefix), those it loads
+        from any tier below memory: warming only the tail would leave the head on disk,
+        where the next plan, its estimate now measured, would recompute it and with it
+        the warmed tail behind it (seen on an H200: a 4K prompt planned 5 chunks from
+        disk, its next turn recomputed all 15)."""
         media = self.parts.media
+        partial = plan.load < plan.stored
         return [
             i
             for i in range(plan.first, plan.load)
-            if levels[i] < len(media) and media[levels[i]] not in ("memory", "disk")
+            if levels[i] not in costs.fast
+            and (partial or (levels[i] < len(media) and media[levels[i]] not in ("memory", "disk")))
         ]
 
     def _warm_job(self, keys: list[BlockKey]) -> Callable[[], None]:

@@ -8,13 +8,14 @@
 #   GPU_CHECK_PARTS    which parts to run (default "tests bench model")
 #   GPU_CHECK_LENGTHS  the model benchmark's prompt lengths (default 4096,16384,32768)
 #   GPU_CHECK_DISK     where the model benchmark's disk tier goes (default ~/kvstore-gpu-disk)
+#   GPU_CHECK_PYTHON   the Python to run (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/kvstore-gpu}"
 mkdir -p "$out"
 parts="${GPU_CHECK_PARTS:-tests bench model}"
 export PYTHONUNBUFFERED=1
-py=python3
+py="${GPU_CHECK_PYTHON:-python3}"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

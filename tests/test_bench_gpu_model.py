@@ -85,6 +85,21 @@ def check_hit(row: dict[str, Any], tier: str) -> None:
     assert check["logits_max_abs_diff_vs_full"] >= 0.0
 
 
+def check_planned(row: dict[str, Any]) -> None:
+    """The planned restore loaded what its plan said and gave the right logits; its next
+    turn found every chunk warmed into host memory and reproduced the oracle exactly."""
+    plan, load = row["plan"], row["planned_load_chunks"]
+    assert plan["stored"] == row["prefix_blocks"] and 0 <= load <= row["prefix_blocks"], plan
+    assert plan["load"] == load and row["planned_prefill_tokens_per_s"] > 0
+    if load in (0, row["prefix_blocks"]):  # all recomputed (the full prefill's) or all loaded
+        assert row["planned_check"]["logits_max_abs_diff"] == 0.0, row["planned_check"]
+    assert row["ttft_planned_disk_ms"] > 0 and row["planned_vs_best"] > 0
+    assert row["next_turn_plan"]["load"] == row["prefix_blocks"], row["next_turn_plan"]
+    assert row["next_turn"]["logits_max_abs_diff_vs_oracle"] == 0.0, row["next_turn"]
+    assert row["next_turn"]["greedy_tokens"] == row["greedy_tokens_oracle"]
+    assert row["ttft_next_turn_ms"] > 0
+
+
 @pytest.mark.timeout(300)
 def test_bench_gpu_model_cpu_smoke(tmp_path: Path) -> None:
     python = transformers_python()
@@ -117,8 +132,10 @@ def test_bench_gpu_model_cpu_smoke(tmp_path: Path) -> None:
             assert row[name] > 0, (name, row[name])
         assert row["disk_raw_read_bytes"] >= row["prefix_kv_bytes"]
         assert row["disk_cache_dropped"] is False  # --no-drop-cache
+        check_planned(row)
     assert result["pass"]["greedy_identical"] is True
     assert result["pass"]["logits_exact"] is True
+    assert result["pass"]["next_turn_exact"] is True
     assert result["pass"]["hit_speedup_host"] is None  # 16K tokens not measured
 
 

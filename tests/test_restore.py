@@ -485,3 +485,109 @@ def test_bad_restore_config_is_a_clear_error(restore: dict[str, Any], message: s
             small_layout(), {"tiers": [{"kind": "host", "capacity": "1MiB"}], "restore": restore}
         )
     assert message in str(info.value)
+
+
+def test_a_partial_plan_warms_the_disk_chunks_it_loads_too() -> None:
+    """A disk head that pays before a bucket tail that does not: the tail is warmed, and so
+    is the head it loads, or the next plan (its disk estimate now measured) could find the
+    head on disk, recompute it and with it the warmed tail behind it."""
+    warmed: list[list[Any]] = []
+    where = {bytes([i]) * 16: [1] if i < 2 else [2] for i in range(4)}
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: where[key],
+        lambda: SPEEDS,
+        frozenset({0}),
+        lambda keys: warmed.append(list(keys)) or len(keys),
+        media=("memory", "disk", "shared"),
+    )
+    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warm_wait_s=0.0)
+    keys = list(where)
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert (plan.load, plan.warm) == (2, (2, 3))  # the disk pays at 2K tokens/s; the bucket not
+    assert warmed == [keys]  # the loaded disk head and the bucket tail
+
+
+def test_a_plan_that_loads_all_from_disk_warms_nothing() -> None:
+    """Every chunk pays from the local disk: nothing is left behind, nothing copied up."""
+    warmed: list[list[Any]] = []
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: [1],
+        lambda: SPEEDS,
+        frozenset({0}),
+        lambda keys: warmed.append(list(keys)) or len(keys),
+        media=("memory", "disk", "shared"),
+    )
+    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warm_wait_s=0.0)
+    plan = restorer.plan([bytes([i]) * 16 for i in range(3)], restore_request(None, 0, False, None))
+    assert (plan.load, plan.reason, warmed) == (3, "all", [])
+
+
+def _disk_speed(store: KVStore) -> dict[str, Any]:
+    return store.stats()["tiers"][1]
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_restart_probes_the_disk_it_finds_blocks_on(tmp_path: Path, declared: bool) -> None:
+    """Reopened over a disk holding blocks, with a declared prefill speed, the store reads
+    one of them in the background (single layers, then whole), so that the first plan
+    weighs the disk's measured speed, not its configured guess. With a learned prefill
+    speed nothing is probed: the first plans load every chunk and measure the disk."""
+    layout = small_layout()
+    restore: dict[str, Any] = {"prefill_tokens_per_s": 1e5} if declared else {}
+    config = store_config(tmp_path, **restore)
+    with KVStore(layout, config) as store:
+        keys = keys_of(store, 4)
+        store.put(keys, random_blocks(layout, 4))
+        store.flush()
+    with KVStore(layout, config) as store:
+        if declared:
+            deadline = time.monotonic() + 10
+            while _disk_speed(store)["read_speed_source"] == "configured":
+                assert time.monotonic() < deadline, _disk_speed(store)
+                time.sleep(0.02)
+            store.drain(5.0)
+            assert _disk_speed(store)["read_speed_samples"] > 0
+            assert store.stats()["tiers"][0]["read_speed_source"] == "configured"  # memory
+        else:
+            time.sleep(0.2)
+            assert _disk_speed(store)["read_speed_source"] == "configured"
+        assert store.get(keys).shape == layout.tensor_shape(4)  # nothing else changed
+
+
+def test_an_empty_disk_is_not_probed(tmp_path: Path) -> None:
+    with KVStore(small_layout(), store_config(tmp_path, prefill_tokens_per_s=1e5)) as store:
+        time.sleep(0.2)
+        assert _disk_speed(store)["read_speed_source"] == "configured"
+        assert store.stats()["blocks_read"] == 0
+
+
+def test_staged_chunks_are_read_before_the_pipeline_starts() -> None:
+    """Into a GPU, chunks below memory are read whole before the first layer is handed
+    over: a layer-by-layer load does not hide them under compute. A disk that would pay
+    in a pipeline (its reads hidden under 32 layers of compute) does not pay staged."""
+    # 4 disk chunks, 33 ms each to read; 25.6 ms each to compute; 8 chunks in all.
+    levels = [1, 1, 1, 1]
+    piped = plan_restore(RestoreRequest(levels, 8 * CT, overlap=True), costs(overlap_layers=32))
+    staged = plan_restore(
+        RestoreRequest(levels, 8 * CT, overlap=True), costs(overlap_layers=32, staged=True)
+    )
+    assert piped.load > 0 and piped.ready_s is not None and piped.nocache_s is not None
+    assert piped.ready_s < piped.nocache_s
+    assert (staged.load, staged.ready_s) == (0, staged.nocache_s)
+    # Memory chunks still overlap: staged or not, the same plan and the same estimate.
+    mem = [0, 0, 0, 0]
+    a = plan_restore(RestoreRequest(mem, 8 * CT, overlap=True), costs(overlap_layers=32))
+    b = plan_restore(
+        RestoreRequest(mem, 8 * CT, overlap=True), costs(overlap_layers=32, staged=True)
+    )
+    assert (a.load, a.ready_s) == (b.load, b.ready_s) == (4, a.ready_s)
+    # Staged chunks before memory ones: the disk's read time adds up front.
+    mixed = plan_restore(
+        RestoreRequest([1, 0], 2 * CT, overlap=True, planning=True),
+        costs(rate=1_000, overlap_layers=32, staged=True),
+    )
+    assert mixed.load == 2 and mixed.ready_s is not None
+    disk_s = SPEEDS[1].seconds_for(32 * MB, 1)
+    assert mixed.ready_s >= disk_s

@@ -17,6 +17,7 @@ place background work is queued.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +45,13 @@ class Migrations:
         #: The first tier that outlives the process (None: none does).
         self.persistent_target = persistent[0] if persistent else None
         self._block_nbytes = io.layout.block_nbytes
+        # Copies up in flight, as (key, target): a second promotion of the same block into
+        # the same tier while one runs is refused. Both would pass the "not there yet"
+        # check, both would claim room, and the tier, charged twice, evicted what it held
+        # (three threads warming 15 blocks into room for 20 left 0-3 of them there).
+        # Guarded by ``_promoting_lock``, held for a set operation.
+        self._promoting: set[tuple[BlockKey, int]] = set()
+        self._promoting_lock = threading.Lock()
 
     # -- scheduling ---------------------------------------------------------------
     def schedule(self, follow: FollowUps) -> None:
@@ -110,11 +118,19 @@ class Migrations:
     def _copy_up(self, key: BlockKey, target: int) -> bool:
         """Promote (or replicate) ``key`` into tier ``target`` if still worth it; True
         if a copy landed."""
-        bit = 1 << target
-        pinned = self.books.pins.pin_where([key], lambda entry: not entry.tiers & bit)
-        if not pinned:
-            return False
-        landed = bool(self._copy(pinned, target, target + 1))
+        bit, job = 1 << target, (key, target)
+        with self._promoting_lock:
+            if job in self._promoting:
+                return False
+            self._promoting.add(job)
+        try:
+            pinned = self.books.pins.pin_where([key], lambda entry: not entry.tiers & bit)
+            if not pinned:
+                return False
+            landed = bool(self._copy(pinned, target, target + 1))
+        finally:
+            with self._promoting_lock:
+                self._promoting.discard(job)
         if landed:
             self.books.count_level("promotions", target)
         return landed

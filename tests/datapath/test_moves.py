@@ -302,3 +302,38 @@ def test_write_back_goes_least_recently_used_first_and_keeps_the_policy_order(
     assert store.datapath.where(keys[1]) == [0, 1] and store.datapath.where(keys[2]) == [1]
     assert torch.equal(store.get(keys), kv)
     store.close()
+
+
+def test_promotions_of_the_same_blocks_at_once_copy_each_once(tmp_path: Path) -> None:
+    """Warming from several threads at once (a plan's warming beside a deferred search's,
+    and a hint's): each block is copied up once, and the memory tier keeps every one.
+    Before, both copies passed the "not there yet" check and claimed room, and the tier,
+    charged twice, evicted what it held (15 blocks into room for 20 left 0 to 3)."""
+    layout = small_layout()
+    nb = layout.block_nbytes
+    kv = random_blocks(layout, 15)
+    disk = {"kind": "disk", "path": str(tmp_path), "capacity": 64 * (nb + 4096)}
+    with KVStore(layout, {"tiers": [disk]}) as store:
+        keys = store.hash_tokens(list(range(15 * layout.block_tokens)), namespace="m")
+        store.put(keys, kv)
+    config = {"tiers": [{"kind": "host", "capacity": 20 * nb}, disk]}
+    with KVStore(layout, config) as store:
+        datapath, start = store.datapath, threading.Barrier(3)
+
+        def warm_now() -> None:
+            start.wait()
+            datapath.warm_now(keys)
+
+        threads = [threading.Thread(target=warm_now) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        datapath.warm(keys)
+        for thread in threads:
+            thread.join()
+        assert store.drain(10.0)
+        stats = store.stats()
+        assert stats["promotions"][0] == 15 and stats["evictions"][0] == 0, stats
+        assert stats["tiers"][0]["blocks"] == 15
+        assert all(0 in datapath.where(k) for k in keys)
+        assert torch.equal(store.get(keys), kv)
