@@ -33,7 +33,6 @@ docs/architecture.md draws the pieces and the path of each operation.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 import time
@@ -44,20 +43,20 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.copies import engine_for
-from kvstore.datapath.books import Books
+from kvstore.datapath.assembly import build_books, build_speeds
 from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.finder import Finder
-from kvstore.datapath.index import HeatClock, Level
+from kvstore.datapath.index import HeatClock
 from kvstore.datapath.layerwrites import LayerWrites
 from kvstore.datapath.leases import Lease, Pin
 from kvstore.datapath.lending import Lender, Loan, PendingPut
 from kvstore.datapath.migrations import Migrations
 from kvstore.datapath.mover import Mover
 from kvstore.datapath.prefetch import Prefetcher, PrefetchHandle
+from kvstore.datapath.probes import SpeedProbes
 from kvstore.datapath.progress import FlushProgress
 from kvstore.datapath.reader import Reader
-from kvstore.datapath.room import RetainedFn
 from kvstore.datapath.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.datapath.tierio import TierIO
 from kvstore.datapath.writer import FollowUps, Writer
@@ -67,19 +66,14 @@ from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
 from kvstore.memory import cuda_available
 from kvstore.placement import Placement, TierRules
-from kvstore.policy import Watermarks, make_policy
 from kvstore.quota import QuotaHook, QuotaLedger
 from kvstore.restore import Restorer, RestorerParts, medium_of
-from kvstore.speeds import PrefillSpeed, ReadSpeed
+from kvstore.speeds import PrefillSpeed
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["BlockManager", "ManagerCounters"]
 
 log = logging.getLogger(__name__)
-
-
-#: Calls of one layer a probe makes before reading its block whole.
-_PROBE_LAYER_CALLS = 4
 
 
 class BlockManager:
@@ -106,8 +100,8 @@ class BlockManager:
         self.placement = Placement(rules, self.config.replication)
         #: Blocks session hints retain: eviction takes them last (kvstore/hints.py).
         self.retention = Retention(1, clock)
-        self.books = _books(tiers, self.placement, self.config, clock, self.retention.priority)
-        self.io = TierIO(tiers, layout, self.books, _speeds(tiers, self.config, clock))
+        self.books = build_books(tiers, self.placement, self.config, clock, self.retention.priority)
+        self.io = TierIO(tiers, layout, self.books, build_speeds(tiers, self.config, clock))
         first = tiers[0].device
         self.copies = engine_for(first if first is not None else "cpu")
         self.mover = Mover(self.config.mover_threads)
@@ -119,6 +113,8 @@ class BlockManager:
         self.layer_writes = LayerWrites(self.books, self.io, self.writer, lease_s)
         self.prefetcher = Prefetcher(self.reader, self.copies, self.config.prefetch, lease_s)
         self.lender = Lender(self.reader, self.layer_writes, self.migrations.schedule, lease_s)
+        #: Background reads that measure tiers' read speeds for restore planning.
+        self.probes = SpeedProbes(layout, self.reader, self.mover, self.config.restore)
         #: Restore planning: what a stored prefix is worth loading (``store.plan``).
         self.restorer = _restorer(self, tiers)
         #: Session hints: retain, demote, prefetch (``store.hint``).
@@ -130,7 +126,7 @@ class BlockManager:
         self._savers: dict[torch.device, Saver | None] = {}
         self._savers_lock = threading.Lock()  # guards _savers
         self.finder.adopt_persistent()
-        self.probe_at_open()
+        self.probes.probe_at_open()
 
     # -- state ----------------------------------------------------------------------
     @property
@@ -365,50 +361,6 @@ class BlockManager:
         self.finder.discover(keys, skip=skip)
         self.warm(keys[: self.books.queries.leading(keys)])
 
-    def probe(self, key: BlockKey) -> bool:
-        """Read ``key`` into scratch memory in the background, refreshing its tier's read
-        speed; False if a probe of it is queued already. It reads as restores do: a few
-        calls of one layer, then the whole block, so that the estimate's fit tells the
-        tier's latency a call from its bandwidth (a local disk under O_DIRECT: 6-7 ms a
-        call of one layer of many blocks, measured on an H200 machine)."""
-        shape, dtype = self.layout.block_shape, self.layout.dtype
-        layers = min(_PROBE_LAYER_CALLS, self.layout.num_layers)
-
-        def read() -> None:
-            out = torch.empty(shape, dtype=dtype)
-            for layer in range(layers if self.layout.num_layers > 1 else 0):
-                self.reader.load([key], [out[layer : layer + 1]], (layer, layer + 1), True)
-            self.reader.load([key], [out], None, True)
-
-        return self.mover.submit(read, key=("probe", key))
-
-    def probe_at_open(self) -> int:
-        """Probe (:meth:`probe`) each tier of this machine below memory that holds blocks
-        from an earlier run while its read speed is still the configured guess, so that the
-        first restore after a restart plans with what the tier does; how many probes were
-        queued. Only where planning is on with a declared prefill speed: a learned one is
-        unknown after a restart, so the first restores load every chunk, measuring the
-        tier as they do."""
-        restore = self.config.restore
-        declared = restore.prefill_table is not None or restore.prefill_tokens_per_s is not None
-        if not (restore.planning and declared):
-            return 0
-        speeds = self.io.speeds_now()
-        unmeasured = {
-            level
-            for level, tier in enumerate(self.io.tiers)
-            if tier.device is None and tier.local and speeds[level].source == "configured"
-        }
-        queued = 0
-        for key in self.books.queries.stored_keys(local=True) if unmeasured else ():
-            where = self.books.queries.where(key)
-            if where and where[0] in unmeasured:
-                unmeasured.discard(where[0])
-                queued += self.probe(key)
-                if not unmeasured:
-                    break
-        return queued
-
     def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
         """:meth:`Restorer.chunk_pays <kvstore.restore.Restorer.chunk_pays>`."""
         return self.restorer.chunk_pays(level, nbytes, tokens)
@@ -591,23 +543,6 @@ class BlockManager:
         self.io.close()
 
 
-def _speeds(
-    tiers: Sequence[Tier], config: StoreConfig, clock: Callable[[], float]
-) -> list[ReadSpeed]:
-    """A live read-speed estimate per tier, starting from its configured figures."""
-    restore = config.restore
-    return [
-        ReadSpeed(
-            t.config.read_gbps,
-            t.config.read_latency_ms,
-            restore.speed_half_life_s,
-            restore.speed_stale_s,
-            clock,
-        )
-        for t in tiers
-    ]
-
-
 def _hinter(manager: BlockManager) -> Hinter:
     """The manager's hint service: retention sized to a fraction of all tiers' room."""
     hints = manager.config.hints
@@ -628,7 +563,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         warm=manager.warm,
         warm_now=manager.warm_now,
         media=tuple(medium_of(t) for t in tiers),
-        probe=manager.probe,
+        probe=manager.probes.probe,
         find_later=manager.find_later,
         later=manager.mover.submit_later,
         # Where CUDA exists the engine's KV is on the GPU, and a prefetch into it reads
@@ -657,47 +592,3 @@ def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``n`` blocks' views of one layer ``(kv, n * block_tokens, heads, dim)``."""
     step = kv_layer.shape[1] // n
     return [kv_layer[:, i * step : (i + 1) * step] for i in range(n)]
-
-
-def _books(
-    tiers: Sequence[Tier],
-    placement: Placement,
-    config: StoreConfig,
-    clock: Callable[[], float],
-    retained: RetainedFn,
-) -> Books:
-    """The books for ``tiers``: a level per tier, the tier masks, the heat clock."""
-    levels = [_level(i, tier, clock) for i, tier in enumerate(tiers)]
-    for (upper, a), (_, b) in itertools.pairwise(zip(levels, tiers, strict=True)):
-        upper.writes_back_ahead = _writes_back_ahead(a, b)
-    masks = tuple(sum(1 << i for i, t in enumerate(tiers) if test(t)) for test in _MASKS)
-    memory = sum(lv.marks.capacity for lv, t in zip(levels, tiers, strict=True) if not t.persistent)
-    accesses = config.replication.half_life_accesses or max(1024, 2 * memory)
-    heat = HeatClock(config.replication.half_life_s, accesses, clock)
-    return Books(levels, (masks[0], masks[1], masks[2]), placement, heat, clock, retained)
-
-
-_MASKS: tuple[Callable[[Tier], bool], ...] = (
-    lambda tier: tier.persistent,
-    lambda tier: tier.local,
-    lambda tier: tier.shared,
-)
-
-
-def _writes_back_ahead(upper: Tier, lower: Tier) -> bool:
-    """Whether ``upper`` copies blocks down ahead of eviction: a write-back memory
-    tier right in front of a local persistent one (a host tier over a disk)."""
-    memory = not upper.persistent and upper.local
-    disk = lower.persistent and lower.local
-    return memory and disk and not TierRules.of(upper.config).write_through
-
-
-def _level(index: int, tier: Tier, clock: Callable[[], float]) -> Level:
-    config = tier.config
-    capacity = tier.capacity_blocks
-    return Level(
-        index=index,
-        kind=tier.kind,
-        marks=Watermarks.of(capacity, config.high_watermark, config.low_watermark),
-        policy=make_policy(config.policy, capacity, clock),
-    )
