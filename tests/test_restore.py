@@ -591,3 +591,19 @@ def test_staged_chunks_are_read_before_the_pipeline_starts() -> None:
     assert mixed.load == 2 and mixed.ready_s is not None
     disk_s = SPEEDS[1].seconds_for(32 * MB, 1)
     assert mixed.ready_s >= disk_s
+
+
+def test_a_declared_disk_speed_is_not_probed_at_open(tmp_path: Path) -> None:
+    """A read speed the config declares stands until the workload reads the tier: the
+    store probes only a disk whose speed is its kind's default guess."""
+    layout = small_layout()
+    config = store_config(tmp_path, prefill_tokens_per_s=1e5)
+    config["tiers"][1].update(read_gbps=1e-6, read_latency_ms=5000)  # declared hopeless
+    with KVStore(layout, config) as store:
+        keys = keys_of(store, 4)
+        store.put(keys, random_blocks(layout, 4))
+        store.flush()
+    with KVStore(layout, config) as store:
+        time.sleep(0.2)
+        assert _disk_speed(store)["read_speed_source"] == "configured"
+        assert store.plan(keys).load == 0  # still planned around, as declared

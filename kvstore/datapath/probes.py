@@ -4,6 +4,8 @@ first restore after a restart weighs it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvstore.config import RestoreConfig
@@ -14,10 +16,20 @@ from kvstore.datapath.tierio import TierIO
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 
-__all__ = ["PROBE_LAYER_CALLS", "SpeedProbes"]
+__all__ = ["PROBE_LAYER_CALLS", "SpeedProbes", "declares_speed"]
 
 #: Calls of one layer a probe makes before reading its block whole.
 PROBE_LAYER_CALLS = 4
+
+
+def declares_speed(config: object) -> bool:
+    """Whether a tier's config sets ``read_gbps`` or ``read_latency_ms`` to other than its
+    kind's default (a value equal to the default counts as the default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    return any(
+        name in defaults and getattr(config, name) != defaults[name]
+        for name in ("read_gbps", "read_latency_ms")
+    )
 
 
 class SpeedProbes:
@@ -53,9 +65,11 @@ class SpeedProbes:
 
     def probe_at_open(self) -> int:
         """Probe (:meth:`probe`) each tier of this machine below memory that holds blocks
-        from an earlier run while its read speed is still the configured guess, so that the
-        first restore after a restart plans with what the tier does; how many probes were
-        queued. Only where planning is on with a declared prefill speed: a learned one is
+        from an earlier run while its read speed is still its kind's default guess, so that
+        the first restore after a restart plans with what the tier does; how many probes
+        were queued. A speed the config declares for the tier stands until the workload's
+        own reads measure it (an operator may declare a disk as slow as it is under load).
+        Only where planning is on with a declared prefill speed: a learned one is
         unknown after a restart, so the first restores load every chunk, measuring the
         tier as they do."""
         restore = self.restore
@@ -66,7 +80,10 @@ class SpeedProbes:
         unmeasured = {
             level
             for level, tier in enumerate(self.io.tiers)
-            if tier.device is None and tier.local and speeds[level].source == "configured"
+            if tier.device is None
+            and tier.local
+            and speeds[level].source == "configured"
+            and not declares_speed(tier.config)
         }
         queued = 0
         for key in self.books.queries.stored_keys(local=True) if unmeasured else ():
