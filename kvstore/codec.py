@@ -1,33 +1,9 @@
 """The self-describing block format used wherever a block leaves process memory.
 
-Layout of an encoded block (all integers little-endian)::
-
-    offset  size  field
-    0       4     magic  b"KVSB"
-    4       2     format version (1)
-    6       1     codec (0 raw, 1 lz4, 2 byte-shuffle + lz4)
-    7       1     flags (reserved, 0)
-    8       4     num_layers
-    12      8     layout fingerprint (xxh3-64 of the KVLayout)
-    20      16    block key
-    36      8     raw payload bytes (uncompressed)
-    44      8     stored payload bytes
-    52      12*L  per layer: stored bytes (u32), xxh3-64 of the stored bytes (u64)
-    52+12L  8     xxh3-64 of everything above (header checksum)
-    ...           zero padding to a multiple of 64
-    H             payload: layer 0, layer 1, ... (each compressed on its own)
-
-An encrypted block (:mod:`kvstore.crypt`, encryption at rest) has format
-version 2 and flag bit 0 set; 44 more bytes follow the layer table, before
-the header checksum::
-
-    52+12L  32    key id (ASCII, zero-padded): which key of the keyring sealed it
-    84+12L  12    the block's nonce (layer i is sealed under it with i folded in)
-
-and each layer's stored bytes are its AES-256-GCM ciphertext followed by its
-16-byte tag, so a layer (or a range of layers) is read and opened on its own.
-The per-layer checksums stay the plaintext's (the stored bytes before sealing),
-checked after opening. Plain blocks are unchanged (version 1).
+An encoded block is a header (:mod:`kvstore.block_header`: its layout, the
+encrypted variant, parsing and checks; re-exported here) followed by the
+payload: layer 0, layer 1, ... (each compressed on its own). This module
+encodes and decodes that payload.
 
 Checksums are per layer so that a ranged read of a few layers (layerwise
 loading from S3) is verified without fetching the rest. Every decode checks
@@ -45,8 +21,6 @@ least 10%.
 
 from __future__ import annotations
 
-import enum
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +29,25 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.codecs import CODECS, LayerCodec, codec_numbered, plugin_codec
+from kvstore.block_header import (
+    FLAG_SEALED,
+    HEADER_ALIGN,
+    KEY_ID_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    SEALED_VERSION,
+    TAG_BYTES,
+    VERSION,
+    BlockHeader,
+    Codec,
+    codec_number,
+    header_size,
+    parse_header,
+    read_header,
+)
+from kvstore.codecs import LayerCodec, codec_numbered
 from kvstore.copies import engine_for
 from kvstore.errors import (
-    ConfigError,
     CorruptBlockError,
     DecryptError,
     InvalidInputError,
@@ -67,6 +56,11 @@ from kvstore.errors import (
 from kvstore.layout import KVLayout
 
 __all__ = [
+    "FLAG_SEALED",
+    "KEY_ID_BYTES",
+    "NONCE_BYTES",
+    "SEALED_VERSION",
+    "TAG_BYTES",
     "HEADER_ALIGN",
     "MAGIC",
     "VERSION",
@@ -89,233 +83,6 @@ __all__ = [
     "read_header",
     "verify_layers",
 ]
-
-MAGIC = b"KVSB"
-VERSION = 1
-#: The format version of encrypted blocks (the key id and nonce follow the layer table).
-SEALED_VERSION = 2
-FLAG_SEALED = 1
-KEY_ID_BYTES = 32
-NONCE_BYTES = 12
-TAG_BYTES = 16
-_SEALED = struct.Struct(f"<{KEY_ID_BYTES}s{NONCE_BYTES}s")
-HEADER_ALIGN = 64
-_FIXED = struct.Struct("<4sHBBI8s16sQQ")
-_LAYER = struct.Struct("<IQ")
-_CHECK = struct.Struct("<Q")
-_MAX_LAYERS = 4096
-
-
-class Codec(enum.IntEnum):
-    """How a block's payload is stored."""
-
-    RAW = 0
-    LZ4 = 1
-    SHUFFLE_LZ4 = 2
-
-    @classmethod
-    def parse(cls, name: str | int | Codec) -> Codec:
-        """Codec from its name ("raw", "lz4", "shuffle-lz4") or number."""
-        if isinstance(name, Codec):
-            return name
-        if isinstance(name, int) and not isinstance(name, bool):
-            try:
-                return cls(name)
-            except ValueError:
-                raise InvalidInputError(f"unknown codec number {name}") from None
-        if not isinstance(name, str):
-            raise InvalidInputError(f"codec must be a name or number, got {name!r}")
-        key = name.lower().replace("-", "_").replace("+", "_")
-        aliases = {"none": "raw", "shuffle_lz4": "shuffle_lz4", "shuffle": "shuffle_lz4"}
-        key = aliases.get(key, key)
-        try:
-            return cls[key.upper()]
-        except KeyError:
-            raise InvalidInputError(
-                f"unknown codec {name!r}; use raw, lz4 or shuffle-lz4"
-            ) from None
-
-
-def header_size(num_layers: int, sealed: bool = False) -> int:
-    """Bytes of the (padded) header of a block with ``num_layers`` layers (``sealed``:
-    of an encrypted block)."""
-    raw = _FIXED.size + _LAYER.size * num_layers + _CHECK.size + (_SEALED.size if sealed else 0)
-    return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
-
-
-@dataclass(frozen=True)
-class BlockHeader:
-    """A parsed, verified block header (``codec``: a :class:`Codec`, or a plug-in
-    codec's number: :mod:`kvstore.codecs`)."""
-
-    codec: int
-    layout_fp: bytes
-    key: bytes
-    raw_nbytes: int
-    payload_nbytes: int
-    layer_nbytes: tuple[int, ...]
-    layer_checksums: tuple[int, ...]
-    #: Encrypted blocks: the id of the key that sealed it ("" for a plain block) ...
-    key_id: str = ""
-    #: ... and the block's nonce.
-    nonce: bytes = b""
-
-    @property
-    def sealed(self) -> bool:
-        """Whether the payload is encrypted (each stored layer: ciphertext, then tag)."""
-        return bool(self.key_id)
-
-    @property
-    def num_layers(self) -> int:
-        """Number of layers in the block."""
-        return len(self.layer_nbytes)
-
-    @property
-    def header_nbytes(self) -> int:
-        """Size of the encoded header, padding included."""
-        return header_size(self.num_layers, self.sealed)
-
-    @property
-    def total_nbytes(self) -> int:
-        """Header plus payload: the size of the whole encoded block."""
-        return self.header_nbytes + self.payload_nbytes
-
-    def layer_span(self, first: int, last: int) -> tuple[int, int]:
-        """``(offset, nbytes)`` of layers ``[first, last)`` within the payload."""
-        if not 0 <= first < last <= self.num_layers:
-            raise InvalidInputError(f"layer range [{first}, {last}) outside [0, {self.num_layers})")
-        offset = sum(self.layer_nbytes[:first])
-        return offset, sum(self.layer_nbytes[first:last])
-
-    def pack(self) -> bytes:
-        """Encode this header (with checksum and padding)."""
-        fixed = _FIXED.pack(
-            MAGIC,
-            SEALED_VERSION if self.sealed else VERSION,
-            int(self.codec),
-            FLAG_SEALED if self.sealed else 0,
-            self.num_layers,
-            self.layout_fp,
-            self.key,
-            self.raw_nbytes,
-            self.payload_nbytes,
-        )
-        table = b"".join(
-            _LAYER.pack(n, c) for n, c in zip(self.layer_nbytes, self.layer_checksums, strict=True)
-        )
-        body = fixed + table
-        if self.sealed:
-            body += _SEALED.pack(self.key_id.encode("ascii"), self.nonce)
-        body += _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-        return body + bytes(self.header_nbytes - len(body))
-
-
-def parse_header(
-    data: bytes | bytearray | memoryview, layout: KVLayout, key: bytes | None = None
-) -> BlockHeader:
-    """Parse and verify a header; check it belongs to ``layout`` (and ``key``).
-
-    ``data`` must hold at least the header (``header_size(layout.num_layers)``
-    bytes); extra bytes are ignored.
-    """
-    header = read_header(data)
-    _check_header(header, layout, key)
-    return header
-
-
-def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
-    """Parse a header and verify it is whole (magic, version, checksum), whatever
-    layout it was written for: what a block says about itself (its layout's
-    fingerprint, layer count and size), for tools that find blocks of layouts they
-    do not know (``kvstore stats``). :func:`parse_header` also checks the layout.
-    """
-    view = memoryview(data).cast("B")
-    if len(view) < _FIXED.size:
-        raise CorruptBlockError(f"block truncated: {len(view)} bytes is shorter than a header")
-    magic, version, codec, flags, nlayers, layout_fp, bkey, raw_n, payload_n = _FIXED.unpack_from(
-        view
-    )
-    if magic != MAGIC:
-        raise CorruptBlockError(f"not a kvstore block (magic {bytes(magic)!r})")
-    sealed = version == SEALED_VERSION and flags & FLAG_SEALED
-    if version != VERSION and not sealed:
-        raise CorruptBlockError(f"unsupported block format version {version}")
-    if not 0 < nlayers <= _MAX_LAYERS:
-        raise CorruptBlockError(f"implausible layer count {nlayers} in header")
-    table_end = _FIXED.size + _LAYER.size * nlayers + (_SEALED.size if sealed else 0)
-    if len(view) < table_end + _CHECK.size:
-        if sealed:  # read as far as a plain header goes: a store without its key
-            raise DecryptError("the block is encrypted; this store reads it without a key")
-        raise CorruptBlockError("block truncated inside its header")
-    (stored_check,) = _CHECK.unpack_from(view, table_end)
-    if xxhash.xxh3_64_intdigest(view[:table_end]) != stored_check:
-        raise CorruptBlockError("block header checksum mismatch")
-    layers = [_LAYER.unpack_from(view, _FIXED.size + i * _LAYER.size) for i in range(nlayers)]
-    key_id, nonce = "", b""
-    if sealed:
-        raw_id, nonce = _SEALED.unpack_from(view, _FIXED.size + _LAYER.size * nlayers)
-        key_id = raw_id.rstrip(b"\0").decode("ascii", "replace") or "?"
-    header = BlockHeader(
-        codec=_codec_or_corrupt(codec),
-        layout_fp=bytes(layout_fp),
-        key=bytes(bkey),
-        raw_nbytes=raw_n,
-        payload_nbytes=payload_n,
-        layer_nbytes=tuple(n for n, _ in layers),
-        layer_checksums=tuple(c for _, c in layers),
-        key_id=key_id,
-        nonce=bytes(nonce),
-    )
-    return header
-
-
-def _codec_or_corrupt(value: int) -> int:
-    try:
-        return Codec(value)
-    except ValueError:
-        if codec_numbered(value) is not None:
-            return value
-        raise CorruptBlockError(f"unknown codec {value} in header") from None
-
-
-def codec_number(codec: str | int | Codec) -> int:
-    """The number a block's header gives ``codec``: a built-in one's :class:`Codec`
-    (see :meth:`Codec.parse`), or a registered plug-in codec's number
-    (:mod:`kvstore.codecs`). Unknown: :class:`InvalidInputError`."""
-    try:
-        return Codec.parse(codec)
-    except InvalidInputError:
-        if isinstance(codec, bool) or not isinstance(codec, (str, int)):
-            raise
-        if isinstance(codec, str) and not CODECS.has(codec.lower()):
-            raise
-    if isinstance(codec, str):
-        try:
-            return plugin_codec(codec.lower()).number
-        except ConfigError as exc:
-            raise InvalidInputError(str(exc)) from None
-    if codec_numbered(codec) is None:
-        raise InvalidInputError(f"unknown codec number {codec}")
-    return codec
-
-
-def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> None:
-    if header.layout_fp != layout.fingerprint:
-        raise LayoutMismatchError(
-            f"block was written for layout {header.layout_fp.hex()}, "
-            f"this store's layout is {layout.fingerprint_hex}"
-        )
-    if key is not None and header.key != bytes(key):
-        raise CorruptBlockError(f"block holds key {header.key.hex()}, expected {bytes(key).hex()}")
-    if (
-        header.num_layers != layout.num_layers
-        or header.raw_nbytes != layout.block_nbytes
-        or sum(header.layer_nbytes) != header.payload_nbytes
-    ):
-        raise CorruptBlockError("block header sizes are inconsistent with its layout")
-    tags = TAG_BYTES * header.num_layers if header.sealed else 0
-    if header.codec == Codec.RAW and header.payload_nbytes != header.raw_nbytes + tags:
-        raise CorruptBlockError("raw block payload size differs from the layout's block size")
 
 
 # -- payload transforms ---------------------------------------------------
