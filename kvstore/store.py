@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
-from kvstore.crypt import encrypt_tiers, store_keys
 from kvstore.datapath import BlockManager, DataPath, Loan, PendingPut, Pin, PrefetchHandle
-from kvstore.errors import ClosedError, ConfigError, InvalidInputError
+from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
     BlockKey,
@@ -39,8 +37,8 @@ from kvstore.keys import (
 from kvstore.layout import KVLayout
 from kvstore.lifetimes import close_at_exit, forget
 from kvstore.memory import cuda_available
+from kvstore.opening import open_tiers
 from kvstore.restore import RestorePlan, restore_request
-from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -82,26 +80,14 @@ class KVStore:
             raise InvalidInputError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.config = StoreConfig.load(config)
-        # The keyring is read before any tier opens: a bad one changes nothing.
-        keys = store_keys(self.config.encryption, self.config.cluster.namespace)
-        built: list[Tier] = list(tiers) if tiers is not None else []
+        opened = open_tiers(layout, self.config, tiers)
         try:
-            for tier in built:
-                layout.check_same(tier.layout)
-            if tiers is None:
-                for tier_config in self.config.tiers:
-                    built.append(create_tier(tier_config, layout))
-                if self.config.cluster.enabled:  # peers answer faster than S3 or Redis
-                    at = next((i for i, t in enumerate(built) if not t.local), len(built))
-                    built.insert(at, _cluster_tier(layout, self.config))
-            if keys is not None:
-                encrypt_tiers(built, self.config.encryption, keys)
-            self._manager = BlockManager(layout, built, self.config, clock)
+            self._manager = BlockManager(layout, opened.tiers, self.config, clock)
         except BaseException:
-            for tier in built:
+            for tier in opened.tiers:
                 tier.close()
             raise
-        if keys is not None and self.config.encryption.reencrypt:
+        if opened.encrypted and self.config.encryption.reencrypt:
             self._manager.reencrypt()  # blocks under older keys: rewritten in the background
         self._namespaces: dict[str, Namespace] = {}
         self._events: StoreEventsOwner | None = None
@@ -609,16 +595,3 @@ def _open_events(
     from kvstore.events.owner import StoreEventsOwner
 
     return StoreEventsOwner(manager, config.events, publisher)
-
-
-def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
-    """The other nodes of the cluster, as a tier after this machine's own ones and
-    before shared remote media such as S3 (imported only when used: it needs redis)."""
-    try:
-        from kvstore.cluster.tier import ClusterTier
-    except ImportError as exc:
-        raise ConfigError(
-            f"cluster: needs a missing dependency ({exc.name}); install it with: "
-            f"{install_hint('redis')}"
-        ) from exc
-    return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)
