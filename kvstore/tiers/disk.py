@@ -42,7 +42,6 @@ import itertools
 import logging
 import mmap
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +68,14 @@ from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.pools import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.disk_open import (
+    check_path,
+    fit_capacity,
+    probe_o_direct,
+    probe_write,
+    unusable,
+    unusable_path,
+)
 from kvstore.tiers.disk_sealed import SealedFiles
 from kvstore.tiers.files import FileOps, Tree, read_exact, write_all
 
@@ -101,73 +108,6 @@ def _page_aligned(view: memoryview) -> bool:
         return False
     address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
     return address is not None and address % PAGE == 0
-
-
-def _blocked(root: Path) -> str | None:
-    """Which existing part of ``root`` is not a directory (so ``root`` can never be one)."""
-    blocker = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
-    if blocker is None or blocker.is_dir():
-        return None
-    return f"{blocker} is {'a file, ' if blocker.is_file() else ''}not a directory"
-
-
-def _message(root: Path, why: str) -> str:
-    return (
-        f"disk tier path {root}: {why}; "
-        "set the tier's path to a directory kvstore can create and write"
-    )
-
-
-def _unusable(root: Path, exc: OSError) -> str:
-    """One line saying why the configured path ``root`` cannot hold a disk tier."""
-    why = _blocked(root)
-    if why is None:
-        failed = exc.filename or root
-        where = "it" if str(failed) == str(root) else str(failed)
-        why = f"cannot create {where}: {exc.strerror or exc}"
-    return _message(root, why)
-
-
-def unusable_path(path: str) -> str | None:
-    """Why a disk tier could never use ``path``, found by reading only (``kvstore stats``
-    writes nothing): a part of it that exists is not a directory, or it does not exist
-    and the directory it would be made in refuses writes. None: nothing read says so.
-    The same line a store's open raises as :class:`ConfigError`."""
-    root = Path(path).expanduser()
-    why = _blocked(root)
-    chain = [root, *root.parents]
-    found = next((i for i, p in enumerate(chain) if os.path.lexists(p)), None)
-    if why is None and found:  # not root itself: something must be made, in chain[found]
-        place, missing = chain[found], chain[found - 1]
-        if not os.access(place, os.W_OK | os.X_OK):
-            code = errno.EROFS if os.statvfs(place).f_flag & os.ST_RDONLY else errno.EACCES
-            where = "it" if missing == root else str(missing)
-            why = f"cannot create {where}: {os.strerror(code)}"
-    return None if why is None else _message(root, why)
-
-
-def check_path(config: DiskTierConfig) -> None:
-    """Refuse (:class:`ConfigError`) a disk tier path that cannot become a directory, and
-    warn once when files cannot be created in it; for a server, whose stores open their
-    disk tiers only when clients come, so a bad path is said at start, not per client."""
-    root = Path(config.path).expanduser()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        if not root.is_dir():
-            raise ConfigError(_unusable(root, exc)) from None
-    probe = root / f".write-probe.{os.getpid()}.0.tmp"
-    try:
-        probe.touch(exist_ok=False)
-    except OSError as exc:
-        log.warning(
-            "disk tier %s: cannot write (%s); its stores will serve the blocks already "
-            "there and store none",
-            root,
-            exc.strerror or exc,
-        )
-        return
-    probe.unlink()
 
 
 class DiskTier(Tier):
@@ -221,12 +161,12 @@ class DiskTier(Tier):
             self._tree.make_dirs()
         except OSError as exc:
             if not self._tree.base.is_dir():
-                raise ConfigError(_unusable(self._tree.root, exc)) from None
+                raise ConfigError(unusable(self._tree.root, exc)) from None
             self._write_error = exc.strerror or str(exc)
         try:  # one pass over the tree: index what is there, sweep dead writers' temps
             self._found, removed = self._tree.scan(self._ops)
         except OSError as exc:
-            raise ConfigError(_unusable(self._tree.root, exc)) from None
+            raise ConfigError(unusable(self._tree.root, exc)) from None
         if removed:
             log.info("disk tier %s: removed %d stale temp files", self._tree.base, removed)
             self._count("stale_temps_removed", removed)
@@ -241,53 +181,17 @@ class DiskTier(Tier):
             )
 
     def _probe_write(self) -> str | None:
-        """Why a file cannot be created in the layout directory, or None if it can.
-
-        The probe is named like a temp file, so one left by a crash is swept at the
-        next open."""
-        probe = str(self._tree.base / f".write-probe.{os.getpid()}.{next(self._nonce)}.tmp")
-        try:
-            fd = self._ops.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        self._ops.close(fd)
-        self._discard(probe)
-        return None
+        """Why a file cannot be created in the layout directory, or None if it can."""
+        return probe_write(self._ops, self._tree.base, next(self._nonce))
 
     def _probe_o_direct(self, warn: bool = True) -> bool:
         """True if this filesystem takes O_DIRECT (tmpfs, for one, does not)."""
-        flag = getattr(os, "O_DIRECT", 0)
-        probe = str(self._tree.base / f".o_direct_probe.{os.getpid()}")
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | flag, 0o600)
-        except OSError:
-            if warn:
-                log.warning(
-                    "disk tier %s: O_DIRECT not supported, using buffered I/O", self._tree.base
-                )
-            return False
-        os.close(fd)
-        os.unlink(probe)
-        return bool(flag)
+        return probe_o_direct(self._tree.base, warn)
 
     def _fit_capacity(self, wanted: int) -> int:
         """Blocks that fit in ``wanted`` bytes, and in the free disk space."""
         blocks = self.blocks_in(wanted, self._file_nbytes, "block file")
-        try:
-            usage = shutil.disk_usage(self._tree.base)
-        except OSError:
-            return blocks
-        held = len(self._found)
-        room = int(0.95 * (usage.free + held * self._file_nbytes)) // self._file_nbytes
-        if room < blocks:
-            log.warning(
-                "disk tier %s: capacity %d blocks exceeds free space; using %d",
-                self._tree.base,
-                blocks,
-                max(1, room),
-            )
-            return max(1, room)
-        return blocks
+        return fit_capacity(blocks, self._tree.base, len(self._found), self._file_nbytes)
 
     def encrypt_with(self, cipher: Any) -> None:
         """Seal blocks with ``cipher`` (encryption at rest: :mod:`kvstore.tiers.disk_sealed`)."""
