@@ -27,7 +27,7 @@ import torch
 
 from kvstore.errors import InvalidInputError
 
-__all__ = ["NULL_BLOCK", "CacheWriter", "PageMap", "PagedKV"]
+__all__ = ["NULL_BLOCK", "CacheWriter", "LayerGroups", "PageMap", "PagedKV"]
 
 #: The block id an engine puts where a block was freed or never allocated: vLLM's
 #: block pool reserves block 0 as its null block, and its sliding-window groups
@@ -379,3 +379,26 @@ def _rows_cols(
     pos: torch.Tensor, width: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return (pos // width).to(device), (pos % width).to(device)
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which engine KV cache group each layer belongs to, and which groups slide.
+
+    ``of_layer[i]`` indexes the per-group block-id tuples of the specs; the
+    default is one group holding every layer.
+    """
+
+    of_layer: tuple[int, ...] = ()
+    sliding: frozenset[int] = frozenset()
+    #: Layers the engine runs after it has taken the step's load errors: a speculative
+    #: draft's, whose forward follows the target's (see TransferWorker.finish_load).
+    late: frozenset[int] = frozenset()
+
+    def group(self, layer: int) -> int:
+        """The group of ``layer``."""
+        return self.of_layer[layer] if self.of_layer else 0
+
+    def used(self) -> list[int]:
+        """The groups the layers use, each once."""
+        return sorted(set(self.of_layer)) if self.of_layer else [0]

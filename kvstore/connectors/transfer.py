@@ -41,14 +41,14 @@ is counted and dropped.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.connectors.paged import PagedKV
+from kvstore.connectors.flusher import Flusher
+from kvstore.connectors.paged import LayerGroups, PagedKV
 from kvstore.connectors.plan import TransferSpec
 from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
 from kvstore.datapath.contracts import PrefetchHandle
@@ -56,7 +56,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.store import KVStore
 
-__all__ = ["TransferWorker"]
+__all__ = ["LayerGroups", "TransferWorker"]  # LayerGroups: re-exported from paged
 
 log = logging.getLogger(__name__)
 
@@ -81,29 +81,6 @@ class _Save:
     failed: bool = False
     #: Per group, the whole kernel pages of the tokens (None: move token by token).
     pages: dict[int, torch.Tensor | None] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LayerGroups:
-    """Which engine KV cache group each layer belongs to, and which groups slide.
-
-    ``of_layer[i]`` indexes the per-group block-id tuples of the specs; the
-    default is one group holding every layer.
-    """
-
-    of_layer: tuple[int, ...] = ()
-    sliding: frozenset[int] = frozenset()
-    #: Layers the engine runs after it has taken the step's load errors: a speculative
-    #: draft's, whose forward follows the target's (see TransferWorker.finish_load).
-    late: frozenset[int] = frozenset()
-
-    def group(self, layer: int) -> int:
-        """The group of ``layer``."""
-        return self.of_layer[layer] if self.of_layer else 0
-
-    def used(self) -> list[int]:
-        """The groups the layers use, each once."""
-        return sorted(set(self.of_layer)) if self.of_layer else [0]
 
 
 class TransferWorker:
@@ -154,7 +131,7 @@ class TransferWorker:
         self._loads: list[_Load] = []
         self._saves: list[_Save] | None = None
         self._layers_put: set[int] = set()
-        self._flusher = _Flusher(store, self.counters) if self.flush == "background" else None
+        self._flusher = Flusher(store, self.counters) if self.flush == "background" else None
         #: Keys shadow verification found holding other KV (verify.py): never loaded or saved.
         self.quarantined: set[BlockKey] = set()
 
@@ -573,38 +550,3 @@ class TransferWorker:
             log.exception("kvstore: flush at shutdown failed")
             self.counters.add("flush_errors")
         self.store.close()
-
-
-class _Flusher:
-    """One background thread that flushes the store whenever asked (requests coalesce)."""
-
-    def __init__(self, store: KVStore, counters: Counters) -> None:
-        self._store = store
-        self._counters = counters
-        self._wanted = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvstore-flush", daemon=True)
-        self._thread.start()
-
-    def request(self) -> None:
-        """Ask for a flush soon."""
-        self._wanted.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wanted.wait()
-            self._wanted.clear()
-            if self._stopping:
-                return
-            try:
-                with self._counters.timed("flush_seconds"):
-                    self._counters.add("flushed_blocks", self._store.flush())
-            except Exception:
-                log.exception("kvstore: background flush failed")
-                self._counters.add("flush_errors")
-
-    def stop(self) -> None:
-        """Finish the flush in progress and end the thread."""
-        self._stopping = True
-        self._wanted.set()
-        self._thread.join()

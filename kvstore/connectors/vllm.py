@@ -66,11 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.hints import apply_hints, finish_with_hint
-from kvstore.connectors.paged import PagedKV, PageMap
+from kvstore.connectors.paged import LayerGroups, PagedKV, PageMap
 from kvstore.connectors.plan import Found, Planner, Scheduled, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
-from kvstore.connectors.transfer import LayerGroups, TransferWorker
+from kvstore.connectors.transfer import TransferWorker
 from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
