@@ -1,5 +1,6 @@
 """The S3 tier's requests and helpers: :class:`S3Requests` (the client, its thread
-pool, retries and circuit breaker, multipart uploads), error classification,
+pool, retries and circuit breaker; the object requests by name: puts, multipart
+uploads, whole and ranged gets, listing pages), error classification, ETag checks,
 shared API models, the header cache and body reads.
 
 Imported only by :mod:`kvstore.tiers.s3` (it needs boto3); the tier hands
@@ -9,6 +10,7 @@ Imported only by :mod:`kvstore.tiers.s3` (it needs boto3); the tier hands
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.client
 import logging
 import threading
@@ -26,7 +28,7 @@ import botocore.session
 
 from kvstore.codec import BlockHeader
 from kvstore.config import S3TierConfig
-from kvstore.errors import TierError
+from kvstore.errors import CorruptBlockError, TierError
 from kvstore.keys import BlockKey
 from kvstore.pools import call_or_inline, map_or_inline
 from kvstore.retry import Backoff, Breaker, retry_call
@@ -41,6 +43,7 @@ __all__ = [
     "BodyReader",
     "S3Requests",
     "error_info",
+    "etag_matches",
     "has_code",
     "new_session",
     "retryable",
@@ -111,6 +114,15 @@ def has_code(exc: BaseException, codes: frozenset[str], status: int) -> bool:
     """Whether ``exc`` carries one of the error ``codes``, or the HTTP ``status`` (not 0)."""
     code, got = error_info(exc)
     return code in codes or (got == status and status != 0)
+
+
+def etag_matches(body: bytes, etag: str) -> bool:
+    """Whether ``etag`` is the MD5 of ``body`` (true of single-part uploads only: a
+    multipart ETag, ``<md5>-<parts>``, vouches for nothing here)."""
+    tag = etag.strip('"')
+    if not tag or "-" in tag:
+        return False
+    return hashlib.md5(body, usedforsecurity=False).hexdigest() == tag
 
 
 _loader_lock = threading.Lock()
@@ -304,6 +316,64 @@ class S3Requests:
     def map(self, fn: Callable[[int], T], n: int) -> list[T]:
         """``[fn(0), ..., fn(n-1)]`` run concurrently on the pool."""
         return map_or_inline(self.pool, fn, range(n))
+
+    # -- object requests, by name ----------------------------------------------
+    def put_object(self, name: str, data: bytes | bytearray, deadline_at: float) -> None:
+        """One PUT of ``data`` as object ``name`` (through :meth:`call`)."""
+        bucket = self.cfg.bucket
+        self.call(lambda: self.client.put_object(Bucket=bucket, Key=name, Body=data), deadline_at)
+
+    def get_range(
+        self, name: str, start: int, nbytes: int, etag: str | None
+    ) -> tuple[bytes, int, str]:
+        """One ranged GET (``If-Match`` ``etag`` when given): ``(bytes, object size, ETag)``."""
+        extra = {"IfMatch": etag} if etag else {}
+        resp = self.client.get_object(
+            Bucket=self.cfg.bucket, Key=name, Range=f"bytes={start}-{start + nbytes - 1}", **extra
+        )
+        data = resp["Body"].read()
+        total = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(data))
+        return data, total, str(resp.get("ETag", ""))
+
+    def get_whole(self, name: str) -> tuple[bytes, str]:
+        """The whole object ``name`` and its ETag (one GET, counted in ``bytes_in``)."""
+        resp = self.client.get_object(Bucket=self.cfg.bucket, Key=name)
+        body = resp["Body"].read()
+        self.counters.add("bytes_in", len(body))
+        return body, str(resp.get("ETag", ""))
+
+    def fetch_ranged(self, name: str, deadline_at: float) -> bytearray:
+        """A large object in ``part_size`` ranged GETs, all but the first in parallel."""
+        part = self.cfg.part_size
+        first, total, etag = self.pooled(lambda: self.get_range(name, 0, part, None), deadline_at)
+        buf = bytearray(total)
+        buf[: len(first)] = first
+        starts = list(range(len(first), total, part))
+
+        def fetch(i: int) -> None:
+            start = starts[i]
+            chunk, _, _ = self.call(
+                lambda: self.get_range(name, start, min(part, total - start), etag), deadline_at
+            )
+            if len(chunk) != min(part, total - start):
+                raise CorruptBlockError(f"ranged GET of {name} returned {len(chunk)} bytes")
+            buf[start : start + len(chunk)] = chunk
+
+        self.map(fetch, len(starts))
+        self.counters.add("ranged_gets", len(starts) + 1)
+        self.counters.add("bytes_in", total)
+        return buf
+
+    def list_page(self, prefix: str, max_keys: int, token: str | None) -> dict[str, Any]:
+        """One ListObjectsV2 page under ``prefix`` (after ``token``), on the pool, inside a
+        fresh deadline."""
+        params: dict[str, Any] = {"Bucket": self.cfg.bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if token:
+            params["ContinuationToken"] = token
+        return self.pooled(
+            functools.partial(self.client.list_objects_v2, **params),
+            time.monotonic() + self.cfg.deadline,
+        )
 
     def put_multipart(self, name: str, data: bytes, deadline_at: float) -> None:
         """Upload ``data`` as a multipart object, parts in parallel; abort it on failure."""

@@ -35,8 +35,6 @@ come from the boto3 chain and appear in no log line and no error message.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -74,6 +72,7 @@ from kvstore.tiers._s3util import (
     HeaderCache,
     S3Requests,
     error_info,
+    etag_matches,
     has_code,
 )
 from kvstore.tiers.base import LayerRange
@@ -118,15 +117,6 @@ class Target:
     out: torch.Tensor
     layers: LayerRange
     deadline_at: float
-
-
-def etag_matches(body: bytes, etag: str) -> bool:
-    """Whether ``etag`` is the MD5 of ``body`` (true of single-part uploads only: a
-    multipart ETag, ``<md5>-<parts>``, vouches for nothing here)."""
-    tag = etag.strip('"')
-    if not tag or "-" in tag:
-        return False
-    return hashlib.md5(body, usedforsecurity=False).hexdigest() == tag
 
 
 class S3Tier(ValueTier):
@@ -257,7 +247,7 @@ class S3Tier(ValueTier):
         buf = self._buffers.take(size, exact=True)  # the body must be exactly it
         try:
             self._pack(encoded, buf)
-            self._put_object(self.object_name(key), buf, deadline_at)
+            self._s3.put_object(self.object_name(key), buf, deadline_at)
         except Exception as exc:
             self._failed("put", key, exc)
             return False
@@ -287,7 +277,7 @@ class S3Tier(ValueTier):
             data = encoded.tobytes()
             name = self.object_name(key)
             if len(data) <= self.cfg.multipart_threshold:  # compression brought it under
-                call_or_inline(self._s3.pool, lambda: self._put_object(name, data, deadline_at))
+                call_or_inline(self._s3.pool, lambda: self._s3.put_object(name, data, deadline_at))
             else:
                 self._s3.put_multipart(name, data, deadline_at)
         except Exception as exc:
@@ -295,12 +285,6 @@ class S3Tier(ValueTier):
             return False
         self._stored(key, len(data))
         return True
-
-    def _put_object(self, name: str, data: bytes | bytearray, deadline_at: float) -> None:
-        bucket = self.cfg.bucket
-        self._s3.call(
-            lambda: self._s3.client.put_object(Bucket=bucket, Key=name, Body=data), deadline_at
-        )
 
     def _stored(self, key: BlockKey, nbytes: int) -> None:
         self._headers.drop(key)  # a rewrite may have another codec and ETag
@@ -317,7 +301,7 @@ class S3Tier(ValueTier):
             if layers is not None:
                 self._get_layers(key, out, layers, deadline_at, use_cache=True)
             elif self._large:
-                data = self._fetch_ranged(key, deadline_at)
+                data = self._s3.fetch_ranged(self.object_name(key), deadline_at)
                 decode_value(data, self.layout, key, out, None, self.cipher)
             else:
                 self._get_whole(key, out, deadline_at)
@@ -399,40 +383,6 @@ class S3Tier(ValueTier):
         else:  # opened straight from the body buffer
             decode_layers(header, view, self.layout, out, None, self.cipher)
 
-    def _fetch_ranged(self, key: BlockKey, deadline_at: float) -> bytearray:
-        """A large object in ``part_size`` ranged GETs, all but the first in parallel."""
-        name, part = self.object_name(key), self.cfg.part_size
-        first, total, etag = self._s3.pooled(lambda: self._range(name, 0, part, None), deadline_at)
-        buf = bytearray(total)
-        buf[: len(first)] = first
-        starts = list(range(len(first), total, part))
-
-        def fetch(i: int) -> None:
-            start = starts[i]
-            chunk, _, _ = self._s3.call(
-                lambda: self._range(name, start, min(part, total - start), etag), deadline_at
-            )
-            if len(chunk) != min(part, total - start):
-                raise CorruptBlockError(f"ranged GET of {name} returned {len(chunk)} bytes")
-            buf[start : start + len(chunk)] = chunk
-
-        self._s3.map(fetch, len(starts))
-        self._counters.add("ranged_gets", len(starts) + 1)
-        self._counters.add("bytes_in", total)
-        return buf
-
-    def _range(
-        self, name: str, start: int, nbytes: int, etag: str | None
-    ) -> tuple[bytes, int, str]:
-        """One ranged GET: ``(bytes, object size, ETag)``."""
-        extra = {"IfMatch": etag} if etag else {}
-        resp = self._s3.client.get_object(
-            Bucket=self.cfg.bucket, Key=name, Range=f"bytes={start}-{start + nbytes - 1}", **extra
-        )
-        data = resp["Body"].read()
-        total = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(data))
-        return data, total, str(resp.get("ETag", ""))
-
     def _get_layers(
         self,
         key: BlockKey,
@@ -449,7 +399,7 @@ class S3Tier(ValueTier):
         name = self.object_name(key)
         try:
             payload, _, _ = self._s3.call(
-                lambda: self._range(name, start, nbytes, etag), deadline_at
+                lambda: self._s3.get_range(name, start, nbytes, etag), deadline_at
             )
         except botocore.exceptions.ClientError as exc:
             if cached is not None and has_code(exc, frozenset({"PreconditionFailed"}), 412):
@@ -463,7 +413,9 @@ class S3Tier(ValueTier):
 
     def _fetch_header(self, key: BlockKey, deadline_at: float) -> tuple[BlockHeader, str]:
         name, size = self.object_name(key), self._header_nbytes
-        data, total, etag = self._s3.call(lambda: self._range(name, 0, size, None), deadline_at)
+        data, total, etag = self._s3.call(
+            lambda: self._s3.get_range(name, 0, size, None), deadline_at
+        )
         self._counters.add("ranged_gets")
         self._counters.add("bytes_in", len(data))
         header = parse_header(data, self.layout, key)
@@ -516,18 +468,8 @@ class S3Tier(ValueTier):
         """Every block key under this layout's directory, one listing page at a time."""
         token: str | None = None
         while True:
-            params: dict[str, Any] = {
-                "Bucket": self.cfg.bucket,
-                "Prefix": self._dir,
-                "MaxKeys": self.list_page,
-            }
-            if token:
-                params["ContinuationToken"] = token
             try:
-                page = self._s3.pooled(
-                    functools.partial(self._s3.client.list_objects_v2, **params),
-                    time.monotonic() + self.cfg.deadline,
-                )
+                page = self._s3.list_page(self._dir, self.list_page, token)
             except Exception as exc:
                 self._list_failed(exc)
                 return
@@ -568,7 +510,7 @@ class S3Tier(ValueTier):
         self._headers.drop(key)
         name = self.object_name(key)
         try:
-            body, etag = self._s3.call(lambda: self._whole(name), target.deadline_at)
+            body, etag = self._s3.call(lambda: self._s3.get_whole(name), target.deadline_at)
             decode_value(body, self.layout, key, target.out, target.layers, self.cipher)
         except DecryptError as again:
             return self._decrypt_failed(key, again)
@@ -595,13 +537,6 @@ class S3Tier(ValueTier):
         self._counters.add("decrypt_failures")
         log.warning("s3 tier: %s cannot be opened: %s", self.object_name(key), exc)
         return False
-
-    def _whole(self, name: str) -> tuple[bytes, str]:
-        """The whole object ``name`` and its ETag (one GET)."""
-        resp = self._s3.client.get_object(Bucket=self.cfg.bucket, Key=name)
-        body = resp["Body"].read()
-        self._counters.add("bytes_in", len(body))
-        return body, str(resp.get("ETag", ""))
 
     def _delete_corrupt(self, key: BlockKey) -> None:
         try:
