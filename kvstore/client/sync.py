@@ -41,12 +41,12 @@ from kvstore.client._common import (
     same_length,
 )
 from kvstore.client.connection import Connection, Dead
-from kvstore.codec import Codec, encode_block, layer_pieces, verify_layers
+from kvstore.client.receive import RECV_GROUP, receive, slot_tensor
+from kvstore.codec import Codec, encode_block
 from kvstore.copies import engine_for
 from kvstore.errors import (
     AccessDeniedError,
     ClosedError,
-    CorruptBlockError,
     InvalidInputError,
     LayoutMismatchError,
     ProtocolError,
@@ -58,7 +58,7 @@ from kvstore.keys import BlockKey, ChunkTokens, check_keys
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, Breaker, retry_call
 from kvstore.wire import shm
-from kvstore.wire.blocks import pieces_of, read_header, wire_nbytes
+from kvstore.wire.blocks import wire_nbytes
 from kvstore.wire.protocol import (
     Flag,
     Op,
@@ -272,7 +272,7 @@ class Client:
             encoded = encode_block(key, self.layout, block, Codec.RAW)
             group += encoded.parts()
             size += encoded.nbytes
-            if size >= _RECV_GROUP:
+            if size >= RECV_GROUP:
                 conn.send_parts(group)
                 group, size = [], 0
         conn.send_parts(group)
@@ -295,7 +295,7 @@ class Client:
                 zip(keys, blocks, slots, strict=True)
             ):
                 if status == SlotStatus.SHM:
-                    pairs.append((_slot(conn.shm, self.layout, offset, block.shape), block))
+                    pairs.append((slot_tensor(conn.shm, self.layout, offset, block.shape), block))
                 elif status == SlotStatus.INLINE:
                     inline += encode_block(key, self.layout, block, Codec.RAW).parts()
                 written[i] = status in (SlotStatus.SHM, SlotStatus.INLINE)
@@ -378,11 +378,11 @@ class Client:
             elif status == SlotStatus.SHM:
                 if conn.shm is None:
                     raise ProtocolError("the server answered with shared memory not asked for")
-                pairs.append((out, _slot(conn.shm, self.layout, offset, out.shape, span)))
+                pairs.append((out, slot_tensor(conn.shm, self.layout, offset, out.shape, span)))
                 done[i] = True
         try:
             for i, ok in zip(
-                arriving, self._receive(conn, keys, outs, arriving, layers), strict=True
+                arriving, receive(conn, self.layout, keys, outs, arriving, layers), strict=True
             ):
                 done[i] = ok
             engine_for("cpu").copy_all(pairs)
@@ -392,37 +392,6 @@ class Client:
         self.stats["shm_blocks"] += len(pairs)
         self.stats["socket_blocks"] += inline
         return done
-
-    def _receive(
-        self,
-        conn: Connection,
-        keys: list[BlockKey],
-        outs: list[torch.Tensor],
-        idxs: list[int],
-        layers: tuple[int, int] | None,
-    ) -> list[bool | None]:
-        """The inline blocks ``idxs``, in order: each one's header, then its bytes straight
-        into ``outs[i]`` (a host buffer for GPU or odd views), by scatter reads of a few
-        MiB at a time, each group verified before the next is read -- so the server
-        refills the socket while this thread checks (None: arrived damaged)."""
-        done: list[bool | None] = []
-        group: list[_Arrival] = []
-        size = 0
-        for i in idxs:
-            group.append(_Arrival.prepare(self.layout, keys[i], outs[i], layers))
-            size += group[-1].nbytes
-            if size >= _RECV_GROUP:
-                done += self._receive_group(conn, group, layers)
-                group, size = [], 0
-        return done + self._receive_group(conn, group, layers)
-
-    def _receive_group(
-        self, conn: Connection, group: list[_Arrival], layers: tuple[int, int] | None
-    ) -> list[bool | None]:
-        if not group:
-            return []
-        conn.recv_scatter([view for arrival in group for view in arrival.views])
-        return [arrival.finish(self.layout, layers) for arrival in group]
 
     # -- queries ------------------------------------------------------------------
     def _key_calls(self, op: Op, keys: list[BlockKey]) -> Iterator[tuple[range, bytes]]:
@@ -551,59 +520,6 @@ class Client:
 
 
 _HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
-_RECV_GROUP = 4 * 1024**2  # bytes read before the blocks read are verified
-
-
-class _Arrival:
-    """One inline block on its way in: where its header and bytes go, then the check."""
-
-    def __init__(
-        self,
-        key: BlockKey,
-        out: torch.Tensor,
-        target: torch.Tensor,
-        pieces: list[list[memoryview]],
-        head: bytearray,
-    ) -> None:
-        self.key, self.out, self.target, self.pieces, self.head = key, out, target, pieces, head
-        self.views = [memoryview(head), *(p.cast("B") for layer in pieces for p in layer)]
-        self.nbytes = sum(v.nbytes for v in self.views)
-
-    @classmethod
-    def prepare(
-        cls, layout: KVLayout, key: BlockKey, out: torch.Tensor, layers: tuple[int, int] | None
-    ) -> _Arrival:
-        head = bytearray(wire_nbytes(layout, layers) - _span_nbytes(layout, layers))
-        pieces = layer_pieces(out)
-        target = out
-        if pieces is None:  # a GPU tensor or an odd view: through a host buffer
-            target = torch.empty(tuple(out.shape), dtype=layout.dtype)
-            pieces = pieces_of(target)
-        return cls(key, out, target, pieces, head)
-
-    def finish(self, layout: KVLayout, layers: tuple[int, int] | None) -> bool | None:
-        """Verify what arrived; copy it out of a host buffer; None if damaged."""
-        try:
-            header = read_header(self.head, layout, self.key)
-            verify_layers(header, self.pieces, layers[0] if layers is not None else 0)
-        except (CorruptBlockError, LayoutMismatchError) as exc:
-            log.warning("kvstore client: block %s arrived damaged: %s", self.key.hex(), exc)
-            return None
-        if self.target is not self.out:
-            engine_for(self.out.device).copy_all([(self.out, self.target)])
-        return True
-
-
-def _slot(
-    mapping: shm.Mapping,
-    layout: KVLayout,
-    offset: int,
-    shape: Sequence[int],
-    nbytes: int | None = None,
-) -> torch.Tensor:
-    """The block (or layers) at ``offset`` in shared memory, as a tensor of ``shape``."""
-    size = layout.block_nbytes if nbytes is None else nbytes
-    return mapping.slot(offset, size).view(layout.dtype).view(*shape)
 
 
 def _note_tokens(conn: Connection, tokens: ChunkTokens) -> bytes:
@@ -614,8 +530,3 @@ def _note_tokens(conn: Connection, tokens: ChunkTokens) -> bytes:
 
 def _call_meta(conn: Connection, op: Op, keys: list[BlockKey]) -> bytes:
     return conn.call(op, encode_keys(keys))[1]
-
-
-def _span_nbytes(layout: KVLayout, layers: tuple[int, int] | None) -> int:
-    first, last = layers if layers is not None else (0, layout.num_layers)
-    return (last - first) * layout.layer_nbytes
