@@ -9,7 +9,9 @@
 Most users never touch these directly: a ``remote`` tier in a store config
 (``{"kind": "remote", "address": ...}``) makes any :class:`~kvstore.KVStore`,
 the vLLM connector or the SGLang backend use a server; that tier is
-:class:`kvstore.client.tier.RemoteTier`. Names are imported on first use.
+:class:`kvstore.client.tier.RemoteTier`. :class:`AdminClient` and
+:class:`AsyncAdminClient` administer a server's tenants and tokens at run time.
+Names are imported on first use.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AsyncClient", "Client", "ClientOptions"]
+__all__ = ["AdminClient", "AsyncAdminClient", "AsyncClient", "Client", "ClientOptions"]
 
 _EXPORTS = {
     "Client": "kvstore.client.sync",
     "AsyncClient": "kvstore.client.aio",
     "ClientOptions": "kvstore.client._common",
+    "AdminClient": "kvstore.client.admin",
+    "AsyncAdminClient": "kvstore.client.admin",
 }
 
 if TYPE_CHECKING:
     from kvstore.client._common import ClientOptions
+    from kvstore.client.admin import AdminClient, AsyncAdminClient
     from kvstore.client.aio import AsyncClient
     from kvstore.client.sync import Client
 

@@ -10,18 +10,34 @@ Every request needs a token with the ``admin`` scope (else
 :class:`~kvstore.errors.AccessDeniedError`); a malformed change is refused in
 one line (:class:`~kvstore.errors.InvalidInputError`) and changes nothing.
 Each call is one short connection that opens no store.
+:class:`AsyncAdminClient` makes the same requests from asyncio (``await
+admin.tenants()``), over the async client's connections.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from kvstore.client._common import ClientOptions
+from kvstore.client.aio import open_connection
 from kvstore.client.connection import Connection
+from kvstore.errors import TierError
 from kvstore.wire.protocol import Op, encode_json
 
-__all__ = ["AdminClient"]
+__all__ = ["AdminClient", "AsyncAdminClient"]
+
+
+def _tenant(
+    name: str,
+    namespaces: Sequence[str],
+    tokens: Sequence[dict[str, Any]],
+    quotas: dict[str, dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The ``tenant`` field of a ``put_tenant`` request."""
+    body = {"name": name, "namespaces": list(namespaces), "tokens": list(tokens)}
+    return {**body, "quotas": quotas or {}}
 
 
 class AdminClient:
@@ -52,8 +68,7 @@ class AdminClient:
         """Add tenant ``name`` or replace it whole (its namespaces, tokens: each
         ``{name, token | token_file, scopes}``, and quotas: tier kind to ``{share,
         limit}``); the tenants as they stand after."""
-        body = {"name": name, "namespaces": list(namespaces), "tokens": list(tokens)}
-        return self.request("put_tenant", tenant={**body, "quotas": quotas or {}})
+        return self.request("put_tenant", tenant=_tenant(name, namespaces, tokens, quotas))
 
     def remove_tenant(self, name: str) -> dict[str, Any]:
         """Remove tenant ``name`` and its tokens (its blocks stay in its namespaces)."""
@@ -62,3 +77,51 @@ class AdminClient:
     def reload(self) -> dict[str, Any]:
         """Re-read the server's config file for its tenants and tokens (like SIGHUP)."""
         return self.request("reload")
+
+
+class AsyncAdminClient:
+    """:class:`AdminClient`'s ADMIN requests as coroutines (see the module docstring):
+    the same answers and errors, each request one short asyncio control connection
+    under ``options.timeout``."""
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+
+    async def request(self, action: str, **fields: Any) -> dict[str, Any]:
+        """One ADMIN request and its JSON answer."""
+        meta = encode_json({"action": action, **fields})
+
+        async def exchange() -> dict[str, Any]:
+            conn = await open_connection(self.options, None)
+            try:
+                return await conn.call_json(Op.ADMIN, meta)
+            finally:
+                conn.close()
+
+        try:
+            return await asyncio.wait_for(exchange(), self.options.timeout)
+        except TimeoutError:
+            raise TierError(f"kvstore-server at {self.options.address} did not answer") from None
+
+    async def tenants(self) -> dict[str, Any]:
+        """The tenants (namespaces, token names and scopes; never secrets) and older tokens."""
+        return await self.request("tenants")
+
+    async def put_tenant(
+        self,
+        name: str,
+        namespaces: Sequence[str],
+        tokens: Sequence[dict[str, Any]],
+        quotas: dict[str, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Add tenant ``name`` or replace it whole (as :meth:`AdminClient.put_tenant`);
+        the tenants as they stand after."""
+        return await self.request("put_tenant", tenant=_tenant(name, namespaces, tokens, quotas))
+
+    async def remove_tenant(self, name: str) -> dict[str, Any]:
+        """Remove tenant ``name`` and its tokens (its blocks stay in its namespaces)."""
+        return await self.request("remove_tenant", name=name)
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the server's config file for its tenants and tokens (like SIGHUP)."""
+        return await self.request("reload")

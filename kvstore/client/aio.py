@@ -67,7 +67,7 @@ from kvstore.wire.protocol import (
     encode_keys,
 )
 
-__all__ = ["AsyncClient"]
+__all__ = ["AsyncClient", "AsyncConnection", "open_connection"]
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -79,18 +79,29 @@ class _Dead(TierError):
     """The connection broke mid-request."""
 
 
-class _Conn:
-    """One asyncio connection with a store opened."""
+class AsyncConnection:
+    """One asyncio connection to kvstore-server (made by :func:`open_connection`):
+    frames out and replies in, one request at a time. A connection that breaks
+    mid-request raises a :class:`~kvstore.errors.TierError` and must not be used again.
+    """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.ids = 0
-        self.limits: dict[str, Any] = {}
+        #: The server's HELLO answer ({} until the handshake is done).
+        self.hello: dict[str, Any] = {}
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The server's limits (frame and batch sizes)."""
+        limits = self.hello.get("limits")
+        return limits if isinstance(limits, dict) else {}
 
     async def send(
         self, op: int, meta: bytes = b"", payload: Sequence[Buffer] = (), flags: int = 0
     ) -> int:
+        """Send a request (header, meta and payload); its id."""
         self.ids = (self.ids + 1) & 0xFFFFFFFF
         size = sum(memoryview(p).nbytes for p in payload)
         try:
@@ -103,12 +114,15 @@ class _Conn:
         return self.ids
 
     async def recv(self, nbytes: int) -> bytes:
+        """Exactly ``nbytes``."""
         try:
             return await self.reader.readexactly(nbytes)
         except (OSError, asyncio.IncompleteReadError) as exc:
             raise _Dead(f"kvstore-server connection lost while reading: {exc}") from None
 
     async def reply(self, rid: int, op: int) -> tuple[Frame, bytes]:
+        """Read the reply to ``rid``: its header and meta (the payload is left to
+        read). Raises its error."""
         frame = Frame.unpack(await self.recv(FRAME.size))
         meta = await self.recv(frame.meta_len)
         try:
@@ -120,14 +134,48 @@ class _Conn:
         return frame, meta
 
     async def call(self, op: int, meta: bytes = b"") -> bytes:
+        """A request without payload, and its reply's meta (the reply must carry none)."""
         frame, reply = await self.reply(await self.send(op, meta), op)
         if frame.payload_len:
             raise ProtocolError(f"unexpected payload in the reply to {Op(op).name}")
         return reply
 
+    async def call_json(self, op: int, meta: bytes = b"") -> dict[str, Any]:
+        """A control request and its JSON reply."""
+        return decode_json(await self.call(op, meta))
+
     def close(self) -> None:
+        """Close the connection (idempotent)."""
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+async def open_connection(options: ClientOptions, layout: KVLayout | None) -> AsyncConnection:
+    """Connect to the server of ``options``, say HELLO, AUTH with its token (if any) and,
+    given a ``layout``, OPEN that store of ``options.namespace``; ``layout`` None makes a
+    control connection that opens no store (STATS, ADMIN). Used by :class:`AsyncClient`
+    and :class:`~kvstore.client.admin.AsyncAdminClient`. Raises
+    :class:`~kvstore.errors.TierError` when the server cannot be reached."""
+    try:
+        if options.unix_path is not None:
+            connecting = asyncio.open_unix_connection(options.unix_path)
+        else:
+            host, port = options.host_port
+            context = options.ssl_context()
+            name = (options.tls_server_name or host) if context else None
+            connecting = asyncio.open_connection(host, port, ssl=context, server_hostname=name)
+        reader, writer = await asyncio.wait_for(connecting, options.connect_timeout)
+    except (OSError, TimeoutError) as exc:
+        raise TierError(f"cannot connect to kvstore-server at {options.address}: {exc}") from None
+    conn = AsyncConnection(reader, writer)
+    with handshake(options, conn.close):
+        conn.hello = await conn.call_json(Op.HELLO, hello_meta())
+        answer = auth_meta(conn.hello, options.token)
+        if answer is not None:
+            await conn.call(Op.AUTH, answer)
+        if layout is not None:
+            await conn.call(Op.OPEN, open_meta(options.namespace, layout))
+    return conn
 
 
 class AsyncClient:
@@ -136,38 +184,19 @@ class AsyncClient:
     def __init__(self, layout: KVLayout, options: ClientOptions | None = None) -> None:
         self.layout = layout
         self.options = options or ClientOptions()
-        self._idle: list[_Conn] = []
+        self._idle: list[AsyncConnection] = []
         self._slots = asyncio.Semaphore(self.options.pool_size)
         self._breaker = Breaker(self.options.retry_interval)
         self._limits: dict[str, Any] = {}
         self._closed = False
 
-    async def _open(self) -> _Conn:
-        opts = self.options
-        try:
-            if opts.unix_path is not None:
-                connecting = asyncio.open_unix_connection(opts.unix_path)
-            else:
-                host, port = opts.host_port
-                context = opts.ssl_context()
-                name = (opts.tls_server_name or host) if context else None
-                connecting = asyncio.open_connection(host, port, ssl=context, server_hostname=name)
-            reader, writer = await asyncio.wait_for(connecting, opts.connect_timeout)
-        except (OSError, TimeoutError) as exc:
-            raise TierError(f"cannot connect to kvstore-server at {opts.address}: {exc}") from None
-        conn = _Conn(reader, writer)
-        with handshake(opts, conn.close):
-            hello = decode_json(await conn.call(Op.HELLO, hello_meta()))
-            answer = auth_meta(hello, opts.token)
-            if answer is not None:
-                await conn.call(Op.AUTH, answer)
-            await conn.call(Op.OPEN, open_meta(opts.namespace, self.layout))
-        limits = hello.get("limits")
-        self._limits = limits if isinstance(limits, dict) else {}
+    async def _open(self) -> AsyncConnection:
+        conn = await open_connection(self.options, self.layout)
+        self._limits = conn.limits
         return conn
 
     @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[_Conn]:
+    async def _connection(self) -> AsyncIterator[AsyncConnection]:
         async with self._slots:
             if self._closed:
                 raise ClosedError("the client is closed")
@@ -182,7 +211,7 @@ class AsyncClient:
             else:
                 self._idle.append(conn)
 
-    async def _run(self, fn: Callable[[_Conn], Awaitable[T]]) -> T:
+    async def _run(self, fn: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         """``fn(conn)`` under the timeout; a dead pooled connection is replaced once;
         outages trip the breaker."""
         if not self._breaker.allow():
@@ -219,7 +248,7 @@ class AsyncClient:
             chunk_keys, chunk = [keys[i] for i in idx], [blocks[i] for i in idx]
 
             async def one(
-                c: _Conn, k: list[BlockKey] = chunk_keys, b: list[torch.Tensor] = chunk
+                c: AsyncConnection, k: list[BlockKey] = chunk_keys, b: list[torch.Tensor] = chunk
             ) -> list[int]:
                 parts: list[Buffer] = []
                 for key, block in zip(k, b, strict=True):
@@ -246,7 +275,7 @@ class AsyncClient:
             chunk_keys, chunk = [keys[i] for i in idx], [outs[i] for i in idx]
 
             async def one(
-                c: _Conn, k: list[BlockKey] = chunk_keys, o: list[torch.Tensor] = chunk
+                c: AsyncConnection, k: list[BlockKey] = chunk_keys, o: list[torch.Tensor] = chunk
             ) -> list[bool]:
                 return await self._get_batch(c, k, o, layers)
 
@@ -256,7 +285,7 @@ class AsyncClient:
 
     async def _get_batch(
         self,
-        conn: _Conn,
+        conn: AsyncConnection,
         keys: list[BlockKey],
         outs: list[torch.Tensor],
         layers: tuple[int, int] | None,
@@ -348,7 +377,7 @@ class AsyncClient:
     async def list_keys(self, limit: int = 1 << 24) -> list[BlockKey]:
         """Up to ``limit`` stored keys of this namespace and layout."""
 
-        async def listing(conn: _Conn) -> list[BlockKey]:
+        async def listing(conn: AsyncConnection) -> list[BlockKey]:
             frame, meta = await conn.reply(await conn.send(Op.LIST, encode_count(limit)), Op.LIST)
             if frame.payload_len != 16 * decode_count(meta):
                 conn.close()
