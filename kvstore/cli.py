@@ -400,7 +400,7 @@ def _given_layout(args: argparse.Namespace) -> Any:
 
 
 def _cmd_local_cluster(args: argparse.Namespace) -> int:
-    from kvstore.cluster.local import LocalClusterSettings, run
+    from kvstore.local_cluster import LocalClusterSettings, run
 
     return run(LocalClusterSettings(nodes=args.nodes))
 

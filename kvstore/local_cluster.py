@@ -11,7 +11,8 @@ removes the directory.
 The servers are started by the helpers of :mod:`kvstore.testing.servers` and
 :mod:`kvstore.testing.kvserver` (shipped with the package: they start real servers on
 free local ports, which is what a trial cluster is); nothing else of the testing
-package is used.
+package is used. It stands beside the CLI, above :mod:`kvstore.testing`, not in
+:mod:`kvstore.cluster`: the cluster package itself never starts servers for tests.
 """
 
 from __future__ import annotations
