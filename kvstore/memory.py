@@ -33,7 +33,7 @@ import torch
 
 from kvstore.errors import CapacityError, ClosedError, InvalidInputError
 
-__all__ = ["SlabAllocator", "cuda_available"]
+__all__ = ["SlabAllocator", "cuda_available", "madvise"]
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class _Prefaulter:
 
     def _populate(self, start: int, end: int) -> bool | None:
         """Fault ``[start, end)`` in; False if the kernel lacks the advice, None on failure."""
-        if _madvise(self._base + start, end - start, MADV_POPULATE_WRITE) == 0:
+        if madvise(self._base + start, end - start, MADV_POPULATE_WRITE) == 0:
             return True
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOSYS):
@@ -393,8 +393,11 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 _LIBC_MADVISE = _libc_madvise()
 
 
-def _madvise(address: int, length: int, advice: int) -> int:
-    """``madvise(2)`` without the GIL; 0, or -1 with ``ctypes.get_errno()`` set."""
+def madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` without the GIL; 0, or -1 with ``ctypes.get_errno()`` set (``ENOSYS``
+    where libc cannot be loaded). The prefault thread faults each chunk in through this
+    module-level name, looked up at each call, so a test can replace it to slow or
+    refuse the faults."""
     if _LIBC_MADVISE is None:
         ctypes.set_errno(errno.ENOSYS)
         return -1

@@ -242,7 +242,7 @@ def _wait_for(predicate, timeout: float = 10.0) -> bool:
 def slow_populate(monkeypatch: pytest.MonkeyPatch):
     """Prefault in 64 KiB steps, each taking >= 5 ms, recording the ranges it faults."""
     calls: list[tuple[int, int]] = []
-    real = memory._madvise
+    real = memory.madvise
 
     def fake(address: int, length: int, advice: int) -> int:
         calls.append((address, length))
@@ -250,7 +250,7 @@ def slow_populate(monkeypatch: pytest.MonkeyPatch):
         return real(address, length, advice)
 
     monkeypatch.setattr(memory, "PREFAULT_CHUNK", 64 * 1024)
-    monkeypatch.setattr(memory, "_madvise", fake)
+    monkeypatch.setattr(memory, "madvise", fake)
     return calls
 
 
@@ -358,7 +358,7 @@ def test_prefault_without_populate_touches_only_free_pages(monkeypatch: pytest.M
         ctypes.set_errno(errno.EINVAL)  # an old kernel: no MADV_POPULATE_WRITE
         return -1
 
-    monkeypatch.setattr(memory, "_madvise", unsupported)
+    monkeypatch.setattr(memory, "madvise", unsupported)
     slab = SlabAllocator(MiB, 4, prefault=True)
     (slot,) = slab.alloc(1)
     slab.view(slot).fill_(0xAB)

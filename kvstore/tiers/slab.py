@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,11 +136,7 @@ class SlabTier(Tier):
         outs: Sequence[torch.Tensor],
         layers: LayerRange = None,
     ) -> list[bool]:
-        with self._lock:
-            slots = [self._slots.get(key) for key in keys]
-            for slot in slots:
-                if slot is not None:
-                    self._readers[slot] = self._readers.get(slot, 0) + 1
+        slots = self._acquire(keys)
         try:
             lo, hi = layers if layers is not None else (0, self.layout.num_layers)
             pairs = [
@@ -151,6 +148,26 @@ class SlabTier(Tier):
         finally:
             self._release([s for s in slots if s is not None])
         return [slot is not None for slot in slots]
+
+    @contextmanager
+    def reading(self, keys: Sequence[BlockKey]) -> Iterator[list[bool]]:
+        """Hold ``keys``' slots as a read in flight does, for the ``with`` block; yields
+        which keys are stored. A delete meanwhile drops the key at once but frees its
+        slot only when the block exits, so a :meth:`view` taken inside stays valid."""
+        slots = self._acquire(keys)
+        try:
+            yield [slot is not None for slot in slots]
+        finally:
+            self._release([s for s in slots if s is not None])
+
+    def _acquire(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The keys' slots (None where absent), each counted as read until released."""
+        with self._lock:
+            slots = [self._slots.get(key) for key in keys]
+            for slot in slots:
+                if slot is not None:
+                    self._readers[slot] = self._readers.get(slot, 0) + 1
+        return slots
 
     def _release(self, slots: list[int]) -> None:
         with self._lock:

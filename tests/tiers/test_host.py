@@ -46,11 +46,12 @@ def test_pinned_by_default_with_cuda() -> None:
     layout = small_layout()
     tier = HostTier(HostTierConfig(capacity=4 * layout.block_nbytes), layout)
     assert tier.pinned
-    assert tier._slab.buffer is not None and tier._slab.buffer.is_pinned()
     assert tier.stats()["prefault"] == "committed"  # pinned pages exist once allocated
     block = torch.randn(layout.block_shape, device="cuda").to(layout.dtype)
     key = b"g" * 16
     assert tier.put([key], [block]) == [True]
+    slot = tier.view(key)  # a zero-copy view of the slab's slot
+    assert slot is not None and slot.is_pinned()
     out = torch.empty_like(block)
     assert tier.get([key], [out]) == [True]
     assert torch.equal(out, block)
@@ -76,13 +77,12 @@ def test_delete_during_read_defers_the_slot_free() -> None:
     key = b"a" * 16
     tier.put([key], [torch.ones(layout.block_shape, dtype=layout.dtype)])
 
-    # Simulate an in-flight reader by holding the reader count directly.
-    with tier._lock:
-        slot = tier._slots[key]
-        tier._readers[slot] = 1
-    tier.delete([key])
-    assert tier.put([b"b" * 16], [torch.zeros(layout.block_shape, dtype=layout.dtype)]) == [False]
-    tier._release([slot])
+    with tier.reading([key]) as held:  # the slot held as an in-flight get holds it
+        assert held == [True]
+        tier.delete([key])
+        assert tier.contains([key]) == [False]
+        zeros = torch.zeros(layout.block_shape, dtype=layout.dtype)
+        assert tier.put([b"b" * 16], [zeros]) == [False]
     assert tier.put([b"b" * 16], [torch.zeros(layout.block_shape, dtype=layout.dtype)]) == [True]
     tier.close()
 
@@ -124,7 +124,7 @@ def test_closing_a_store_while_its_host_tier_prefaults(monkeypatch: pytest.Monke
         return 0
 
     monkeypatch.setattr(memory, "PREFAULT_CHUNK", 64 * 1024)
-    monkeypatch.setattr(memory, "_madvise", held)
+    monkeypatch.setattr(memory, "madvise", held)
     layout = small_layout()
     host = {"kind": "host", "capacity": 64 * layout.block_nbytes, "pinned": False}
     store = KVStore(layout, {"tiers": [host]})
