@@ -34,11 +34,11 @@ from __future__ import annotations
 import array
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate, starmap
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ import xxhash
 
 from kvstore.errors import InvalidInputError, LayoutMismatchError
 from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 try:  # compiled by the install (setup.py); optional
     import kvstore._chain as _chain
@@ -60,6 +63,8 @@ __all__ = [
     "ChunkTokens",
     "check_keys",
     "chain_keys",
+    "chain_keys_native",
+    "chain_keys_python",
     "engine_keys",
     "format_key",
     "tokens_to_bytes",
@@ -74,6 +79,14 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 #: Which :func:`chain_keys` runs: ``"c"`` (the compiled ``kvstore._chain``) or
 #: ``"python"`` (the fallback where the extension was not built). Same keys either way.
 CHAIN_IMPL = "python" if _chain is None else "c"
+
+#: The compiled chain loop itself, ``chain_keys_native(token_bytes, step_bytes, parent)``
+#: (``kvstore._chain``; ``step_bytes`` is ``4 * block_tokens``), or None where the install
+#: did not build it. :func:`chain_keys` checks its arguments and runs it (else
+#: :func:`chain_keys_python`); both are public so that the two can be compared.
+chain_keys_native: Callable[[ReadableBuffer, int, ReadableBuffer], list[bytes]] | None = (
+    None if _chain is None else _chain.chain_keys
+)
 
 
 @dataclass(frozen=True)
@@ -241,13 +254,14 @@ def chain_keys(token_bytes: bytes | memoryview, block_tokens: int, parent: bytes
         raise InvalidInputError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
     if _chain is not None:
         return _chain.chain_keys(token_bytes, block_tokens * 4, parent)  # type: ignore[return-value]
-    return _chain_keys_py(token_bytes, block_tokens, parent)
+    return chain_keys_python(token_bytes, block_tokens, parent)
 
 
-def _chain_keys_py(
+def chain_keys_python(
     token_bytes: bytes | memoryview, block_tokens: int, parent: bytes
 ) -> list[BlockKey]:
-    """:func:`chain_keys` in Python, for an install without the C extension."""
+    """:func:`chain_keys` in Python (no argument checks), what runs in an install without
+    the C extension: the same keys as :data:`chain_keys_native`, byte for byte."""
     step = block_tokens * 4
     view = memoryview(token_bytes).cast("B")
     full = len(view) - len(view) % step

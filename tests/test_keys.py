@@ -121,9 +121,10 @@ GOLDEN_CHAIN_DIGESTS = {
 
 def _impls():
     """The chain implementations this install has: the Python fallback, and C if built."""
-    impls = {"python": keys_mod._chain_keys_py}
-    if keys_mod._chain is not None:
-        impls["c"] = lambda data, bt, parent: keys_mod._chain.chain_keys(data, 4 * bt, parent)
+    impls = {"python": keys_mod.chain_keys_python}
+    native = keys_mod.chain_keys_native
+    if native is not None:
+        impls["c"] = lambda data, bt, parent: native(data, 4 * bt, parent)
     return impls
 
 
@@ -654,7 +655,7 @@ def test_compiled_chain_is_built():
     # The install (scripts/setup.sh: pip install -e .) compiles kvstore._chain; without it
     # keys are the same but hashing is ~4x slower at 16-token chunks.
     assert keys_mod.CHAIN_IMPL == "c", "kvstore._chain is missing: run `pip install -e .`"
-    assert keys_mod._chain is not None
+    assert keys_mod.chain_keys_native is not None
 
 
 _FALLBACK_CHILD = """
@@ -702,12 +703,13 @@ def test_chain_keys_rejects_bad_block_tokens(bad):
 
 
 def test_compiled_chain_rejects_bad_arguments():
-    if keys_mod._chain is None:
+    native = keys_mod.chain_keys_native
+    if native is None:
         pytest.skip("kvstore._chain is not built")
     with pytest.raises(ValueError, match="step"):
-        keys_mod._chain.chain_keys(b"\0" * 64, 0, b"p" * 16)
+        native(b"\0" * 64, 0, b"p" * 16)
     with pytest.raises(TypeError):
-        keys_mod._chain.chain_keys("text", 4, b"p" * 16)
+        native("text", 4, b"p" * 16)
     with pytest.raises(TypeError):
-        keys_mod._chain.chain_keys(b"\0" * 64, 4)
-    assert keys_mod._chain.chain_keys(b"", 4, b"p" * 16) == []
+        native(b"\0" * 64, 4)
+    assert native(b"", 4, b"p" * 16) == []
