@@ -331,13 +331,17 @@ def _server_flags() -> dict[str, str]:
 # -- walking the dataclasses -------------------------------------------------------------
 
 
-def _rows(
+def field_rows(
     cls: type[Any],
     fields: list[dataclasses.Field[Any]],
     env_path: tuple[str, ...] | None,
     missing: list[str],
     defaults_from: type[Any] | None = None,
 ) -> list[Row]:
+    """The reference rows of ``cls``'s ``fields``: type, default (from ``defaults_from``
+    if given), the variable that sets each under ``env_path`` (None: none does) and the
+    description from the class docstring; fields it does not describe go to ``missing``
+    as ``Class.field``."""
     hints = _hints(cls)
     flags = _server_flags() if cls is config_pkg.ServerConfig else {}
     rows = []
@@ -387,7 +391,7 @@ def sections() -> tuple[list[Section], list[str]]:
     store_fields = dataclasses.fields(StoreConfig)
     hints = _hints(StoreConfig)
     top = []
-    for row in _rows(StoreConfig, list(store_fields), (), missing):
+    for row in field_rows(StoreConfig, list(store_fields), (), missing):
         if row.name == "tiers":
             row = dataclasses.replace(row, type="list of tiers", env=f"`{ENV_PREFIX}TIERS`")
         top.append(row)
@@ -406,7 +410,7 @@ def sections() -> tuple[list[Section], list[str]]:
     kinds = _ordered_kinds()
     common = [f for f in dataclasses.fields(TierConfig)]
     common_rows = []
-    for row, f in zip(_rows(TierConfig, common, ("<kind>",), missing), common, strict=True):
+    for row, f in zip(field_rows(TierConfig, common, ("<kind>",), missing), common, strict=True):
         common_rows.append(dataclasses.replace(row, default=_kind_default(f, kinds)))
     kind_row = Row(
         TierConfig,
@@ -445,7 +449,7 @@ def sections() -> tuple[list[Section], list[str]]:
                 f"`tiers[]` with `kind: {kind}`",
                 f"tiers-{kind}",
                 summary,
-                tuple(_rows(cls, own, (kind,), missing)),
+                tuple(field_rows(cls, own, (kind,), missing)),
                 (cls,),
             )
         )
@@ -470,7 +474,7 @@ def _section(cls: type[Any], path: tuple[str, ...], missing: list[str]) -> Itera
         f"`{title}`",
         _anchor(title),
         intro,
-        tuple(_rows(cls, fields, path if in_env else None, missing)),
+        tuple(field_rows(cls, fields, path if in_env else None, missing)),
         (cls,),
     )
     hints = _hints(cls)

@@ -17,7 +17,7 @@ naming the key (``tiers[1].capacity``).
 
 Environment overrides (applied by :meth:`StoreConfig.load`,
 :meth:`StoreConfig.from_dict` and :meth:`StoreConfig.from_yaml` unless
-``environ={}`` is passed):
+``environ={}`` is passed; :func:`apply_env` alone shows what they set):
 
 - ``KVSTORE_CONFIG=/path/store.yaml`` -- the base file for ``load()``.
 - ``KVSTORE_TIERS='[{"kind": "host", "capacity": "1GiB"}]'`` -- replaces the
@@ -89,6 +89,7 @@ __all__ = [
     "StoreConfig",
     "TierConfig",
     "TokenConfig",
+    "apply_env",
     "default_cache_dir",
     "format_size",
     "parse_size",
@@ -474,7 +475,7 @@ class StoreConfig:
     def _with_env(cls, data: dict[str, Any], environ: Mapping[str, str] | None) -> StoreConfig:
         env = os.environ if environ is None else environ
         origins: dict[str, str] = {}
-        data = _apply_env(data, env, cls._ENV_PREFIX, origins)
+        data = apply_env(data, env, cls._ENV_PREFIX, origins)
         try:
             return cls._from_plain(data)
         except ConfigError as exc:  # a value from a variable: name the variable too
@@ -513,11 +514,19 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
-def _apply_env(
-    data: dict[str, Any], env: Mapping[str, str], prefix: str, origins: dict[str, str]
+def apply_env(
+    data: dict[str, Any],
+    env: Mapping[str, str],
+    prefix: str = "KVSTORE_",
+    origins: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Overlay ``KVSTORE_*`` variables on a plain config dict; ``origins`` gets the
-    variable each overridden key (``tiers[0].capacity``; ``tiers``) came from."""
+    """Overlay the environment overrides (see the module docstring) on a plain config
+    dict, as :meth:`StoreConfig.from_dict` does before it checks anything: a new dict
+    (``data`` itself if no variable applies), values still the variables' strings.
+    ``origins``, if given, gets the variable each overridden key (``tiers[0].capacity``;
+    ``tiers``) came from."""
+    if origins is None:
+        origins = {}
     names = sorted(k for k in env if k.startswith(prefix) and k != prefix + "CONFIG")
     if not names:
         return data

@@ -85,7 +85,7 @@ from kvstore.store import KVStore
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata"]
+__all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata", "scheduled_requests"]
 
 # Under vLLM's logger, so start-up lines (what is served, what is recomputed) show with
 # vLLM's own output.
@@ -99,8 +99,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _scheduled(scheduler_output: Any) -> list[Scheduled]:
-    """vLLM's new and cached requests of one step as :class:`Scheduled` (KV cache group 0)."""
+def scheduled_requests(scheduler_output: Any) -> list[Scheduled]:
+    """vLLM's new and cached requests of one step (a ``SchedulerOutput``) as the
+    :class:`Scheduled` entries the step planner reads, block ids per KV cache group."""
     counts = scheduler_output.num_scheduled_tokens
     out = [
         Scheduled(r.req_id, _groups(r.block_ids), True, r.num_computed_tokens, counts[r.req_id])
@@ -388,7 +389,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         """Plan this step's loads and saves from what vLLM scheduled."""
-        plan = self._planner.step(_scheduled(scheduler_output))
+        plan = self._planner.step(scheduled_requests(scheduler_output))
         self._speeds.step_started(scheduler_output.total_num_scheduled_tokens, bool(plan.loads))
         if not self._saves or not self.geometry.serves:
             plan.saves = []

@@ -7,7 +7,7 @@ ordering (lanes, events) and asynchrony live here and nowhere else.
 - ``base.py``: the contract (:class:`CopyEngine`, :class:`Lane`, :class:`Event`).
 - ``coalescing.py``: :func:`coalesce` (runs of pairs become one strided copy) and
   :func:`copy_pairs` (what every engine runs a batch with; contiguous host copies
-  left over go to C in one call, ``kvstore._memcopy``).
+  left over go to C in one call, ``kvstore._memcopy``, public there as ``memcopy``).
 - ``threads.py``: :class:`ThreadCopyEngine`, a worker thread per lane (CPU).
 - ``rows.py``: :func:`plan_rows`, a strided copy as a few 2-D byte copies.
 - ``runs.py``: evenly spaced blocks as one view (a layerwise load's copies per run).

@@ -28,12 +28,24 @@ from typing import NamedTuple
 
 import torch
 
+#: The compiled batch copier (``kvstore._memcopy``, csrc/memcopy.c: its
+#: ``copy_regions(table, threads)`` memcpys every ``(dst, src, nbytes)`` uint64 triple
+#: of ``table`` with the GIL released once), or None where the install did not build
+#: it. :func:`copy_pairs` looks this name up at each batch, so setting it to None
+#: makes every pair a ``copy_``.
 try:  # built by the install (csrc/memcopy.c); without it, a copy_ per pair
-    import kvstore._memcopy as _memcopy
+    import kvstore._memcopy as memcopy
 except ImportError:  # pragma: no cover - an install without a C compiler
-    _memcopy = None  # type: ignore[assignment]
+    memcopy = None  # type: ignore[assignment]
 
-__all__ = ["CopyPair", "coalesce", "copy_pairs", "needs_inference_mode", "touches_cuda"]
+__all__ = [
+    "CopyPair",
+    "coalesce",
+    "copy_pairs",
+    "memcopy",
+    "needs_inference_mode",
+    "touches_cuda",
+]
 
 #: One copy: ``(dst, src)`` means ``dst.copy_(src)``.
 CopyPair = tuple[torch.Tensor, torch.Tensor]
@@ -340,11 +352,11 @@ def copy_pairs(
     copies from pinned memory; no strided merges across devices).
     """
     merged = coalesce(pairs, strided=strided)
-    if _memcopy is not None and _host_memcpy_safe(merged):
+    if memcopy is not None and _host_memcpy_safe(merged):
         table = array.array("Q")
         for dst, src in merged:
             table.extend((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
-        _memcopy.copy_regions(table, torch.get_num_threads())
+        memcopy.copy_regions(table, torch.get_num_threads())
         return len(merged)
     mode = torch.inference_mode() if needs_inference_mode(merged) else contextlib.nullcontext()
     with mode:

@@ -403,7 +403,9 @@ class DiskTier(Tier):
         return memoryview(region)
 
     def _stage(self, parts: list[Any], total: int) -> memoryview:
-        """Copy ``parts`` into this thread's page-aligned buffer (O_DIRECT needs one)."""
+        """Copy ``parts`` into this thread's page-aligned buffer (O_DIRECT needs one);
+        counted in :meth:`stats` as ``staged_writes``."""
+        self._count("staged_writes")
         size = _round_up(total)
         view = self._buffer("staging", self._file_nbytes)
         offset = 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.config import StoreConfig, _apply_env
+from kvstore.config import StoreConfig, apply_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gen_config_reference.py"
@@ -102,17 +102,17 @@ def test_every_environment_variable_listed_sets_its_key(gen: Any) -> None:
             (name,) = names
             seen += 1
             if s.path == "" and row.name == "tiers":
-                data = _apply_env({}, {name: '[{"kind": "host"}]'}, "KVSTORE_", {})
+                data = apply_env({}, {name: '[{"kind": "host"}]'}, "KVSTORE_", {})
                 assert data["tiers"] == [{"kind": "host"}], name
             elif s.path == "":
-                data = _apply_env({}, {name: "7"}, "KVSTORE_", {})
+                data = apply_env({}, {name: "7"}, "KVSTORE_", {})
                 assert data[row.name] == "7", name
             elif s.path.startswith("tiers[]"):
                 kind = re.search(r"kind: (\w+)", s.path).group(1)  # type: ignore[union-attr]
-                data = _apply_env({"tiers": [{"kind": kind}]}, {name: "7"}, "KVSTORE_", {})
+                data = apply_env({"tiers": [{"kind": kind}]}, {name: "7"}, "KVSTORE_", {})
                 assert data["tiers"][0][row.name] == "7", name
             else:
-                data = _apply_env({}, {name: "7"}, "KVSTORE_", {})
+                data = apply_env({}, {name: "7"}, "KVSTORE_", {})
                 assert data[s.path][row.name] == "7", name
     assert seen > 60
 
@@ -143,6 +143,6 @@ def test_an_undocumented_field_fails_the_generator(gen: Any) -> None:
         hidden: int = 2
 
     missing: list[str] = []
-    rows = gen._rows(Documented, list(dataclasses.fields(Documented)), ("x",), missing)
+    rows = gen.field_rows(Documented, list(dataclasses.fields(Documented)), ("x",), missing)
     assert missing == ["Documented.hidden"]
     assert rows[0].description == "Described here." and rows[0].env == "`KVSTORE_X_KNOWN`"

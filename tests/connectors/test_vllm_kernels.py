@@ -34,7 +34,7 @@ from kvstore.connectors.vllm import (
     EngineGeometry,
     KVStoreConnector,
     KVStoreConnectorStats,
-    _scheduled,
+    scheduled_requests,
 )
 from kvstore.errors import ConfigError
 
@@ -121,7 +121,7 @@ def test_scheduler_output_translation() -> None:
     out = _Out([_Req("a", [4, 5], 128)], cached, {"a": 100, "b": 128, "c": 64, "d": 1})
     got = [
         (s.req_id, s.block_ids, s.replace_blocks, s.num_computed, s.num_scheduled)
-        for s in _scheduled(out)
+        for s in scheduled_requests(out)
     ]
     assert got == [
         ("a", ([4, 5],), True, 128, 100),
