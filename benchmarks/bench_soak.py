@@ -13,9 +13,13 @@ Prints one JSON line: ``minutes``, ``rss_growth``, ``pinned_growth``, ``fds_grow
 ``threads_growth``, ``slots_growth`` (also ``shared_growth``, ``index_growth``): last ÷
 first sample after ``--warmup-minutes`` - 1, the larger of the two processes';
 ``wrong_bytes`` (bytes of blocks read that differ from what was put), ``errors``
-(operations that raised), ``ops`` (per-operation counts) and ``samples``. Exit status 1
-when a target fails: growth ≤ ``--max-growth`` (0.02) for RSS and every count, no
-error, no wrong byte. Run: ``python benchmarks/bench_soak.py --minutes 60``.
+(operations that raised), the server's KV events (a view restarted at random moments
+against a fresh one once the load stops: ``events_phantom``, ``events_missed``,
+``events_wrong_medium``, ``events_unanswered``, ``events_blocks`` and the view's
+``events_view_*`` counters), ``ops`` (per-operation counts) and ``samples``. Exit
+status 1 when a target fails: growth ≤ ``--max-growth`` (0.02) for RSS and every count,
+no error, no wrong byte, no phantom, missed or wrong-medium block (and a fresh view that
+answered). Run: ``python benchmarks/bench_soak.py --minutes 60``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 from _common import environment, log
 
 from kvstore.testing.soak import GROWTH_FIELDS, SoakConfig, run_soak
+from kvstore.testing.soak_events import EVENT_FIELDS
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +65,7 @@ def failures(result: dict[str, Any], max_growth: float) -> list[str]:
         missed.append(f"wrong_bytes {result['wrong_bytes']}")
     if result["errors"]:
         missed.append(f"errors {result['errors']}")
+    missed.extend(f"{field} {result[field]}" for field in EVENT_FIELDS if result.get(field))
     return missed
 
 

@@ -1,7 +1,8 @@
 """The short form of the memory soak (``benchmarks/bench_soak.py``, issue 32): two
 minutes of mixed load at capacity on one store and one kvstore-server, sampled every
 few seconds. Memory gets a loose bound (a short run still sees allocator warm-up);
-counts must not move at all, and no byte may be wrong."""
+counts must not move at all, and no byte may be wrong. A subscriber of the server's KV
+events, restarted now and then, ends with exactly what the server holds."""
 
 from __future__ import annotations
 
@@ -55,3 +56,8 @@ def test_soak_short_keeps_memory_and_counts_flat() -> None:
         assert ops[f"ops.{op}"] > 0, op
     assert ops["store_restarts"] >= 1 and ops["clients_vanished"] >= 1
     assert ops["blocks_read.store.get"] > 0 and ops["blocks_read.client.get"] > 0
+    events = {k: v for k, v in result.items() if k.startswith("events_")}
+    for field in ("phantom", "missed", "wrong_medium", "unanswered"):
+        assert result[f"events_{field}"] == 0, events
+    assert result["events_blocks"] > 0 and ops["puts_with_tokens"] > 0, events
+    assert result["events_view_restarts"] >= 1, events

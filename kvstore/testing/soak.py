@@ -21,6 +21,12 @@ What runs (:mod:`kvstore.testing.soak_work` has the operations):
 Every block's bytes follow from its key, so every block read is checked
 (``wrong_bytes``). An operation that raises is an error (``errors``).
 
+The server publishes KV events; ``tokens_share`` of the clients' puts (and the canon
+blocks of each sample) tell it their tokens, so they are announced. A subscriber's view
+built from the events alone runs all along, restarted every ``view_restart_s`` on
+average; once the clients stop it must equal a fresh one (``events_phantom``,
+``events_missed``, ``events_wrong_medium``: :mod:`kvstore.testing.soak_events`).
+
 **A sample** (every ``interval_s``) stops every worker between two operations, waits
 for the leases of pins, loans, reservations and abandoned writes to end, then settles
 each store into one known state: everything deleted, then the same ``canon`` blocks
@@ -56,7 +62,9 @@ from kvstore.client import Client, ClientOptions
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.store import KVStore
+from kvstore.testing.chaos_events import chunk_tokens
 from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.testing.soak_events import EVENT_FIELDS, SoakEvents, server_events_config
 from kvstore.testing.soak_work import (
     LAYOUT,
     ClientWork,
@@ -103,6 +111,8 @@ class SoakConfig:
     restart_s: float = 45.0
     vanish_s: float = 20.0
     canon: int = 32
+    tokens_share: float = 0.5
+    view_restart_s: float = 10.0
 
 
 #: Below these, a figure's growth is taken against the floor (a figure of 0 that became
@@ -296,7 +306,10 @@ class _ServerSide:
         tiers = [dict(t) for t in TIERS]
         server_config = server_test_config(workdir / "server", tiers)
         server_config["lease_s"] = _LEASE_S
+        server_config["events"] = server_events_config(workdir / "server")
         self.server = KVStoreServerProcess(server_config, workdir / "server")
+        self.events = SoakEvents(server_config["events"], config.seed, config.view_restart_s)
+        self.event_figures: dict[str, int] = {}
         self.tally = Tally()
         self.gate = Gate()
         self.stop = threading.Event()
@@ -308,9 +321,10 @@ class _ServerSide:
 
     def start(self) -> None:
         self.server.start()
+        self.events.start()
         keys = Keys(f"{self.config.seed}:clients")
         for n in range(self.config.clients):
-            work = ClientWork(self.options(n % 2 == 0), keys, self.tally)
+            work = ClientWork(self.options(n % 2 == 0), keys, self.tally, self.config.tokens_share)
             rng = random.Random(f"{self.config.seed}:client:{n}")
             self.threads.append(
                 threading.Thread(
@@ -373,6 +387,7 @@ class _ServerSide:
                 for start in range(0, len(keys), 512):
                     control.delete(keys[start : start + 512])
                 canon = _canon_keys(self.config.seed, self.config.canon)
+                control.note_tokens(chunk_tokens(canon, 0, LAYOUT.block_tokens))  # announced
                 control.put(canon, [block_for(k) for k in canon])
                 stats = control.server_stats()
                 figures = _store_figures(stats["stores"][0])
@@ -391,9 +406,16 @@ class _ServerSide:
         return {**process, **figures, "busy": busy}
 
     def close(self) -> dict[str, object]:
+        """Stop the clients, check the events view (the server still up), stop the server."""
         self.stop.set()
         for thread in self.threads:
             thread.join()
+        try:
+            self.event_figures = self.events.finish()
+        except Exception as exc:  # the check could not run: an error of the soak
+            self.events.close()
+            self.tally.add("errors.events.check")
+            self.tally.note("errors.events.check", f"{type(exc).__name__}: {exc}")
         try:
             self.server.stop()
         except KVStoreError as exc:  # it hung: kill()ed by stop(); say so in the result
@@ -448,7 +470,7 @@ def run_soak(
             parent.send("stop")
             store_tally = parent.recv()
             store_proc.join(60)
-    return summarize(config, samples, [store_tally, client_tally])
+    return summarize(config, samples, [store_tally, client_tally], server.event_figures)
 
 
 def _brief(row: dict[str, Any]) -> str:
@@ -463,18 +485,28 @@ def _brief(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def summarize(
-    config: SoakConfig, samples: list[dict[str, Any]], tallies: list[Any]
-) -> dict[str, Any]:
-    """The soak's JSON: growth fields, errors, wrong bytes, operation counts, samples."""
-    whole = [s for s in samples if s["store"] and s["server"]]
-    measured = [s for s in whole if s["t"] >= config.warmup_minutes * 60 - 1]
+def _merged(tallies: list[Any]) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """The counts of ``tallies`` (:meth:`Tally.snapshot`) summed, and their examples."""
     counts: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
     for tally in tallies:
         for name, n in tally["counts"].items():
             counts[name] = counts.get(name, 0) + n
         examples.update(tally["examples"])
+    return counts, examples
+
+
+def summarize(
+    config: SoakConfig,
+    samples: list[dict[str, Any]],
+    tallies: list[Any],
+    events: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """The soak's JSON: growth fields, errors, wrong bytes, the events check
+    (:mod:`kvstore.testing.soak_events`), operation counts, samples."""
+    whole = [s for s in samples if s["store"] and s["server"]]
+    measured = [s for s in whole if s["t"] >= config.warmup_minutes * 60 - 1]
+    counts, examples = _merged(tallies)
     errors = sum(n for name, n in counts.items() if name.startswith(("errors.", "unexpected.")))
     errors += len(samples) - len(whole)
     result: dict[str, Any] = {"minutes": config.minutes, "warmup_minutes": config.warmup_minutes}
@@ -496,6 +528,8 @@ def summarize(
                 last[s].get("slots_unbacked", 0) for s in ("store", "server")
             ),
             "leases_live_last": max(last[s].get("leases_live", 0) for s in ("store", "server")),
+            **dict.fromkeys(("events_blocks", *EVENT_FIELDS), 0),
+            **(events or {}),
             "growth_by_process": by_process,
             "pinned_note": ""
             if any(s["store"].get("pinned") for s in measured)

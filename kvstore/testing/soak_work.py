@@ -26,6 +26,7 @@ from kvstore.errors import BlockNotFoundError, CapacityError, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
+from kvstore.testing.chaos_events import chunk_tokens
 
 __all__ = [
     "LAYOUT",
@@ -330,12 +331,17 @@ class StoreWork:
 
 
 class ClientWork:
-    """Mixed operations of one kvstore-server client (its own connections)."""
+    """Mixed operations of one kvstore-server client (its own connections); a share
+    ``tokens`` of its puts first tell the server their chunks' (made-up) tokens, so the
+    server's KV events announce those chunks."""
 
-    def __init__(self, options: ClientOptions, keys: Keys, tally: Tally) -> None:
+    def __init__(
+        self, options: ClientOptions, keys: Keys, tally: Tally, tokens: float = 0.0
+    ) -> None:
         self.client = Client(LAYOUT, options)
         self.keys = keys
         self.tally = tally
+        self.tokens = tokens
         self.ops: dict[str, tuple[Op, float]] = {
             "put": (self._put, 3.0),
             "get": (self._get, 3.0),
@@ -354,6 +360,9 @@ class ClientWork:
 
     def _put(self, rng: random.Random) -> None:
         keys = self.keys.new(rng.randint(1, 8))
+        if self.tokens and rng.random() < self.tokens:
+            self.client.note_tokens(chunk_tokens(keys, rng.randrange(1 << 24), LAYOUT.block_tokens))
+            self.tally.add("puts_with_tokens")
         ok = self.client.put(keys, [block_for(k) for k in keys])
         if all(ok):
             self.keys.stored(keys)
