@@ -36,7 +36,7 @@ from kvstore.keys import (
 )
 from kvstore.layout import KVLayout
 from kvstore.lifetimes import close_at_exit, forget
-from kvstore.memory import cuda_available
+from kvstore.memory import cuda_available, trim_heap
 from kvstore.opening import open_tiers
 from kvstore.restore import RestorePlan, restore_request
 from kvstore.tiers.base import Tier
@@ -568,6 +568,7 @@ class KVStore:
                 events.close()
         finally:
             self._manager.close()
+            trim_heap()  # what this store's threads freed goes back to the OS
 
     @property
     def closed(self) -> bool:
