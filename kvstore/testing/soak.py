@@ -405,12 +405,25 @@ class _ServerSide:
             process = steady_figures(pid)  # still paused: the clients' sockets hold still
         return {**process, **figures, "busy": busy}
 
+    def _announce_canon(self) -> None:
+        """Put the canon blocks again, their tokens told: what the clients did after the
+        last sample may have evicted every announced block, and a check of a view with
+        nothing in it would prove nothing (``events_blocks`` 0 in a loaded CI run)."""
+        control = Client(LAYOUT, self.options(False))
+        try:
+            canon = _canon_keys(self.config.seed, self.config.canon)
+            control.note_tokens(chunk_tokens(canon, 0, LAYOUT.block_tokens))
+            control.put(canon, [block_for(k) for k in canon])
+        finally:
+            control.close()
+
     def close(self) -> dict[str, object]:
         """Stop the clients, check the events view (the server still up), stop the server."""
         self.stop.set()
         for thread in self.threads:
             thread.join()
         try:
+            self._announce_canon()
             self.event_figures = self.events.finish()
         except Exception as exc:  # the check could not run: an error of the soak
             self.events.close()
