@@ -9,9 +9,21 @@ import threading
 from kvstore.connectors.settings import Counters
 from kvstore.store import KVStore
 
-__all__ = ["Flusher"]
+__all__ = ["Flusher", "flush_counted"]
 
 log = logging.getLogger(__name__)
+
+
+def flush_counted(store: KVStore, counters: Counters, what: str) -> None:
+    """``store.flush()``, timed and counted in ``counters`` (``flushed_blocks``,
+    ``flush_seconds``); a failure is logged as ``what`` and counted (``flush_errors``),
+    never raised: a failed flush must not stop the engine."""
+    try:
+        with counters.timed("flush_seconds"):
+            counters.add("flushed_blocks", store.flush())
+    except Exception:
+        log.exception("kvstore: %s failed", what)
+        counters.add("flush_errors")
 
 
 class Flusher:
@@ -35,12 +47,7 @@ class Flusher:
             self._wanted.clear()
             if self._stopping:
                 return
-            try:
-                with self._counters.timed("flush_seconds"):
-                    self._counters.add("flushed_blocks", self._store.flush())
-            except Exception:
-                log.exception("kvstore: background flush failed")
-                self._counters.add("flush_errors")
+            flush_counted(self._store, self._counters, "background flush")
 
     def stop(self) -> None:
         """Finish the flush in progress and end the thread."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.connectors.flusher import Flusher
+from kvstore.connectors.flusher import Flusher, flush_counted
 from kvstore.connectors.paged import LayerGroups, PagedKV
 from kvstore.connectors.plan import TransferSpec
 from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Counters
@@ -529,12 +529,7 @@ class TransferWorker:
     def _persist(self) -> None:
         """Make new blocks visible to other processes (the scheduler's store) per the policy."""
         if self.flush == "step":
-            try:
-                with self.counters.timed("flush_seconds"):
-                    self.counters.add("flushed_blocks", self.store.flush())
-            except Exception:
-                log.exception("kvstore: flush failed")
-                self.counters.add("flush_errors")
+            flush_counted(self.store, self.counters, "flush")
         elif self._flusher is not None:
             self._flusher.request()
 
@@ -543,10 +538,5 @@ class TransferWorker:
         self.finish_load()
         if self._flusher is not None:
             self._flusher.stop()
-        try:  # what close() would flush anyway, counted
-            with self.counters.timed("flush_seconds"):
-                self.counters.add("flushed_blocks", self.store.flush())
-        except Exception:
-            log.exception("kvstore: flush at shutdown failed")
-            self.counters.add("flush_errors")
+        flush_counted(self.store, self.counters, "flush at shutdown")  # close() would anyway
         self.store.close()
