@@ -286,35 +286,61 @@ async def get(conn: Session, frame: Frame, meta: bytes) -> None:
     shared = bool(frame.flags & Flag.SHM) and hosted.segment is not None
     if len(conn.loans) >= conn.ctx.server.max_inflight_requests:
         shared = False  # this client holds enough loans already: send bytes instead
-    loan = await conn.run(hosted.store.lend, keys)
+    # The budget first, for every block as if inline (the excess goes back at once):
+    # lending and reading are then one worker call, so a loan never waits for a
+    # worker while it pins blocks -- workers may all be in deletes waiting for exactly
+    # those pins to drop, a stall until the lease ends.
+    held = len(keys) * wire_nbytes(layout, layers)
+    await _acquire(conn, held)
+    staged: list[torch.Tensor] = []
+    loan: Loan | None = None
     kept = False
+    try:
+        lent, slots, parts = await conn.run(
+            _lend_and_read, conn.ctx.staging, hosted, (keys, layers, shared), staged
+        )
+        loan = lent
+        inline = [i for i, (s, _) in enumerate(slots) if s == SlotStatus.INLINE]
+        nbytes = len(inline) * wire_nbytes(layout, layers)
+        await conn.ctx.budget.release(held - nbytes)
+        held = nbytes
+        lease = 0
+        if any(s == SlotStatus.SHM for s, _ in slots):
+            lease = next(conn.ids)
+            conn.loans[lease] = lent
+            kept = True
+        payload = [p for i in inline for p in parts[i]]
+        await conn.reply(frame, encode_get_reply(lease, slots), payload)
+        conn.ctx.metrics.add("blocks_served", sum(1 for s, _ in slots if s != SlotStatus.MISS))
+    finally:
+        conn.ctx.staging.give(layout, staged)
+        await conn.ctx.budget.release(held)
+        if loan is not None and not kept:
+            loan.release()  # on the loop: see release()
+
+
+def _lend_and_read(
+    staging: StagingPool,
+    hosted: HostedStore,
+    request: tuple[list[BlockKey], tuple[int, int] | None, bool],
+    staged: list[torch.Tensor],
+) -> tuple[Loan, list[tuple[int, int]], dict[int, list[Buffer]]]:
+    """On a worker thread: lend ``request``'s keys (and its layers; shared memory or
+    not), then read the blocks to send inline (see :func:`_inline_parts`). Returns the
+    loan, each key's slot (INLINE ones that failed to read marked MISS) and the parts."""
+    keys, layers, shared = request
+    loan = hosted.store.lend(keys)
     try:
         slots = _slots(loan, hosted.segment if shared else None, layers)
         inline = [i for i, (s, _) in enumerate(slots) if s == SlotStatus.INLINE]
-        nbytes = len(inline) * wire_nbytes(layout, layers)
-        await _acquire(conn, nbytes)
-        staged: list[torch.Tensor] = []
-        try:
-            parts = await conn.run(
-                _inline_parts, conn.ctx.staging, hosted.headers, loan, (inline, layers), staged
-            )
-            for i in inline:
-                if i not in parts:
-                    slots[i] = (SlotStatus.MISS, 0)
-            lease = 0
-            if any(s == SlotStatus.SHM for s, _ in slots):
-                lease = next(conn.ids)
-                conn.loans[lease] = loan
-                kept = True
-            payload = [p for i in inline if i in parts for p in parts[i]]
-            await conn.reply(frame, encode_get_reply(lease, slots), payload)
-        finally:
-            conn.ctx.staging.give(layout, staged)
-            await conn.ctx.budget.release(nbytes)
-        conn.ctx.metrics.add("blocks_served", sum(1 for s, _ in slots if s != SlotStatus.MISS))
-    finally:
-        if not kept:
-            loan.release()  # on the loop: see release()
+        parts = _inline_parts(staging, hosted.headers, loan, (inline, layers), staged)
+    except BaseException:
+        loan.release()
+        raise
+    for i in inline:
+        if i not in parts:
+            slots[i] = (SlotStatus.MISS, 0)
+    return loan, slots, parts
 
 
 def _slots(

@@ -152,6 +152,50 @@ def test_many_clients_at_once_byte_exact(kv_server: Start, shared: bool) -> None
     assert manager.pinned_blocks() == 0  # every loan and reservation ended
 
 
+def test_deletes_of_lent_blocks_never_stall_the_gets_that_lent_them(kv_server: Start) -> None:
+    """One worker thread, gets, puts and deletes of the same few blocks: a delete waits
+    on a worker for the blocks' readers, so a get must never wait for a worker while it
+    holds them lent (it did: every such delete stalled the server until the lease
+    ended, 30 s)."""
+    server = kv_server(tiers=[{"kind": "host", "capacity": 48 * LAYOUT.block_nbytes}], threads=1)
+    keys = make_keys(16, salt=6)
+    truth = dict(zip(keys, blocks_of(LAYOUT, 16, seed=6), strict=True))
+    errors: list[str] = []
+    slowest = [0.0]
+
+    def run_client(seed: int) -> None:
+        rng = random.Random(seed)
+        with Client(LAYOUT, ClientOptions(server.address, timeout=10)) as c:
+            for _ in range(80):
+                pick = rng.sample(keys, rng.randint(1, 4))
+                op, started = rng.random(), time.monotonic()
+                if op < 0.4:
+                    c.put(pick, [truth[k] for k in pick])
+                elif op < 0.8:
+                    outs = empty(LAYOUT, len(pick))
+                    for k, ok, out in zip(pick, c.get(pick, outs), outs, strict=True):
+                        if ok and not torch.equal(out, truth[k]):
+                            errors.append(f"client {seed}: wrong bytes for {k.hex()}")
+                else:
+                    c.delete(pick[:1])
+                slowest[0] = max(slowest[0], time.monotonic() - started)
+
+    def work(seed: int) -> None:
+        try:
+            run_client(seed)
+        except Exception as exc:
+            errors.append(f"client {seed}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert not any(t.is_alive() for t in threads)
+    assert slowest[0] < 8.0  # far below the 30 s lease a stall lasted (seconds on a busy CI)
+
+
 _PEER = """
 import sys, torch
 from kvstore.client import Client, ClientOptions
