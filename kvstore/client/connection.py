@@ -187,6 +187,14 @@ class Connection:
         offered = self.opened.get("shared_memory")
         return str(offered.get("id")) if isinstance(offered, dict) else None
 
+    @property
+    def loan_s(self) -> float | None:
+        """How long the server keeps a GET's shared-memory slots lent (None: not said).
+        A slot copied out after that may already hold another block."""
+        offered = self.opened.get("shared_memory")
+        loan = offered.get("loan_s") if isinstance(offered, dict) else None
+        return float(loan) if isinstance(loan, int | float) and loan > 0 else None
+
     def recv_scatter(self, views: list[memoryview]) -> None:
         """Fill each of ``views`` in order, with as few reads as the socket allows
         (``recvmsg_into`` of up to 1024 buffers; one buffer at a time over TLS)."""

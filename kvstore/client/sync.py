@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -115,6 +116,7 @@ class Client:
             "shm_blocks": 0,
             "socket_blocks": 0,
             "corrupt_retries": 0,
+            "shm_late": 0,  # blocks copied out of shared memory too late to trust
         }
 
     # -- connections ------------------------------------------------------------
@@ -360,6 +362,7 @@ class Client:
         layers: tuple[int, int] | None,
     ) -> list[bool | None]:
         flags = Flag.SHM if conn.shm is not None else 0
+        asked = time.monotonic()  # the loan starts after this: a bound on its age
         rid = conn.send(Op.GET, encode_get_request(keys, layers), (), flags)
         frame, meta = conn.reply(rid, Op.GET)
         lease, slots = decode_get_reply(meta, len(keys))
@@ -381,11 +384,22 @@ class Client:
                 pairs.append((out, slot_tensor(conn.shm, self.layout, offset, out.shape, span)))
                 done[i] = True
         try:
+            engine_for("cpu").copy_all(pairs)  # first: the loan is ticking
+            if pairs and not _within_loan(conn.loan_s, asked):
+                self.stats["shm_late"] += len(pairs)
+                log.warning(
+                    "kvstore client: %d blocks copied out of shared memory after their "
+                    "loan (%.3g s) may have ended; asked again",
+                    len(pairs),
+                    conn.loan_s,
+                )
+                for i, (status, _) in enumerate(slots):
+                    if status == SlotStatus.SHM:
+                        done[i] = None  # as if damaged: get() asks once more
             for i, ok in zip(
                 arriving, receive(conn, self.layout, keys, outs, arriving, layers), strict=True
             ):
                 done[i] = ok
-            engine_for("cpu").copy_all(pairs)
         finally:
             if lease:
                 conn.send(Op.RELEASE, encode_u64(lease), (), Flag.NO_REPLY)
@@ -520,6 +534,16 @@ class Client:
 
 
 _HELD = (SlotStatus.STORED, SlotStatus.PRESENT)
+#: The share of a loan a copy out of shared memory may take: the rest covers clock
+#: steps and the server's own expiry rounding.
+_LOAN_SHARE = 0.9
+
+
+def _within_loan(loan_s: float | None, asked: float) -> bool:
+    """Whether blocks lent at or after ``asked`` (monotonic) and copied out by now were
+    surely still lent: a server that keeps them ``loan_s`` may give an expired slot to
+    another block at once. Same host (shared memory), so one monotonic clock."""
+    return loan_s is None or time.monotonic() - asked < loan_s * _LOAN_SHARE
 
 
 def _note_tokens(conn: Connection, tokens: ChunkTokens) -> bytes:

@@ -427,7 +427,13 @@ class Connection:
         shared = None
         writes = self.credential is None or self.credential.may("write")
         if hosted.segment is not None and writes:  # a mapping is writable: not for readers
-            shared = {"id": hosted.segment_id, "nbytes": hosted.segment.nbytes}
+            # loan_s: how long a GET's loan of shared memory lasts; a client that copies
+            # out later may read a slot already given to another block, so it checks.
+            shared = {
+                "id": hosted.segment_id,
+                "nbytes": hosted.segment.nbytes,
+                "loan_s": hosted.store.config.lease_s,
+            }
         reply = {
             "capacity_blocks": max(t.capacity_blocks for t in hosted.store.datapath.tiers),
             "shared_memory": shared,
