@@ -13,10 +13,11 @@ that tier I/O never runs under the books' lock. The owners of the data path
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -80,6 +81,8 @@ class TierIO:
         if self.speeds and len(self.speeds) != len(self.tiers):
             raise ValueError("one ReadSpeed per tier")
         self._reads = [(0.0, 0.0, 0) for _ in self.tiers]  # bytes, seconds, calls
+        # Per thread: inside unobserved(), reads feed no speed and no read totals.
+        self._quiet = threading.local()
 
     # -- what the tiers are -------------------------------------------------------
     def mask(self, test: Callable[[Tier], bool]) -> int:
@@ -137,6 +140,8 @@ class TierIO:
         if layers is not None:
             nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
         self._books.count(bytes_read=sum(ok) * nbytes, read_seconds=elapsed)
+        if getattr(self._quiet, "on", False):
+            return ok  # timed by the caller (unobserved())
         if self.speeds:
             self.speeds[level].observe(sum(ok) * nbytes, elapsed)
         if any(ok):
@@ -144,6 +149,21 @@ class TierIO:
                 b, sec, calls = self._reads[level]
                 self._reads[level] = (b + sum(ok) * nbytes, sec + elapsed, calls + 1)
         return ok
+
+    @contextlib.contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """Reads this thread makes inside feed no tier's speed and no read totals: their
+        caller times them itself and keeps only what it trusts (:meth:`observe`)."""
+        self._quiet.on = True
+        try:
+            yield
+        finally:
+            self._quiet.on = False
+
+    def observe(self, level: int, nbytes: float, seconds: float) -> None:
+        """Feed one read call timed elsewhere into tier ``level``'s speed."""
+        if self.speeds:
+            self.speeds[level].observe(nbytes, seconds)
 
     def tier_ids(self) -> list[str]:
         """Each tier as ``kind:n`` (its kind, and how many tiers of that kind come before
