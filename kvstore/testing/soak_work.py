@@ -356,6 +356,9 @@ class ClientWork:
         try:
             _run_ops("client", self.ops, gate, stop, rng, self.tally)
         finally:
+            # Copies out of shared memory that outlasted their loan (asked again): a
+            # starved client; each would have been another block's bytes without it.
+            self.tally.add("client.shm_late", self.client.stats["shm_late"])
             self.client.close()
 
     def _put(self, rng: random.Random) -> None:
