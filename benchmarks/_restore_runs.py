@@ -45,7 +45,12 @@ DEFINITIONS = {
     "ttft_nocache_ms": "median over prompts of each prompt's median TTFT, no connector",
     "ratios": "median over prompts of (the prompt's median TTFT / its nocache TTFT)",
     "slow_unplanned_vs_nocache": "S3 over the slow link, planning off: every chunk loaded",
-    "slow_planned_vs_nocache": "S3 over the slow link, planning on, table and S3 speed declared",
+    "slow_planned_vs_nocache": (
+        "S3 over the slow link, planning on, table and S3 speed declared; its process's first "
+        "repetition against nocache's first (slow_planned_undeclared too; the second request "
+        "against nocache's second)"
+    ),
+    "slow_planned_vs_nocache_all_reps": "the same against every nocache repetition",
     "slow_second_request_vs_nocache": (
         "the same prompts again, later in the slow_planned process (after the warming)"
     ),
