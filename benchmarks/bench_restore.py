@@ -386,13 +386,15 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
     # repetition at the same place in its life.
     nocache_at = {}
     if "nocache" in res:
-        nocache_at = {r: summarize(res["nocache"], [r]) for r in (0, 1)}
+        reps = len(res["nocache"]["repetitions"])
+        nocache_at = {r: summarize(res["nocache"], [r]) for r in (0, 1) if r < reps}
 
     def vs(name: str, base: str = "nocache") -> float | None:
         return versus(conf.get(name), conf.get(base))
 
     def vs_rep(name: str, rep: int) -> float | None:
-        return versus(conf.get(name), nocache_at.get(rep))
+        """Against nocache's repetition ``rep`` (every repetition where it ran fewer)."""
+        return versus(conf.get(name), nocache_at.get(rep, conf.get("nocache")))
 
     ratios = {
         "slow_unplanned_vs_nocache": vs("slow_unplanned"),
