@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -102,6 +103,57 @@ def test_durable_put_is_on_disk_when_acknowledged(kv_server: Start) -> None:
     assert disk.contains(keys) == [True] * 3
 
 
+@dataclass
+class _Mix:
+    """Many clients at once, each a run of random puts, gets, lookups and deletes over one
+    key space (``mix``: the shares below which an op is a put, a get, a lookup; above, a
+    delete); every block read must be the one its key was written with."""
+
+    server: ServerThread
+    truth: dict[bytes, torch.Tensor]
+    shared: bool = False
+    ops: int = 25
+    most: int = 6  # keys an op names at most
+    mix: tuple[float, float, float] = (0.4, 0.85, 0.95)
+    errors: list[str] = field(default_factory=list)
+    slowest: float = 0.0  # the longest op, seconds
+
+    def run(self, clients: int) -> None:
+        threads = [threading.Thread(target=self._work, args=(s,)) for s in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert self.errors == []
+        assert not any(t.is_alive() for t in threads)
+
+    def _work(self, seed: int) -> None:
+        try:
+            self._client(seed)
+        except Exception as exc:
+            self.errors.append(f"client {seed}: {exc!r}")
+
+    def _client(self, seed: int) -> None:
+        rng, keys = random.Random(seed), list(self.truth)
+        options = ClientOptions(self.server.address, shared_memory=self.shared, timeout=10)
+        with Client(LAYOUT, options) as c:
+            for _ in range(self.ops):
+                pick = rng.sample(keys, rng.randint(1, self.most))
+                op, started = rng.random(), time.monotonic()
+                if op < self.mix[0]:
+                    c.put(pick, [self.truth[k] for k in pick])
+                elif op < self.mix[1]:
+                    outs = empty(LAYOUT, len(pick))
+                    for k, ok, out in zip(pick, c.get(pick, outs), outs, strict=True):
+                        if ok and not torch.equal(out, self.truth[k]):
+                            self.errors.append(f"client {seed}: wrong bytes for {k.hex()}")
+                elif op < self.mix[2]:
+                    c.lookup(pick)
+                else:
+                    c.delete(pick[:1])
+                self.slowest = max(self.slowest, time.monotonic() - started)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_many_clients_at_once_byte_exact(kv_server: Start, shared: bool) -> None:
     """32 clients, random put / get / lookup / delete over a shared key space; every
@@ -110,41 +162,7 @@ def test_many_clients_at_once_byte_exact(kv_server: Start, shared: bool) -> None
     # for a worker behind evictions waiting for that release would stall everyone.
     server = kv_server(tiers=[{"kind": "host", "capacity": 48 * LAYOUT.block_nbytes}], threads=2)
     keys = make_keys(64, salt=5)
-    truth = dict(zip(keys, blocks_of(LAYOUT, 64, seed=5), strict=True))
-    errors: list[str] = []
-
-    def work(seed: int) -> None:
-        try:
-            run_client(seed)
-        except Exception as exc:
-            errors.append(f"client {seed}: {exc!r}")
-
-    def run_client(seed: int) -> None:
-        rng = random.Random(seed)
-        options = ClientOptions(server.address, shared_memory=shared, timeout=10)
-        with Client(LAYOUT, options) as c:
-            for _ in range(25):
-                pick = rng.sample(keys, rng.randint(1, 6))
-                op = rng.random()
-                if op < 0.4:
-                    c.put(pick, [truth[k] for k in pick])
-                elif op < 0.85:
-                    outs = empty(LAYOUT, len(pick))
-                    for k, ok, out in zip(pick, c.get(pick, outs), outs, strict=True):
-                        if ok and not torch.equal(out, truth[k]):
-                            errors.append(f"client {seed}: wrong bytes for {k.hex()}")
-                elif op < 0.95:
-                    c.lookup(pick)
-                else:
-                    c.delete(pick[:1])
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert errors == []
-    assert not any(t.is_alive() for t in threads)
+    _Mix(server, dict(zip(keys, blocks_of(LAYOUT, 64, seed=5), strict=True)), shared).run(32)
     manager = server.server.registry.hosted()[0].store.datapath
     deadline = time.monotonic() + 10  # the server ends loans as it sees the clients leave
     while manager.pinned_blocks() and time.monotonic() < deadline:
@@ -160,40 +178,9 @@ def test_deletes_of_lent_blocks_never_stall_the_gets_that_lent_them(kv_server: S
     server = kv_server(tiers=[{"kind": "host", "capacity": 48 * LAYOUT.block_nbytes}], threads=1)
     keys = make_keys(16, salt=6)
     truth = dict(zip(keys, blocks_of(LAYOUT, 16, seed=6), strict=True))
-    errors: list[str] = []
-    slowest = [0.0]
-
-    def run_client(seed: int) -> None:
-        rng = random.Random(seed)
-        with Client(LAYOUT, ClientOptions(server.address, timeout=10)) as c:
-            for _ in range(80):
-                pick = rng.sample(keys, rng.randint(1, 4))
-                op, started = rng.random(), time.monotonic()
-                if op < 0.4:
-                    c.put(pick, [truth[k] for k in pick])
-                elif op < 0.8:
-                    outs = empty(LAYOUT, len(pick))
-                    for k, ok, out in zip(pick, c.get(pick, outs), outs, strict=True):
-                        if ok and not torch.equal(out, truth[k]):
-                            errors.append(f"client {seed}: wrong bytes for {k.hex()}")
-                else:
-                    c.delete(pick[:1])
-                slowest[0] = max(slowest[0], time.monotonic() - started)
-
-    def work(seed: int) -> None:
-        try:
-            run_client(seed)
-        except Exception as exc:
-            errors.append(f"client {seed}: {exc!r}")
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert errors == []
-    assert not any(t.is_alive() for t in threads)
-    assert slowest[0] < 8.0  # far below the 30 s lease a stall lasted (seconds on a busy CI)
+    mix = _Mix(server, truth, ops=80, most=4, mix=(0.4, 0.8, 0.8))
+    mix.run(12)
+    assert mix.slowest < 8.0  # far below the 30 s lease a stall lasted (seconds on a busy CI)
 
 
 _PEER = """
