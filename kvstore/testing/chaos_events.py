@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,15 +99,34 @@ class EventWatch:
         """Each running node's long-lived view against a fresh one (its snapshot):
         phantom, missed and wrong-medium blocks summed, and the views' counters."""
         out: dict[str, Any] = {"phantom": 0, "missed": 0, "wrong_medium": 0, "blocks": 0}
+        examples: list[str] = []
         for name in running:
+            live = self.views[name]
             with EventView(*self.endpoints[name]) as fresh:
-                diff = _settled(self.views[name], fresh, timeout)
+                diff = _settled(live, fresh, timeout)
+                if any(diff.get(k) for k in ("phantom", "missed", "wrong_medium")):
+                    examples.append(_example(name, live.view(), fresh.view()))
             for what, n in diff.items():
                 out[what] = out.get(what, 0) + n
+        if examples:  # what the next chase of a divergence starts from
+            out["examples"] = examples
         for view in self.views.values():
             for what, n in view.stats().items():
                 out[f"view_{what}"] = out.get(f"view_{what}", 0) + n
         return out
+
+
+def _example(name: str, live: dict[int | bytes, str], fresh: dict[int | bytes, str]) -> str:
+    """One node's divergence in a line: how many of each kind, and the media involved
+    (a phantom's medium in the long-lived view; a missed block's in the fresh one)."""
+    diff = compare(live, fresh)
+    phantom = Counter(live[h] for h in diff.phantom)
+    missed = Counter(fresh[h] for h in diff.missed)
+    wrong = Counter(f"{live[h]}->{fresh[h]}" for h in diff.wrong_medium)
+    return (
+        f"node {name}: phantom {dict(phantom)}, missed {dict(missed)}, "
+        f"wrong medium {dict(wrong)} (view {len(live)} blocks, fresh {len(fresh)})"
+    )
 
 
 def _settled(live: EventView, fresh: EventView, timeout: float) -> dict[str, int]:

@@ -60,7 +60,7 @@ class SoakEvents:
         self._thread.start()
         return self
 
-    def finish(self, timeout: float = 30.0) -> dict[str, int]:
+    def finish(self, timeout: float = 30.0) -> dict[str, Any]:
         """Stop the restarts, wait one heartbeat, compare the long-lived view with a
         fresh one; the soak's ``events_*`` figures (the view counters included).
         Call it once the load has stopped and while the server still runs."""
@@ -72,8 +72,10 @@ class SoakEvents:
             found = self.watch.check([_NAME], timeout)
         finally:
             self.watch.close()
-        out = dict.fromkeys(EVENT_FIELDS, 0)
-        out.update({f"events_{what}": int(n) for what, n in found.items()})
+        out: dict[str, Any] = dict.fromkeys(EVENT_FIELDS, 0)
+        out.update({f"events_{what}": int(n) for what, n in found.items() if what != "examples"})
+        if "examples" in found:
+            out["events_examples"] = found["examples"]
         return out
 
     def close(self) -> None:
