@@ -32,9 +32,10 @@ What kvstore adds:
   ``first_seq``, replaying it is the whole story), is answered first with a
   full *snapshot*: ``AllBlocksCleared`` then a
   ``BlockStored`` for every block held, from the sources registered with
-  :meth:`EventPublisher.add_source`, in batches labelled with the sequence
-  just before the oldest buffered one; then the buffered batches, then the end
-  marker. Applying the buffered batches after the snapshot is safe: each is
+  :meth:`EventPublisher.add_source`, in one batch labelled with the sequence
+  just before the oldest buffered one (one batch: subscribers drop a second
+  batch of a sequence number they applied); then the buffered batches, then the
+  end marker. Applying the buffered batches after the snapshot is safe: each is
   idempotent against the state the snapshot shows, and the last event of a
   block in the buffer agrees with it. :meth:`EventPublisher.publish_snapshot`
   sends the same snapshot as ordinary live batches.
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 
 #: The sequence frame of the replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: Events per batch of a snapshot.
+#: Events per batch of a snapshot published live (each batch its own sequence number).
 SNAPSHOT_BATCH_EVENTS = 512
 #: A callable listing the events that announce everything a store holds now.
 Source = Callable[[], Iterable[Event]]
@@ -336,10 +337,13 @@ class EventPublisher:
         buffered = list(self._buffer)
         self._counts["replays"] += 1
         if buffered and start < buffered[0][0] and buffered[0][0] != self.first_seq:
+            # One batch, however large: it has one sequence number (just before the
+            # buffer), and a subscriber drops a second batch of the same number as
+            # stale, so chunks past the first were lost (every block past the 512th).
             label = (buffered[0][0] - 1).to_bytes(8, "big")
-            for batch in _chunks(self._snapshot_events(), SNAPSHOT_BATCH_EVENTS):
-                payload = encode_batch(time.time(), batch, self.config.data_parallel_rank)
-                self._replay.send_multipart((client, b"", self._topic, label, payload))
+            events = self._snapshot_events()
+            payload = encode_batch(time.time(), events, self.config.data_parallel_rank)
+            self._replay.send_multipart((client, b"", self._topic, label, payload))
         for seq, payload in buffered:
             if seq >= start:
                 self._replay.send_multipart(
