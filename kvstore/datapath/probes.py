@@ -74,7 +74,6 @@ class SpeedProbes:
         self.restore = restore
         self.books: Books = reader.books
         self.io: TierIO = reader.io
-        self.tried = 0  # probes the process was too busy for (tried again later)
 
     def probe(self, key: BlockKey) -> bool:
         """Read ``key`` into scratch memory in the background, refreshing its tier's read
@@ -95,7 +94,6 @@ class SpeedProbes:
                 for nbytes, seconds in samples:
                     self.io.observe(where[0], nbytes, seconds)
             return
-        self.tried += 1
         if tries > 1:
             when = time.monotonic() + PROBE_RETRY_S
             self.mover.submit_later(
