@@ -111,7 +111,9 @@ class BlockManager:
         self.writer = Writer(self.books, self.io)
         self.migrations = Migrations(self.books, self.io, self.writer, self.mover)
         self.layer_writes = LayerWrites(self.books, self.io, self.writer, lease_s)
-        self.prefetcher = Prefetcher(self.reader, self.copies, self.config.prefetch, lease_s)
+        self.prefetcher = Prefetcher(
+            self.reader, self.copies, self.config.prefetch, lease_s, self.migrations.promote_later
+        )
         self.lender = Lender(self.reader, self.layer_writes, self.migrations.schedule, lease_s)
         #: Background reads that measure tiers' read speeds for restore planning.
         self.probes = SpeedProbes(layout, self.reader, self.mover, self.config.restore)

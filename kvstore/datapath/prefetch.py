@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,6 +42,7 @@ from kvstore.copies.runs import BlockRun, block_runs
 from kvstore.datapath import contracts
 from kvstore.datapath.books import Books
 from kvstore.datapath.contracts import Step
+from kvstore.datapath.index import Entry
 from kvstore.datapath.leases import Lease
 from kvstore.datapath.reader import Reader
 from kvstore.datapath.tierio import TierIO
@@ -54,6 +55,9 @@ __all__ = ["PrefetchHandle", "Prefetcher", "Step"]
 log = logging.getLogger(__name__)
 
 LANE = "prefetch"
+
+#: ``loaded(keys, entries)``: the blocks a prefetch loaded, with their index entries.
+Loaded = Callable[[Sequence[BlockKey], Sequence[Entry]], None]
 
 
 class PrefetchHandle(contracts.PrefetchHandle):
@@ -231,11 +235,19 @@ class Prefetcher:
     ``prefetch`` lane (the destination's CUDA engine for a GPU destination)."""
 
     def __init__(
-        self, reader: Reader, copies: CopyEngine, config: PrefetchConfig, lease_s: float
+        self,
+        reader: Reader,
+        copies: CopyEngine,
+        config: PrefetchConfig,
+        lease_s: float,
+        loaded: Loaded | None = None,
     ) -> None:
         # The books and tier calls are the reader's: a prefetch pins and reads through
         # the same pieces as a get (and a loan).
         self.reader = reader
+        #: Told the keys and entries of each prefetch's loaded blocks (the manager
+        #: promotes those read from slow tiers, as after a get).
+        self.loaded = loaded
         self.books: Books = reader.books
         self.io: TierIO = reader.io
         self.copies = copies
@@ -295,9 +307,22 @@ class Prefetcher:
                 event.wait()
             load.staging.clear()
             self.books.leases.release(load.lease)
+            self._tell_loaded(load, complete)  # before the handle ends: a drain sees it
             load.handle._finish(complete)
             with self._lock:
                 self._live.discard(load.handle)
+
+    def _tell_loaded(self, load: _Load, complete: bool) -> None:
+        """Hand the loaded blocks to :attr:`loaded` (every valid block of a load that ran
+        to its end; a layer-order load's blocks count only then); a failure there is
+        logged, never the prefetch's."""
+        ready = load.handle.valid_blocks if complete else load.handle.blocks_ready
+        if self.loaded is None or ready == 0:
+            return
+        try:
+            self.loaded(load.handle.keys[:ready], load.lease.entries[:ready])
+        except Exception:
+            log.exception("after the prefetch of %d blocks", ready)
 
     def _load(self, load: _Load) -> bool:
         """Run every step; True if the load ran to its end (not cancelled)."""

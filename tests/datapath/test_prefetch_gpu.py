@@ -146,7 +146,8 @@ def test_the_ordered_path_on_cpu_mixes_memory_and_disk_and_stops_at_a_corrupt_bl
     nbytes = layout.block_nbytes
     config = {
         "tiers": [
-            {"kind": "host", "capacity": 6 * nbytes},
+            # No promotion: the second load must find the damaged block on disk still.
+            {"kind": "host", "capacity": 6 * nbytes, "promote_after": 0},
             {"kind": "disk", "path": str(tmp_path), "capacity": 64 * nbytes},
         ],
         "prefetch": {"staging_bytes": 4 * nbytes},
