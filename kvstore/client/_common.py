@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -199,9 +200,14 @@ def handshake(options: ClientOptions, close: Callable[[], None]) -> Iterator[Non
 
 
 def open_meta(namespace: str, layout: KVLayout) -> bytes:
-    """OPEN's meta."""
+    """OPEN's meta (``pid``: the process that writes the shared memory it reserves)."""
     return encode_json(
-        {"namespace": namespace, "layout": layout.describe(), "fingerprint": layout.fingerprint_hex}
+        {
+            "namespace": namespace,
+            "layout": layout.describe(),
+            "fingerprint": layout.fingerprint_hex,
+            "pid": os.getpid(),
+        }
     )
 
 

@@ -195,6 +195,14 @@ class Connection:
         loan = offered.get("loan_s") if isinstance(offered, dict) else None
         return float(loan) if isinstance(loan, int | float) and loan > 0 else None
 
+    @property
+    def reserve_s(self) -> float | None:
+        """How long the server waits for a RESERVE's COMMIT before it drops the
+        reservation (None: not said). Slots are not written after that."""
+        offered = self.opened.get("shared_memory")
+        hold = offered.get("reserve_s") if isinstance(offered, dict) else None
+        return float(hold) if isinstance(hold, int | float) and hold > 0 else None
+
     def recv_scatter(self, views: list[memoryview]) -> None:
         """Fill each of ``views`` in order, with as few reads as the socket allows
         (``recvmsg_into`` of up to 1024 buffers; one buffer at a time over TLS)."""

@@ -116,7 +116,9 @@ class Client:
             "shm_blocks": 0,
             "socket_blocks": 0,
             "corrupt_retries": 0,
-            "shm_late": 0,  # blocks copied out of shared memory too late to trust
+            # blocks copied out of shared memory too late to trust, or not written into
+            # reserved slots given back too late to write
+            "shm_late": 0,
         }
 
     # -- connections ------------------------------------------------------------
@@ -287,8 +289,11 @@ class Client:
     ) -> list[int]:
         """RESERVE slots, copy into them through shared memory, COMMIT."""
         assert conn.shm is not None
+        asked = time.monotonic()
         _, meta = conn.call(Op.RESERVE, encode_keys(keys))
         ident, slots = decode_reserve_reply(meta, len(keys))
+        if not _within_loan(conn.reserve_s, asked):
+            return self._reserved_too_late(conn, ident, slots)
         written = [False] * len(keys)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         inline: list[Buffer] = []
@@ -311,6 +316,28 @@ class Client:
         _, meta = conn.reply(rid, Op.COMMIT)
         self.stats["shm_blocks"] += len(pairs)
         return decode_put_reply(meta, len(keys))
+
+    def _reserved_too_late(
+        self, conn: Connection, ident: int, slots: list[tuple[int, int]]
+    ) -> list[int]:
+        """A reservation whose reply came so late that the server may have dropped it
+        (a thread starved of CPU): its slots may go to other blocks, so nothing is
+        written. Its COMMIT of nothing tells the server; none is stored."""
+        shared = sum(1 for status, _ in slots if status == SlotStatus.SHM)
+        self.stats["shm_late"] += shared
+        log.warning(
+            "kvstore client: a reservation of %d slots came back after its time (%.3g s) "
+            "may have ended; not written",
+            shared,
+            conn.reserve_s,
+        )
+        commit = encode_commit_request(ident, [False] * len(slots))
+        with contextlib.suppress(InvalidInputError):  # dropped indeed: the server says so
+            conn.reply(conn.send(Op.COMMIT, commit), Op.COMMIT)
+        return [
+            SlotStatus.PRESENT if status == SlotStatus.PRESENT else SlotStatus.MISS
+            for status, _ in slots
+        ]
 
     def get(
         self,

@@ -195,6 +195,12 @@ class ServerConfig:
     ``io_timeout_s`` plus its size at ``min_rate`` bytes per second, or the
     connection is closed (slow clients hold nothing for long).
 
+    ``reservation_hold_s``: a RESERVE dropped before its COMMIT (not committed
+    within ``io_timeout_s``, or its connection ended) keeps its shared-memory slots
+    reserved until its client's late COMMIT says the copies ended, the client
+    process exits, or this long: a writer frozen mid-copy must not write into
+    slots given to other blocks.
+
     ``drain_timeout_s``: how long SIGTERM waits for requests in flight before
     it closes connections and flushes memory to disk.
 
@@ -221,6 +227,7 @@ class ServerConfig:
     idle_timeout_s: float = opt(600.0, parse_float)
     io_timeout_s: float = opt(30.0, parse_float)
     min_rate: int = opt(1024**2, parse_size)
+    reservation_hold_s: float = opt(600.0, parse_float)
     drain_timeout_s: float = opt(30.0, parse_float)
     threads: int = opt(8, parse_int)
 
@@ -253,6 +260,7 @@ class ServerConfig:
             "idle_timeout_s",
             "io_timeout_s",
             "min_rate",
+            "reservation_hold_s",
             "drain_timeout_s",
             "threads",
         )

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import select
 import socket
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -40,6 +41,8 @@ class Channel(ABC):
     peer: str = ""
     #: True for a Unix socket (file descriptors can be passed over it).
     unix: bool = False
+    #: The peer process's pid, where the socket tells it (a Unix socket's credentials).
+    peer_pid: int | None = None
 
     @abstractmethod
     async def _recv_into(self, view: memoryview) -> None:
@@ -180,6 +183,7 @@ class RawChannel(Channel):
             self.peer = f"{peer[0]}:{peer[1]}"
         else:
             self.peer = "unix"
+            self.peer_pid = peer_pid(sock)
         sock.setblocking(False)
 
     async def _recv_into(self, view: memoryview) -> None:
@@ -288,3 +292,14 @@ class StreamChannel(Channel):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._writer.close()
+
+
+def peer_pid(sock: object) -> int | None:
+    """The pid of a Unix socket's peer (``SO_PEERCRED``); None elsewhere."""
+    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", raw)[0]
+        return pid if pid > 0 else None
+    return None

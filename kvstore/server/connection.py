@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from kvstore import __version__
 from kvstore.config.server import Credential
 from kvstore.config.tiers import check_namespace
-from kvstore.datapath.contracts import Loan, PendingPut
+from kvstore.datapath.contracts import Loan
 from kvstore.errors import (
     AccessDeniedError,
     CapacityError,
@@ -45,6 +45,7 @@ from kvstore.errors import (
 from kvstore.layout import KVLayout
 from kvstore.server import handlers
 from kvstore.server.channel import Buffer, Channel
+from kvstore.server.orphans import ProcessId, process_id
 from kvstore.server.session import Refused, Reservation, ServerContext
 from kvstore.server.stores import HostedStore
 from kvstore.server.tenants import check_scope
@@ -87,6 +88,8 @@ _ERRORS: tuple[tuple[type[Exception], Status], ...] = (
 _PAYLOAD_OPS = (Op.PUT, Op.COMMIT, Op.TOKENS)
 #: Every op of the protocol (IntEnum members hash as their values: ``5 in _KNOWN_OPS``).
 _KNOWN_OPS = frozenset(Op)
+#: Connection numbers (tags of held reservations: ids repeat across connections).
+_SERIALS = itertools.count(1)
 
 
 class Connection:
@@ -103,6 +106,13 @@ class Connection:
         self.loans: dict[int, Loan] = {}
         self.reservations: dict[int, Reservation] = {}
         self.ids = itertools.count(1)
+        #: This connection's number, unique in the server.
+        self.serial = next(_SERIALS)
+        #: The client process (from the Unix socket, else as OPEN states it).
+        self.writer: ProcessId | None = None
+        #: Whether the client mapped the shared memory through this connection (only
+        #: then can it write into the slots it reserves).
+        self.attached = False
         self._send_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(ctx.server.max_inflight_requests)
         self._tasks: set[asyncio.Task[bool]] = set()
@@ -423,16 +433,21 @@ class Connection:
             raise InvalidInputError("the layout's fingerprint differs from the client's")
         self.hosted = await self.run(self.ctx.registry.open, namespace, layout)
         self.state = State.OPEN
+        stated = request.get("pid")
+        self.writer = process_id(self.chan.peer_pid or (stated if type(stated) is int else None))
         hosted = self.hosted
         shared = None
         writes = self.credential is None or self.credential.may("write")
         if hosted.segment is not None and writes:  # a mapping is writable: not for readers
             # loan_s: how long a GET's loan of shared memory lasts; a client that copies
             # out later may read a slot already given to another block, so it checks.
+            # reserve_s: how long a RESERVE waits for its COMMIT; a client that would
+            # start its copies later does not start them.
             shared = {
                 "id": hosted.segment_id,
                 "nbytes": hosted.segment.nbytes,
                 "loan_s": hosted.store.config.lease_s,
+                "reserve_s": self.ctx.server.io_timeout_s,
             }
         reply = {
             "capacity_blocks": max(t.capacity_blocks for t in hosted.store.datapath.tiers),
@@ -446,6 +461,7 @@ class Connection:
             raise Refused(Status.BAD_REQUEST, "this store has no shared memory")
         described = shm.describe_segment(segment.fd, segment.nbytes)
         info = encode_json({**described, "id": self.store.segment_id})
+        self.attached = True
         if self.chan.unix:
             head = Frame(frame.op, Flag.REPLY, 0, frame.request_id, len(info), 0)
             async with self._send_lock:
@@ -485,10 +501,11 @@ class Connection:
         loans, self.loans = list(self.loans.values()), {}
         for loan in loans:
             loan.release()  # on the loop: workers may be waiting for these pins
-        pending: list[PendingPut] = [r.pending for r in self.reservations.values()]
+        # The client's threads may still be copying into these: held, not aborted.
+        dropped = {i: r.pending for i, r in self.reservations.items()}
         self.reservations = {}
-        if pending:
-            await self.run(_abort, pending)
+        if dropped:
+            await handlers.hold_dropped(self, dropped)
         self.chan.close()
         self.ctx.metrics.gauge("connections_open", -1)
 
@@ -498,11 +515,6 @@ def _broken(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "too slow: a frame (or the read of a reply) took longer than io_timeout_s"
     return f"the stream broke mid-frame: {exc or type(exc).__name__}"
-
-
-def _abort(pending: list[PendingPut]) -> None:
-    for put in pending:
-        put.abort()
 
 
 #: Label values, made once (not a string per request).

@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.server import handlers
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import Connection
 from kvstore.server.metrics import MetricsEndpoint, ServerMetrics
+from kvstore.server.orphans import HeldPuts
 from kvstore.server.quotas import TenantQuotas
 from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 _BACKLOG = 512
 _STAGING_IDLE = 512 * 1024**2
+_SWEEP_S = 1.0  # how often held reservations are checked for writers that are done
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -160,6 +163,7 @@ class Server:
         self._accepting: list[asyncio.Task[None]] = []
         self._serving: set[asyncio.Task[None]] = set()
         self._metrics_endpoint: MetricsEndpoint | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
         #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``,
         #: ``events`` / ``events_replay`` (ZMQ endpoints of its KV events).
@@ -186,7 +190,9 @@ class Server:
             staging=StagingPool(_STAGING_IDLE),
             admin=self.admin,
             quotas=self.quotas,
+            held=HeldPuts(cfg.reservation_hold_s, asyncio.get_running_loop().time),
         )
+        self._sweeper = asyncio.create_task(self._sweep_held(self._ctx))
         binding = "events.endpoint"  # which setting the listener being bound comes from
         try:
             if self.events is not None:  # bound before any store opens: subscribers connect
@@ -395,6 +401,7 @@ class Server:
             conn.chan.abort()
         if self._serving:
             await asyncio.wait(list(self._serving), timeout=self.config.server.io_timeout_s)
+        await self._release_held(ctx)
         for server in self._tls_servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 5.0)
@@ -413,6 +420,29 @@ class Server:
             with contextlib.suppress(OSError):
                 os.unlink(self.addresses["unix"])
         log.info("kvstore-server stopped")
+
+    async def _sweep_held(self, ctx: ServerContext) -> None:
+        """Give back, every ``_SWEEP_S``, the held reservations whose writers are done
+        (exited, or held past ``server.reservation_hold_s``)."""
+        assert ctx.held is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            done = ctx.held.sweep()
+            if done:
+                ctx.metrics.gauge("reservations_held", -len(done))
+                await loop.run_in_executor(self._executor, handlers.abort_all, done)
+
+    async def _release_held(self, ctx: ServerContext) -> None:
+        """At close: every held reservation, aborted (no slot is handed out again)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if ctx.held is not None and (done := ctx.held.release_all()):
+            ctx.metrics.gauge("reservations_held", -len(done))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, handlers.abort_all, done)
 
     async def _close_listeners(self) -> None:
         for task in self._accepting:

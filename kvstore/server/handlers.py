@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,7 +64,16 @@ if TYPE_CHECKING:
     from kvstore.store import KVStore
     from kvstore.tiers.slab import SharedSegment
 
-__all__ = ["CONCURRENT", "commit", "note_tokens", "expire_reservations", "put", "release"]
+__all__ = [
+    "CONCURRENT",
+    "abort_all",
+    "commit",
+    "expire_reservations",
+    "hold_dropped",
+    "note_tokens",
+    "put",
+    "release",
+]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +237,7 @@ async def commit(conn: Session, frame: Frame, meta: bytes) -> None:
         await _expire_abandoned(conn)
         res = conn.reservations.get(ident)
         if res is None:
+            await _late_commit(conn, ident)
             raise ProtocolError(
                 f"no reservation {ident} on this connection (a reservation not committed "
                 f"within server.io_timeout_s, {conn.ctx.server.io_timeout_s:g} s, is dropped)"
@@ -258,22 +268,54 @@ async def commit(conn: Session, frame: Frame, meta: bytes) -> None:
     await conn.reply(frame, encode_put_reply(await _commit(conn, frame, pending, arrived)))
 
 
-def expire_reservations(conn: Session, older_than: float) -> list[PendingPut]:
-    """Forget reservations made before ``older_than`` (loop time); their puts, to abort."""
+def expire_reservations(conn: Session, older_than: float) -> dict[int, PendingPut]:
+    """Forget reservations made before ``older_than`` (loop time); their puts, by id."""
     old = [k for k, r in conn.reservations.items() if r.created < older_than]
-    return [conn.reservations.pop(k).pending for k in old]
+    return {k: conn.reservations.pop(k).pending for k in old}
 
 
 async def _expire_abandoned(conn: Session) -> None:
-    """Abort the reservations of this connection that waited longer than
+    """Drop the reservations of this connection that waited longer than
     ``server.io_timeout_s`` for their COMMIT: a client that reserves and never commits
-    (a bug, or a crash of the thread that wrote the shared memory) would otherwise pin
-    their slots until it disconnects. Asked at each RESERVE and COMMIT, so a client that
-    goes on working frees them; one that goes quiet is cut off at ``idle_timeout_s``."""
+    (a bug, or a crash of the thread that wrote the shared memory) would otherwise keep
+    them until it disconnects. Asked at each RESERVE and COMMIT, so a client that goes
+    on working drops them; one that goes quiet is cut off at ``idle_timeout_s``. Their
+    slots are held until the writer is done (:func:`hold_dropped`)."""
     older_than = conn.loop.time() - conn.ctx.server.io_timeout_s
-    for pending in expire_reservations(conn, older_than):
-        conn.ctx.metrics.add("reservations_expired")
+    dropped = expire_reservations(conn, older_than)
+    if dropped:
+        conn.ctx.metrics.add("reservations_expired", len(dropped))
+        await hold_dropped(conn, dropped)
+
+
+async def hold_dropped(conn: Session, dropped: dict[int, PendingPut]) -> None:
+    """Reservations dropped before their COMMIT (by id): their slots stay reserved
+    until their writer is known to be done (:mod:`kvstore.server.orphans`), unless it
+    has exited already or never mapped the shared memory through this connection
+    (aborted now)."""
+    held = conn.ctx.held
+    if held is None or not conn.attached:  # a client that never mapped them writes none
+        done = list(dropped.values())
+    else:
+        done = held.hold({(conn.serial, i): p for i, p in dropped.items()}, conn.writer)
+        conn.ctx.metrics.gauge("reservations_held", len(dropped) - len(done))
+    if done:
+        await conn.run(abort_all, done)
+
+
+async def _late_commit(conn: Session, ident: int) -> None:
+    """A COMMIT of a dropped reservation: its copies have ended, so its held slots go
+    back now (the COMMIT itself is refused)."""
+    pending = None if conn.ctx.held is None else conn.ctx.held.release((conn.serial, ident))
+    if pending is not None:
+        conn.ctx.metrics.gauge("reservations_held", -1)
         await conn.run(pending.abort)
+
+
+def abort_all(pending: Sequence[PendingPut]) -> None:
+    """Abort each put (on a worker thread: it frees slots under the store's locks)."""
+    for put in pending:
+        put.abort()
 
 
 # -- GET / RELEASE --------------------------------------------------------------

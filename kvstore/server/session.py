@@ -26,6 +26,7 @@ from kvstore.config.server import ServerConfig
 from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
+from kvstore.server.orphans import HeldPuts, ProcessId
 from kvstore.server.quotas import TenantQuotas
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
@@ -120,6 +121,19 @@ class Session(Protocol):
         """Fresh lease and reservation ids."""
 
     @property
+    def serial(self) -> int:
+        """This connection's number, unique in the server (its held reservations' tags)."""
+
+    @property
+    def attached(self) -> bool:
+        """Whether the client mapped the shared memory through this connection."""
+
+    @property
+    def writer(self) -> ProcessId | None:
+        """The client process (None: not known), which writes the shared memory it
+        reserves."""
+
+    @property
     def busy(self) -> int:
         """Requests being received or served (a draining server waits for 0)."""
 
@@ -156,6 +170,9 @@ class ServerContext:
     admin: AdminDesk | None = None
     #: Tenants' quotas and figures (None: a server made without them).
     quotas: TenantQuotas | None = None
+    #: Dropped reservations whose writers may still write (None: a server made without
+    #: it aborts them at once).
+    held: HeldPuts | None = None
 
     def tenant_names(self) -> frozenset[str]:
         """The tenants of ``server.tenants`` as they stand now."""

@@ -64,6 +64,9 @@ class FuzzSettings:
     slow_share: float = 0.02  # connections that also start a slow or idle one beside
     io_timeout_s: float = 0.5
     idle_timeout_s: float = 2.0
+    # dropped reservations of live fuzz connections: held this long (not 600 s, which
+    # would fill the 4 MiB host tier with slots nobody writes)
+    reservation_hold_s: float = 2.0
     reply_timeout_s: float = 10.0
 
 
@@ -116,6 +119,7 @@ def fuzz_server_config(
         tokens=[{"name": "team", "token": tokens["team"].decode(), "namespaces": [OTHER]}],
         io_timeout_s=settings.io_timeout_s,
         idle_timeout_s=settings.idle_timeout_s,
+        reservation_hold_s=settings.reservation_hold_s,
         min_rate="1MiB",
         max_frame_bytes="1MiB",
         max_batch_blocks=64,

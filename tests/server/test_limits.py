@@ -9,6 +9,8 @@ import logging
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -274,6 +276,55 @@ def test_a_reservation_never_committed_is_aborted_at_the_next_reserve(
     frame, meta, _ = conn.call(Op.COMMIT, commit)
     assert frame.status != Status.OK and b"io_timeout_s" in meta
     assert not any(store.contains(k) for k in make_keys(3, salt=2))
+
+
+_FROZEN_WRITER = """
+import sys, threading
+import kvstore.client.sync as client_sync
+from kvstore.client import Client, ClientOptions
+from kvstore.testing.conformance import make_keys
+from kvstore.testing.data import block_list, small_layout
+
+layout = small_layout()
+client = Client(layout, ClientOptions(sys.argv[1], shared_memory=True, timeout=30))
+assert client.put(make_keys(1, salt=40), block_list(layout, 1, seed=40)) == [True]
+assert client.shared_memory
+
+class Frozen:  # the copy into the reserved slots never ends
+    def copy_all(self, pairs):
+        print("reserved", flush=True)
+        threading.Event().wait()
+
+client_sync.engine_for = lambda device: Frozen()
+client.put(make_keys(3, salt=41), block_list(layout, 3, seed=41))
+"""
+
+
+def test_the_held_slots_of_a_killed_writer_go_back_at_once(kv_server: Start) -> None:
+    """A client killed mid-copy: its connection ends, and its process is gone (its pid
+    from OPEN), so its reservation's slots go back without waiting for
+    ``reservation_hold_s``."""
+    server = kv_server(reservation_hold_s=3600)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_WRITER, server.address],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reserved"
+        store = hosted_store(server)
+        assert store.datapath.pinned_blocks() == 3
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while store.datapath.pinned_blocks() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.datapath.pinned_blocks() == 0
+        assert server.stats().get("reservations_held", 0) == 0
+        assert not any(store.contains(k) for k in make_keys(3, salt=41))
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_delete_of_blocks_its_own_connection_holds_is_refused_at_once(
