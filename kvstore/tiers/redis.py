@@ -52,6 +52,7 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.retry import Backoff, retry_call
+from kvstore.tiers._redisresp import set_pipelined
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.remote_common import (
     Breaker,
@@ -73,7 +74,6 @@ T = TypeVar("T")
 
 _PIPELINE_BYTES = 64 * 1024**2
 _READ_SIZE = 256 * 1024
-_DIRECT_WRITE = 64 * 1024  # payload pieces at least this big are written without a copy
 _SCAN_COUNT = 1000
 # A stale pooled connection (server restarted) fails with ConnectionError; one
 # immediate retry reconnects it. Timeouts are not retried: they already waited.
@@ -166,8 +166,8 @@ class RedisTier(ValueTier):
             if self.cfg.cluster:
                 replies = self._put_copied(keys, encoded)
             else:
-                names = [self.key_name(k) for k in keys]
-                replies = self._run(lambda client: self._put_zero_copy(client, names, encoded))
+                names, ttl = [self.key_name(k) for k in keys], self._ttl_ms
+                replies = self._run(lambda client: set_pipelined(client, names, encoded, ttl))
         finally:
             encoded = []  # drop the views before the buffers are reused
             self._buffers.give(sealing)
@@ -203,64 +203,6 @@ class RedisTier(ValueTier):
         finally:
             cmds.clear()  # drop the views before the buffers are reused
             self._buffers.give(bufs)
-
-    def _put_zero_copy(
-        self, client: Any, names: list[bytes], encoded: list[EncodedBlock]
-    ) -> list[Any]:
-        """SETs written straight from the blocks' memory: one pipelined round trip.
-
-        redis-py packs a value into one buffer; a block is a header plus the
-        tensor's own bytes, and copying them together cost ~10% of put
-        throughput. So this packs the RESP frames itself (header and payload as
-        separate writes) and reads the replies from the same connection.
-        """
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            chunks: list[bytes | memoryview] = []
-            for name, block in zip(names, encoded, strict=True):
-                chunks.extend(self._set_frame(name, block))
-            conn.send_packed_command(chunks)
-            return [self._read_reply(conn) for _ in names]
-        except BaseException:
-            conn.disconnect()  # the stream is in an unknown state
-            raise
-        finally:
-            pool.release(conn)
-
-    def _set_frame(self, name: bytes, block: EncodedBlock) -> list[bytes | memoryview]:
-        """``SET name <header+payload> [PX ttl]`` as RESP, the payload not copied."""
-        tail = b"\r\n"
-        argc = 3
-        if self._ttl_ms is not None:
-            ttl = str(self._ttl_ms).encode()
-            tail += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-            argc = 5
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-            argc,
-            len(name),
-            name,
-            block.nbytes,
-        )
-        frame: list[bytes | memoryview] = [head + block.header_bytes]
-        small: list[bytes | memoryview] = []
-        for part in block.payload:  # tiny pieces go together: one write each is slow
-            if part.nbytes >= _DIRECT_WRITE:
-                if small:
-                    frame.append(b"".join(small))
-                    small = []
-                frame.append(part)
-            else:
-                small.append(part)
-        frame.append(b"".join([*small, tail]))
-        return frame
-
-    @staticmethod
-    def _read_reply(conn: Any) -> Any:
-        try:
-            return conn.read_response()
-        except redis.exceptions.ResponseError as exc:  # e.g. OOM: this SET only
-            return exc
 
     def _set_command(self, key: BlockKey, value: memoryview) -> Command:
         if self._ttl_ms is None:
