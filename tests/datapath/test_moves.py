@@ -71,28 +71,10 @@ def test_write_back_copies_down_only_on_eviction(tmp_path: Path) -> None:
     store.close()
 
 
-def test_promotion_after_the_nth_hit(tmp_path: Path) -> None:
-    layout = small_layout()
-    store = KVStore(layout, two_tiers(tmp_path, layout, {"promote_after": 3}, {}))
-    keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
-    kv = random_blocks(layout, 2)
-    store.put(keys, kv)  # access 1
-    store.evict(2)  # now only on disk
-    assert torch.equal(store.get(keys), kv)  # access 2: read from disk, not promoted yet
-    store.drain(timeout=30)
-    assert [store.datapath.where(k) for k in keys] == [[1], [1]]
-    assert torch.equal(store.get(keys), kv)  # access 3: promoted in the background
-    store.drain(timeout=30)
-    assert [store.datapath.where(k) for k in keys] == [[0, 1], [0, 1]]
-    assert store.stats()["promotions"] == [2, 0]
-    assert torch.equal(store.get(keys), kv)  # now served from memory
-    store.close()
-
-
-@pytest.mark.parametrize("order", ["layer", "block"])
-def test_prefetches_promote_as_gets_do(tmp_path: Path, order: str) -> None:
-    # An engine's connector loads with prefetch, never get: without this, a prefix read
-    # from disk a thousand times stayed on disk.
+@pytest.mark.parametrize("read", ["get", "prefetch-layer", "prefetch-block"])
+def test_promotion_after_the_nth_hit(tmp_path: Path, read: str) -> None:
+    # Prefetches promote as gets do: an engine's connector loads with prefetch, never
+    # get, and a prefix read from disk a thousand times stayed on disk.
     layout = small_layout()
     store = KVStore(layout, two_tiers(tmp_path, layout, {"promote_after": 3}, {}))
     keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
@@ -100,19 +82,22 @@ def test_prefetches_promote_as_gets_do(tmp_path: Path, order: str) -> None:
     store.put(keys, kv)  # access 1
     store.evict(2)  # now only on disk
 
-    def prefetch() -> None:
-        out = torch.full_like(kv, float("nan"))
-        with store.prefetch(keys, out=out, order=order) as handle:
-            assert handle.wait(timeout=30) and handle.blocks_ready == 2
-        assert torch.equal(out, kv)
+    def load() -> None:
+        if read == "get":
+            assert torch.equal(store.get(keys), kv)
+        else:
+            out = torch.full_like(kv, float("nan"))
+            with store.prefetch(keys, out=out, order=read.split("-")[1]) as handle:
+                assert handle.wait(timeout=30) and handle.blocks_ready == 2
+            assert torch.equal(out, kv)
         assert store.drain(timeout=30)
 
-    prefetch()  # access 2: read from disk, not promoted yet
+    load()  # access 2: read from disk, not promoted yet
     assert [store.datapath.where(k) for k in keys] == [[1], [1]]
-    prefetch()  # access 3: promoted in the background
+    load()  # access 3: promoted in the background
     assert [store.datapath.where(k) for k in keys] == [[0, 1], [0, 1]]
     assert store.stats()["promotions"] == [2, 0]
-    prefetch()  # from memory now: nothing more to promote
+    load()  # now served from memory: nothing more to promote
     assert store.stats()["promotions"] == [2, 0]
     store.close()
 
