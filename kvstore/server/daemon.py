@@ -192,7 +192,6 @@ class Server:
             quotas=self.quotas,
             held=HeldPuts(cfg.reservation_hold_s, asyncio.get_running_loop().time),
         )
-        self._sweeper = asyncio.create_task(self._sweep_held(self._ctx))
         binding = "events.endpoint"  # which setting the listener being bound comes from
         try:
             if self.events is not None:  # bound before any store opens: subscribers connect
@@ -214,6 +213,7 @@ class Server:
         except OSError as exc:
             await self._close_listeners()
             raise ConfigError(_cannot_listen(binding, exc)) from None
+        self._sweeper = asyncio.create_task(self._sweep_held(self._ctx))
         if self.config.cluster.enabled:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._join_cluster)
 
