@@ -17,8 +17,11 @@ import logging
 import os
 import signal
 import sys
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -143,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     )
     # kill -USR1 <pid> prints every thread's stack to the log: what is it waiting for?
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # kill -USR2 <pid> starts tracing Python's allocations; each next one logs what grew.
+    signal.signal(signal.SIGUSR2, _MemoryGrowth().log)
     try:
         config = _config(args)
         config.server.check_startable()
@@ -159,6 +164,37 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+class _MemoryGrowth:
+    """A leak hunt: the first call starts tracing Python's allocations (``tracemalloc``,
+    ``depth`` frames; it slows the server), each later one logs the allocation sites
+    whose traced memory grew most since the call before (taking the snapshot holds the
+    event loop for a moment)."""
+
+    def __init__(self, top: int = 15, depth: int = 6) -> None:
+        self.top, self.depth = top, depth
+        self.before: tracemalloc.Snapshot | None = None
+
+    def log(self, *_: object) -> None:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(self.depth)
+            log.warning("tracing memory allocations: the next SIGUSR2 logs what grew")
+            return
+        now = tracemalloc.take_snapshot()
+        stats = now.compare_to(self.before, "traceback") if self.before else None
+        lines = []
+        for stat in (stats or now.statistics("traceback"))[: self.top]:
+            lines.append(str(stat))
+            lines += ["    " + frame for frame in stat.traceback.format(limit=4)]
+        traced, peak = tracemalloc.get_traced_memory()
+        log.warning(
+            "traced memory %.1f MiB (peak %.1f); grew most:\n%s",
+            traced / 2**20,
+            peak / 2**20,
+            "\n".join(lines),
+        )
+        self.before = now
 
 
 def main(argv: Sequence[str] | None = None) -> int:

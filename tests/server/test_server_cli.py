@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main as kvstore_main
+from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.testing.servers import free_port
 
 
@@ -85,3 +86,19 @@ def test_kvstore_config_hides_tokens(
     assert kvstore_main(["config", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert secret not in out and out.count("***") == 3
+
+
+def test_sigusr2_traces_memory_then_logs_what_grew(tmp_path: Path) -> None:
+    """A leak hunt without a restart: the first ``kill -USR2`` starts tracing Python's
+    allocations, each next one logs the sites that grew; the server goes on serving."""
+    config = server_test_config(tmp_path, [{"kind": "host", "capacity": "4MiB"}])
+    with KVStoreServerProcess(config, tmp_path) as server:
+        assert server.pid is not None
+        for said in ("tracing memory allocations", "grew most", "grew most"):
+            seen = server.log_tail(100_000).count(said)
+            os.kill(server.pid, signal.SIGUSR2)
+            deadline = time.monotonic() + 20
+            while server.log_tail(100_000).count(said) == seen:
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.05)
+        assert "traced memory" in server.log_tail(100_000) and server.running
