@@ -29,8 +29,9 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -85,11 +86,20 @@ class TokenBook:
     keeps the book across restarts (None: memory only). Thread-safe.
     """
 
-    def __init__(self, block_tokens: int, journal: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        block_tokens: int,
+        journal: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not isinstance(block_tokens, int) or block_tokens <= 0:
             raise InvalidInputError(f"block_tokens must be an int > 0, got {block_tokens!r}")
         self.block_tokens = block_tokens
         self._entries: dict[BlockKey, Entry] = {}
+        # When each entry was last recorded (``clock``; entries read from the journal: at
+        # open), so that :meth:`retain` can spare a put still on its way.
+        self._recorded: dict[BlockKey, float] = {}
+        self._clock = clock
         self._lock = threading.Lock()
         self._path = None if journal is None else os.fspath(journal)
         self._file: BinaryIO | None = None
@@ -119,6 +129,8 @@ class TokenBook:
                     None if parent is None else BlockKey(parent),
                     tokens,
                 )
+        now = self._clock()
+        self._recorded = dict.fromkeys(self._entries, now)
         f.truncate(max(good, len(_MAGIC)))
         f.seek(0, os.SEEK_END)
         self._file = f
@@ -178,9 +190,11 @@ class TokenBook:
             (key, (up, data[i * size : (i + 1) * size]))
             for i, (key, up) in enumerate(zip(checked, parents, strict=True))
         ]
+        now = self._clock()
         with self._lock:
             changed = [(k, e) for k, e in new if self._entries.get(k) != e]
             self._entries.update(changed)
+            self._recorded.update((k, now) for k, _ in new)
             if self._file is not None and changed:
                 journal = b"".join(_encode(b"+", k, p, t) for k, (p, t) in changed)
                 self._append(journal, len(changed))
@@ -204,16 +218,20 @@ class TokenBook:
         """Drop the entries of ``keys``; returns how many there were."""
         with self._lock:
             gone = [k for k in keys if self._entries.pop(k, None) is not None]
+            for key in gone:
+                del self._recorded[key]
             if self._file is not None and gone:
                 self._append(b"".join(_encode(b"-", k, None, b"") for k in gone), len(gone))
         return len(gone)
 
-    def retain(self, keys: Iterable[BlockKey]) -> int:
-        """Keep only the entries of ``keys`` (e.g. what a store holds at start-up);
+    def retain(self, keys: Iterable[BlockKey], grace_s: float | None = None) -> int:
+        """Keep only the entries of ``keys`` (e.g. what a store holds), and those recorded
+        in the last ``grace_s`` seconds (tokens noted for a put still on its way);
         returns how many were dropped."""
         keep = set(keys)
+        since = float("inf") if grace_s is None else self._clock() - grace_s
         with self._lock:
-            stale = [k for k in self._entries if k not in keep]
+            stale = [k for k in self._entries if k not in keep and self._recorded[k] < since]
         return self.forget(stale)
 
     def keys(self) -> list[BlockKey]:

@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds a key stored without recorded tokens waits for them before it is skipped.
 _WAIT_S = 1.0
+#: How often the token book drops the tokens of chunks the store does not hold (noted for
+#: puts that never stored them: no room, a client gone mid-put), sparing those noted in
+#: the last ``_TOKENS_GRACE_S`` (a put on its way: RESERVE to COMMIT may take that long).
+_TRIM_S = 60.0
+_TOKENS_GRACE_S = 120.0
 
 
 class StoreEvents:
@@ -87,6 +92,7 @@ class StoreEvents:
         # Keys removed from every tier, their tokens forgotten only once they stay gone
         # until the deadline (see _forget_later).
         self._forgetting: dict[BlockKey, float] = {}
+        self._next_trim = 0.0  # the first flush trims
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -230,6 +236,9 @@ class StoreEvents:
         events: list[Event] = [self.mapper.removed(keys, m) for m, keys in removed.items()]
         events.extend(self._stored_events(stored, now))
         self._forget_later(gone, stored, now)
+        if now >= self._next_trim:  # tokens of chunks never stored: the book would grow
+            self._next_trim = now + _TRIM_S
+            self.book.retain(self._manager.stored_keys(), grace_s=_TOKENS_GRACE_S)
         return events
 
     def _forget_later(

@@ -29,6 +29,19 @@ def test_record_get_forget() -> None:
     assert book.retain([K[1]]) == 2 and book.keys() == [K[1]]
 
 
+def test_retain_spares_what_was_recorded_within_the_grace() -> None:
+    now = [100.0]
+    book = TokenBook(4, clock=lambda: now[0])
+    book.record(K[:2], list(range(8)))  # at 100
+    now[0] = 150.0
+    book.record(K[2:3], list(range(4)))  # at 150: a put still on its way
+    book.record(K[:1], list(range(4)))  # recorded again: its time moves to 150
+    now[0] = 200.0
+    assert book.retain([], grace_s=60.0) == 1 and book.keys() == [K[0], K[2]]
+    assert book.retain([K[2]], grace_s=10.0) == 1 and book.keys() == [K[2]]
+    assert book.retain([]) == 1 and len(book) == 0  # no grace: only what is held
+
+
 @pytest.mark.parametrize(
     ("keys", "tokens", "parent", "match"),
     [

@@ -192,6 +192,25 @@ def test_keys_without_tokens_wait_for_them_then_are_skipped(
     assert sub.recv(0.1) is None
 
 
+def test_tokens_of_chunks_never_stored_are_dropped(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens noted for puts that stored nothing (no room, a client gone mid-put) were
+    kept for ever: the server's RSS grew all through the 60-minute memory soak."""
+    import kvstore.events.source as source
+
+    monkeypatch.setattr(source, "_TRIM_S", 0.0)
+    monkeypatch.setattr(source, "_TOKENS_GRACE_S", 0.2)
+    held = rig.put(list(range(32)))
+    never = rig.store.hash_tokens(list(range(500, 532)), "m")
+    rig.book.record(never, list(range(500, 532)))  # the put that would follow failed
+    deadline = time.monotonic() + 10
+    while any(k in rig.book for k in never) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(k in rig.book for k in never)
+    assert all(k in rig.book for k in held)  # the store holds these: kept
+
+
 def test_a_late_subscriber_replays_a_snapshot(
     tmp_path: Path, events_config: EventsConfig, replay: Callable[..., Any]
 ) -> None:
