@@ -196,7 +196,7 @@ def test_tokens_of_chunks_never_stored_are_dropped(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tokens noted for puts that stored nothing (no room, a client gone mid-put) were
-    kept for ever: the server's RSS grew all through the 60-minute memory soak."""
+    kept for ever: a server's book grew with every such put."""
     import kvstore.events.source as source
 
     monkeypatch.setattr(source, "_TRIM_S", 0.0)
