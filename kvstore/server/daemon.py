@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.memory import trim_heap
 from kvstore.server import handlers
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import Connection
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 _BACKLOG = 512
 _STAGING_IDLE = 512 * 1024**2
 _SWEEP_S = 1.0  # how often held reservations are checked for writers that are done
+_TRIM_S = 60.0  # how often the C heap's free memory goes back to the OS
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -423,15 +425,23 @@ class Server:
 
     async def _sweep_held(self, ctx: ServerContext) -> None:
         """Give back, every ``_SWEEP_S``, the held reservations whose writers are done
-        (exited, or held past ``server.reservation_hold_s``)."""
+        (exited, or held past ``server.reservation_hold_s``); and, every ``_TRIM_S``,
+        the C heap's free memory (the worker, copy and ZMQ threads allocate and free
+        from glibc's per-thread arenas, which keep what is freed: the 60-minute memory
+        soak's server grew 3.4%)."""
         assert ctx.held is not None
         loop = asyncio.get_running_loop()
+        trimmed = loop.time()
         while True:
             await asyncio.sleep(_SWEEP_S)
             done = ctx.held.sweep()
             if done:
                 ctx.metrics.gauge("reservations_held", -len(done))
                 await loop.run_in_executor(self._executor, handlers.abort_all, done)
+            if loop.time() - trimmed >= _TRIM_S:
+                trimmed = loop.time()
+                if await loop.run_in_executor(self._executor, trim_heap):
+                    ctx.metrics.add("heap_trims")
 
     async def _release_held(self, ctx: ServerContext) -> None:
         """At close: every held reservation, aborted (no slot is handed out again)."""
