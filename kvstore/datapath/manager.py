@@ -47,7 +47,7 @@ from kvstore.datapath.assembly import build_books, build_speeds
 from kvstore.datapath.contracts import ChangeFeed, Medium
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.finder import Finder
-from kvstore.datapath.index import HeatClock
+from kvstore.datapath.index import Entry, HeatClock, lowest_bit
 from kvstore.datapath.layerwrites import LayerWrites
 from kvstore.datapath.leases import Lease, Pin
 from kvstore.datapath.lending import Lender, Loan, PendingPut
@@ -112,7 +112,7 @@ class BlockManager:
         self.migrations = Migrations(self.books, self.io, self.writer, self.mover)
         self.layer_writes = LayerWrites(self.books, self.io, self.writer, lease_s)
         self.prefetcher = Prefetcher(
-            self.reader, self.copies, self.config.prefetch, lease_s, self.migrations.promote_later
+            self.reader, self.copies, self.config.prefetch, lease_s, self._promote_prefetched
         )
         self.lender = Lender(self.reader, self.layer_writes, self.migrations.schedule, lease_s)
         #: Background reads that measure tiers' read speeds for restore planning.
@@ -326,6 +326,20 @@ class BlockManager:
             for level, tier in enumerate(self.io.tiers)
             if tier.cipher is not None
         )
+
+    def _promote_prefetched(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
+        """After a prefetch: promote, as after a get, the blocks it read from this
+        machine's own slower tiers (a disk). Blocks of other machines' media (a peer, a
+        bucket) are left to the plans' warming and the cluster's replication: an engine
+        loads them through prefetch all the time, and a promotion reads each again."""
+        tiers = self.io.tiers
+        mine = [
+            (key, entry)
+            for key, entry in zip(keys, entries, strict=True)
+            if entry.tiers and tiers[lowest_bit(entry.tiers)].local
+        ]
+        if mine:
+            self.migrations.promote_later([k for k, _ in mine], [e for _, e in mine])
 
     def warm(self, keys: Sequence[BlockKey]) -> int:
         """Copy those of ``keys`` the fastest tier lacks into it, in the background; how
