@@ -13,9 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The package's version, and its only copy: pyproject.toml reads this literal
-# (``[tool.setuptools.dynamic]``), so the wheel's metadata always agrees with it.
-__version__ = "0.1.0"
+from kvstore.version import __version__
 
 _EXPORTS = {
     "KVStore": "kvstore.store",
@@ -40,6 +38,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "__version__",
     "AccessDeniedError",
     "BlockKey",
     "BlockNotFoundError",

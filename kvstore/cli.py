@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore import __version__
+from kvstore.version import __version__
 
 __all__ = ["main"]
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore._dist import install_hint
 from kvstore.config import StoreConfig
+from kvstore.config.kinds import peer_tier_class
 from kvstore.crypt import encrypt_tiers, store_keys
-from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
@@ -53,13 +52,7 @@ def open_tiers(
 
 
 def _cluster_tier(layout: KVLayout, config: StoreConfig) -> Tier:
-    """The other nodes of the cluster, as a tier (imported only when used: it needs
-    redis)."""
-    try:
-        from kvstore.cluster.tier import ClusterTier
-    except ImportError as exc:
-        raise ConfigError(
-            f"cluster: needs a missing dependency ({exc.name}); install it with: "
-            f"{install_hint('redis')}"
-        ) from exc
-    return ClusterTier(layout, config.peer_cluster(), config.cluster.namespace)
+    """The other nodes of the cluster, as a tier (its class is imported only when used:
+    it needs redis, and the cluster package builds on the store)."""
+    tier: Tier = peer_tier_class()(layout, config.peer_cluster(), config.cluster.namespace)
+    return tier

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 from kvstore.errors import ConfigError
 
-__all__ = ["Entry", "Registry", "check_target"]
+__all__ = ["Entry", "Registry", "check_target", "import_target"]
 
 T = TypeVar("T")
 
@@ -67,6 +67,30 @@ def check_target(what: str, name: str, target: object) -> None:
         raise ConfigError(
             f"{what} {name!r}: target must be 'package.module:ClassName', got {target!r}"
         )
+
+
+def import_target(what: str, entry: Entry[Any], accept: Callable[[object], bool]) -> Any:
+    """Import the plug-in ``entry`` names as ``"package.module:Attr"`` (or return it, loaded
+    already): a failed import is a :class:`ConfigError` with the entry's install hint, and
+    so is an object ``accept`` refuses. ``what`` names the kind in messages."""
+    if entry.loaded:
+        return entry.target
+    module_name, _, attr = str(entry.target).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f"; {entry.install_hint}" if entry.install_hint else ""
+        raise ConfigError(
+            f"{what} {entry.name!r} needs a missing dependency ({exc.name}){hint}"
+        ) from exc
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if obj is None:
+        raise ConfigError(f"{what} {entry.name!r}: module {module_name} has no {attr}")
+    if not accept(obj):
+        raise ConfigError(f"{what} {entry.name!r}: {entry.target} is not a {what}")
+    return obj
 
 
 @dataclass(frozen=True)
@@ -180,25 +204,11 @@ class Registry(Generic[T]):
         entry = self.entry(name)
         if entry.loaded:
             return entry.target  # type: ignore[return-value]
-        module_name, _, attr = str(entry.target).partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            hint = f"; {entry.install_hint}" if entry.install_hint else ""
-            raise ConfigError(
-                f"{self.what} {name!r} needs a missing dependency ({exc.name}){hint}"
-            ) from exc
-        obj: Any = module
-        for part in attr.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None:
-            raise ConfigError(f"{self.what} {name!r}: module {module_name} has no {attr}")
-        if not self._spec.accept(obj):
-            raise ConfigError(f"{self.what} {name!r}: {entry.target} is not a {self.what}")
+        obj: T = import_target(self.what, entry, self._spec.accept)
         with self._lock:  # cache it, unless replaced meanwhile
             if self._entries.get(name) is entry:
                 self._entries[name] = replace(entry, target=obj)
-        return obj  # type: ignore[no-any-return]
+        return obj
 
     def load_plugins(self) -> list[str]:
         """Run each entry point of :attr:`group` not run yet; the names of those that ran.

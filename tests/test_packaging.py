@@ -36,8 +36,8 @@ DIST = "kvstore_tiers"
 
 
 def _source_version() -> str:
-    """The ``__version__`` literal in ``kvstore/__init__.py`` (the version's one source)."""
-    tree = ast.parse((REPO / "kvstore" / "__init__.py").read_text(encoding="utf-8"))
+    """The ``__version__`` literal in ``kvstore/version.py`` (the version's one source)."""
+    tree = ast.parse((REPO / "kvstore" / "version.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
@@ -46,7 +46,7 @@ def _source_version() -> str:
             and isinstance(node.value.value, str)
         ):
             return node.value.value
-    raise AssertionError("kvstore/__init__.py: no `__version__ = '...'` literal")
+    raise AssertionError("kvstore/version.py: no `__version__ = '...'` literal")
 
 
 def _pip_env() -> dict[str, str]:

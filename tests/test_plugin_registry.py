@@ -191,3 +191,16 @@ def test_an_entry_point_that_is_neither_a_plugin_nor_a_function_is_a_config_erro
         ConfigError, match=r"eviction policy plugin 'odd' \(odd_policy:VALUE\).*neither"
     ):
         StoreConfig.from_dict({"tiers": [{"kind": "host", "policy": "nosuch"}]}, environ={})
+
+
+def test_the_store_finds_the_cluster_tier_through_its_registry_entry() -> None:
+    """The store names the cluster's peer tier (it does not import the cluster package,
+    which builds on the store), and ``cluster`` stays reserved among the tier kinds."""
+    from kvstore.cluster.tier import ClusterTier
+    from kvstore.config.kinds import PEER_TIER, peer_tier_class
+
+    assert not PEER_TIER.loaded
+    assert peer_tier_class() is ClusterTier
+    assert "cluster" not in TIERS.names()
+    with pytest.raises(ConfigError, match="reserved"):
+        TIERS.register("cluster", "kvstore.tiers.host:HostTier")

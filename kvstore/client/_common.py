@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore import __version__
 from kvstore.config import RemoteTierConfig
 from kvstore.config.tiers import check_address, check_namespace
 from kvstore.errors import (
@@ -24,6 +23,7 @@ from kvstore.errors import (
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
+from kvstore.version import __version__
 from kvstore.wire import auth
 from kvstore.wire.blocks import wire_nbytes
 from kvstore.wire.protocol import (

@@ -25,14 +25,16 @@ from kvstore.config.tiers import (
     TierConfig,
 )
 from kvstore.errors import ConfigError
-from kvstore.registry import Entry, Registry
+from kvstore.registry import Entry, Registry, import_target
 
 __all__ = [
     "KIND_PATTERN",
+    "PEER_TIER",
     "TIERS",
     "TierKinds",
     "build_tier",
     "check_kind_name",
+    "peer_tier_class",
     "register_tier_config",
     "tier_config_class",
     "tier_kinds",
@@ -189,3 +191,22 @@ for _cls, _target, _extra in (
         options=_cls,
         install_hint=f"install it with: {install_hint(_extra)}" if _extra else "",
     )
+
+
+#: The cluster's peers as a tier: made by the store from the ``cluster:`` section, never
+#: listed in ``tiers``, so no kind of :data:`TIERS` (whose ``cluster`` name is reserved
+#: for it). Named, not imported: the cluster package builds on the store, and needs redis.
+PEER_TIER: Entry[type] = Entry(
+    ClusterTierConfig.kind,
+    "kvstore.cluster.tier:ClusterTier",
+    f"install it with: {install_hint('redis')}",
+    ClusterTierConfig,
+)
+
+
+def peer_tier_class() -> type:
+    """The class of :data:`PEER_TIER`, imported (:class:`ConfigError` naming what to
+    install when its dependencies are missing). It is built as
+    ``cls(layout, cluster_config, namespace)``."""
+    cls: type = import_target(TIERS.what, PEER_TIER, _is_tier_class)
+    return cls

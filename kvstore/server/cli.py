@@ -121,7 +121,7 @@ def _describe_cluster(cluster: Any) -> str:
 
 
 def _version() -> str:
-    from kvstore import __version__
+    from kvstore.version import __version__
 
     return __version__
 

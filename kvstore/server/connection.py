@@ -29,7 +29,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from kvstore import __version__
 from kvstore.config.server import Credential
 from kvstore.config.tiers import check_namespace
 from kvstore.datapath.contracts import Loan
@@ -49,6 +48,7 @@ from kvstore.server.orphans import ProcessId, process_id
 from kvstore.server.session import Refused, Reservation, ServerContext
 from kvstore.server.stores import HostedStore
 from kvstore.server.tenants import check_scope
+from kvstore.version import __version__
 from kvstore.wire import auth, shm
 from kvstore.wire.protocol import (
     FRAME,
