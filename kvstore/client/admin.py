@@ -6,9 +6,12 @@
 >>> admin.tenants()["tenants"]["team-c"]["namespaces"]
 ['team-c']
 
-Every request needs a token with the ``admin`` scope (else
-:class:`~kvstore.errors.AccessDeniedError`); a malformed change is refused in
-one line (:class:`~kvstore.errors.InvalidInputError`) and changes nothing.
+Every request needs a token with the ``admin`` scope (the operator's), except
+two that a tenant's ``manage`` token may send for its own tenant: ``tenants()``
+(which then lists that tenant alone) and ``put_tokens(tokens)`` (inline secrets,
+no ``admin`` scope granted, one ``manage`` token kept); anything else is a
+:class:`~kvstore.errors.ScopeError`. A malformed change is refused in one line
+(:class:`~kvstore.errors.InvalidInputError`) and changes nothing.
 Each call is one short connection that opens no store.
 :class:`AsyncAdminClient` makes the same requests from asyncio (``await
 admin.tenants()``), over the async client's connections.
@@ -40,6 +43,11 @@ def _tenant(
     return {**body, "quotas": quotas or {}}
 
 
+def _named(tenant: str | None) -> dict[str, str]:
+    """The ``tenant`` field of a request that defaults to the caller's own tenant."""
+    return {} if tenant is None else {"tenant": tenant}
+
+
 class AdminClient:
     """ADMIN requests to one server (see the module docstring)."""
 
@@ -69,6 +77,14 @@ class AdminClient:
         ``{name, token | token_file, scopes}``, and quotas: tier kind to ``{share,
         limit}``); the tenants as they stand after."""
         return self.request("put_tenant", tenant=_tenant(name, namespaces, tokens, quotas))
+
+    def put_tokens(
+        self, tokens: Sequence[dict[str, Any]], tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Replace a tenant's tokens (each ``{name, token, scopes}``) and keep the rest
+        of it: a token rotation. ``tenant``: whose (None: the caller's own, the form a
+        ``manage`` token uses); the tenants the caller sees, as they stand after."""
+        return self.request("put_tokens", tokens=list(tokens), **_named(tenant))
 
     def remove_tenant(self, name: str) -> dict[str, Any]:
         """Remove tenant ``name`` and its tokens (its blocks stay in its namespaces)."""
@@ -117,6 +133,12 @@ class AsyncAdminClient:
         """Add tenant ``name`` or replace it whole (as :meth:`AdminClient.put_tenant`);
         the tenants as they stand after."""
         return await self.request("put_tenant", tenant=_tenant(name, namespaces, tokens, quotas))
+
+    async def put_tokens(
+        self, tokens: Sequence[dict[str, Any]], tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Replace a tenant's tokens (as :meth:`AdminClient.put_tokens`)."""
+        return await self.request("put_tokens", tokens=list(tokens), **_named(tenant))
 
     async def remove_tenant(self, name: str) -> dict[str, Any]:
         """Remove tenant ``name`` and its tokens (its blocks stay in its namespaces)."""

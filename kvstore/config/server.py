@@ -60,8 +60,9 @@ class Credential:
     scopes: frozenset[str] = frozenset({"read", "write"})
 
     def may(self, scope: str) -> bool:
-        """Whether this token carries ``scope``."""
-        return scope in self.scopes
+        """Whether this token carries ``scope`` (``admin``, the operator's, includes a
+        tenant's ``manage``)."""
+        return scope in self.scopes or (scope == "manage" and "admin" in self.scopes)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 A tenant owns namespaces (no two tenants own the same one) and tokens; each
 token maps to that one tenant and carries scopes among ``read`` (OPEN, GET,
 EXISTS, LOOKUP, LIST, STATS), ``write`` (PUT, RESERVE/COMMIT, DELETE, TOKENS,
-HINT, shared memory) and ``admin`` (the ADMIN request: list, change and reload
-tenants and tokens)::
+HINT, shared memory), ``manage`` (the tenant's own administration: list its
+tenant and replace its tokens, nothing else) and ``admin`` (the operator's: the
+ADMIN request over every tenant; list, change and reload tenants and tokens)::
 
     server:
       tenants:
@@ -13,6 +14,7 @@ tenants and tokens)::
           tokens:
             - {name: a-engine, token_file: /etc/kvstore/a.token}           # read, write
             - {name: a-reader, token_file: /etc/kvstore/a-ro.token, scopes: [read]}
+            - {name: a-lead, token_file: /etc/kvstore/a-lead.token, scopes: [manage]}
           quotas:
             host: {share: 4GiB, limit: 6GiB}
             disk: {share: 100GiB, limit: 200GiB}
@@ -25,7 +27,8 @@ may never pass (``limit``), across all its namespaces; the tier's configured
 capacity is the pool tenants share (:mod:`kvstore.quota` says how it is kept).
 
 A tenant's token opens only the tenant's namespaces. ``admin`` is the
-operator's scope: it manages every tenant. The list form (``- {name: team-a,
+operator's scope: it manages every tenant and opens every namespace; ``manage``
+lets a tenant rotate its own tokens without the operator. The list form (``- {name: team-a,
 ...}``) is accepted too.
 """
 
@@ -50,11 +53,13 @@ __all__ = [
     "TenantToken",
     "TierQuotaConfig",
     "check_tenant_name",
+    "parse_tenant",
     "parse_tenants",
+    "parse_token",
 ]
 
 #: Every scope a token may carry.
-SCOPES = ("read", "write", "admin")
+SCOPES = ("read", "write", "manage", "admin")
 #: A token's scopes when its entry names none.
 DEFAULT_SCOPES = ("read", "write")
 
@@ -87,7 +92,8 @@ class TenantToken:
     ``token`` / ``token_file``: the secret, inline or in a file (its first
     line, whitespace stripped): exactly one of the two, at least 16 characters.
 
-    ``scopes``: among ``read``, ``write`` and ``admin`` (default read, write).
+    ``scopes``: among ``read``, ``write``, ``manage`` and ``admin`` (default read,
+    write).
     """
 
     name: str = opt("", parse_str)
@@ -206,13 +212,17 @@ def _names(value: Any, path: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _token(item: Any, path: str) -> TenantToken:
+def parse_token(item: Any, path: str) -> TenantToken:
+    """One tenant token from its mapping (``name``, ``token`` or ``token_file``,
+    ``scopes``); ConfigError naming ``path`` if malformed."""
     if not isinstance(item, Mapping):
         raise ConfigError(f"{path}: expected a mapping, got {type(item).__name__}")
     rest = {k: v for k, v in item.items() if k != "scopes"}
     token: TenantToken = build(TenantToken, rest, path)
     scopes = _scopes(item.get("scopes"), f"{path}.scopes")
-    return TenantToken(token.name, token.token, token.token_file, scopes)
+    checked = TenantToken(token.name, token.token, token.token_file, scopes)
+    checked.validate(path)
+    return checked
 
 
 def _quotas(value: Any, path: str) -> tuple[TierQuotaConfig, ...]:
@@ -245,7 +255,7 @@ def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
     raw = body.get("tokens") or []
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{path}.tokens: expected a list of tokens")
-    tokens = tuple(_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
+    tokens = tuple(parse_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
     quotas = _quotas(body.get("quotas"), f"{path}.quotas")
     endpoints = [
         parse_optional_str(body.get(k), f"{path}.{k}")

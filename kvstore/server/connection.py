@@ -40,6 +40,7 @@ from kvstore.errors import (
     InvalidInputError,
     KVStoreError,
     ProtocolError,
+    ScopeError,
 )
 from kvstore.layout import KVLayout
 from kvstore.server import handlers
@@ -78,6 +79,7 @@ class State(enum.IntEnum):
 
 
 _ERRORS: tuple[tuple[type[Exception], Status], ...] = (
+    (ScopeError, Status.NOT_PERMITTED),  # before its base class: the first match answers
     (AccessDeniedError, Status.FORBIDDEN),
     (ProtocolError, Status.BAD_REQUEST),
     (InvalidInputError, Status.BAD_REQUEST),
@@ -490,7 +492,7 @@ class Connection:
     async def _admin(self, frame: Frame, meta: bytes) -> None:
         if self.ctx.admin is None:
             raise Refused(Status.BAD_REQUEST, "this server takes no ADMIN requests")
-        answer = self.ctx.admin.handle(decode_json(meta))
+        answer = self.ctx.admin.handle(decode_json(meta), self.credential)
         await self.reply(frame, encode_json(answer))
 
     # -- the end --------------------------------------------------------------

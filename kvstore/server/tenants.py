@@ -7,7 +7,11 @@ the request's op must be within its scopes (:data:`OP_SCOPES`). A connection
 that opened a namespace its token no longer opens is refused too.
 
 The ADMIN request (admin scope) lists the tenants, adds or replaces one,
-removes one, or reloads them from the config file (what SIGHUP does). A change
+replaces one's tokens, removes one, or reloads them from the config file (what
+SIGHUP does). A token with a tenant's ``manage`` scope may send two of these,
+for its own tenant only: ``tenants`` (which lists just that tenant) and
+``put_tokens`` (its secrets inline, never a server file; no ``admin`` scope
+granted; a ``manage`` token kept, so the tenant cannot lock itself out). A change
 swaps the server's tokens whole (:meth:`Authenticator.replace`); stores and
 their blocks are untouched: a removed tenant's blocks stay in its namespaces,
 readable again once a tenant owns them. Changes made by ADMIN last until the
@@ -23,8 +27,14 @@ from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.config.server import Credential, ServerConfig
-from kvstore.config.tenants import TenantConfig, check_tenant_name, parse_tenant
-from kvstore.errors import AccessDeniedError, ConfigError, InvalidInputError
+from kvstore.config.tenants import (
+    TenantConfig,
+    TenantToken,
+    check_tenant_name,
+    parse_tenant,
+    parse_token,
+)
+from kvstore.errors import AccessDeniedError, ConfigError, InvalidInputError, ScopeError
 from kvstore.wire.auth import Authenticator
 from kvstore.wire.protocol import Op
 
@@ -49,7 +59,7 @@ OP_SCOPES: dict[int, str] = {
     Op.TOKENS: "write",
     Op.HINT: "write",
     Op.SHM_ATTACH: "write",
-    Op.ADMIN: "admin",
+    Op.ADMIN: "manage",  # admin includes it; AdminDesk sorts out what each may do
 }
 
 
@@ -68,8 +78,9 @@ def check_scope(auth: Authenticator, credential: Credential, op: int) -> Credent
     return now
 
 
-def describe(server: ServerConfig) -> dict[str, Any]:
-    """The tenants and tokens, without their secrets (the ``tenants`` admin answer)."""
+def describe(server: ServerConfig, only: str | None = None) -> dict[str, Any]:
+    """The tenants and tokens, without their secrets (the ``tenants`` admin answer);
+    ``only``: that tenant alone, as its manager sees it (no other tenant, no server token)."""
     tenants = {
         t.name: {
             "namespaces": list(t.namespaces),
@@ -78,7 +89,10 @@ def describe(server: ServerConfig) -> dict[str, Any]:
             "events_endpoint": t.events_endpoint,
         }
         for t in server.tenants
+        if only is None or t.name == only
     }
+    if only is not None:
+        return {"tenants": tenants}
     tokens = [
         {"name": t.name or f"tokens[{i}]", "namespaces": list(t.namespaces)}
         for i, t in enumerate(server.tokens)
@@ -88,6 +102,31 @@ def describe(server: ServerConfig) -> dict[str, Any]:
 
 
 Reloader = Callable[[], StoreConfig]
+
+_ACTIONS = ("tenants", "put_tenant", "put_tokens", "remove_tenant", "reload")
+_ACTIONS_TEXT = ", ".join(_ACTIONS)
+
+
+def _check_managed(tokens: tuple[TenantToken, ...]) -> None:
+    """Refuse (ScopeError) tokens a tenant's manager may not set: a secret read
+    from a file (the server's files are the operator's), the admin scope (the operator
+    grants it), or none left with ``manage`` (the tenant would lock itself out)."""
+    for token in tokens:
+        if token.token_file is not None:
+            raise ScopeError(
+                f"admin put_tokens: {token.name or 'a token'}: a tenant's manager gives "
+                "secrets inline ('token'); token files are the operator's"
+            )
+        if "admin" in token.scopes:
+            raise ScopeError(
+                f"admin put_tokens: {token.name or 'a token'}: only the operator grants "
+                "the admin scope"
+            )
+    if not any("manage" in t.scopes for t in tokens):
+        raise InvalidInputError(
+            "admin put_tokens: keep one token with the manage scope, or the tenant could "
+            "not manage its tokens again (the operator can)"
+        )
 
 
 class AdminDesk:
@@ -108,20 +147,63 @@ class AdminDesk:
         #: quotas name); raises ConfigError to refuse it.
         self.check: Callable[[ServerConfig], None] | None = None
 
-    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One ADMIN request: ``{"action": tenants | put_tenant | remove_tenant | reload}``."""
+    def handle(self, request: dict[str, Any], caller: Credential | None = None) -> dict[str, Any]:
+        """One ADMIN request: ``{"action": tenants | put_tenant | put_tokens |
+        remove_tenant | reload}``. ``caller``: the token that sent it (None: a server
+        without tokens, whose every client is its operator)."""
         action = request.get("action")
+        if action not in _ACTIONS:
+            raise InvalidInputError(f"admin: unknown action {action!r}; actions: {_ACTIONS_TEXT}")
+        if caller is not None and not caller.may("admin"):
+            return self._manage(action, request, caller)
         if action == "tenants":
             return describe(self.server)
         if action == "put_tenant":
             return self._put(request.get("tenant"))
+        if action == "put_tokens":
+            return self._put_tokens(request.get("tenant"), request.get("tokens"), manager=False)
         if action == "remove_tenant":
             return self._remove(request.get("name"))
-        if action == "reload":
-            return self.reload()
-        raise InvalidInputError(
-            f"admin: unknown action {action!r}; actions: tenants, put_tenant, remove_tenant, reload"
-        )
+        return self.reload()
+
+    def _manage(self, action: str, request: dict[str, Any], caller: Credential) -> dict[str, Any]:
+        """What a tenant's ``manage`` token may do: see its tenant, replace its tokens."""
+        own = caller.tenant
+        if action not in ("tenants", "put_tokens"):
+            raise ScopeError(
+                f"admin {action}: needs the admin scope; token {caller.name!r} manages only "
+                f"its tenant {own!r} (tenants, put_tokens)"
+            )
+        named = request.get("tenant", own)
+        if named != own:
+            raise ScopeError(
+                f"admin {action}: token {caller.name!r} manages only its tenant {own!r}"
+            )
+        if action == "put_tokens":
+            self._put_tokens(own, request.get("tokens"), manager=True)
+        return describe(self.server, only=own)
+
+    def _put_tokens(self, name: Any, raw: Any, *, manager: bool) -> dict[str, Any]:
+        """Replace tenant ``name``'s tokens with ``raw`` (the tenant's other settings and
+        blocks stay); a ``manager`` is held to :func:`_check_managed`."""
+        tenant = next((t for t in self.server.tenants if t.name == name), None)
+        if tenant is None:
+            raise InvalidInputError(f"admin put_tokens: no tenant {name!r}")
+        if not isinstance(raw, list) or not raw:
+            raise InvalidInputError(
+                "admin put_tokens: give 'tokens': [{name, token, scopes}, ...] (at least one)"
+            )
+        try:
+            tokens = tuple(parse_token(t, f"tokens[{i}]") for i, t in enumerate(raw))
+        except ConfigError as exc:
+            raise InvalidInputError(f"admin put_tokens: {exc}") from None
+        if manager:
+            _check_managed(tokens)
+        changed = dataclasses.replace(tenant, tokens=tokens)
+        kept = tuple(changed if t.name == name else t for t in self.server.tenants)
+        self._apply(dataclasses.replace(self.server, tenants=kept))
+        log.info("admin: tenant %r tokens replaced (%d tokens)", name, len(tokens))
+        return describe(self.server)
 
     def _put(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):

@@ -79,9 +79,9 @@ def test_a_token_without_the_admin_scope_is_refused(kv_server: Start) -> None:
     server = kv_server(**tenants())
 
     async def scenario() -> None:
-        with pytest.raises(AccessDeniedError, match="lacks the admin scope"):
+        with pytest.raises(AccessDeniedError, match="lacks the manage scope"):
             await admin(server, A_RW).tenants()
-        with pytest.raises(AccessDeniedError, match="lacks the admin scope"):
+        with pytest.raises(AccessDeniedError, match="lacks the manage scope"):
             await admin(server, A_RW).put_tenant("team-c", ["team-c"], [])
         assert set((await admin(server).tenants())["tenants"]) == {"team-a", "ops"}
 

@@ -35,7 +35,7 @@ def test_credentials_carry_tenant_scopes_and_namespaces() -> None:
         }
     ).server
     creds = {c.name: c for c in server.credentials()}
-    assert creds["default"].scopes == {"read", "write", "admin"}
+    assert creds["default"].scopes == {"read", "write", "manage", "admin"}
     assert creds["legacy"].tenant == "legacy" and creds["legacy"].namespaces == {"other"}
     tenant_token = creds["server.tenants.team-a.tokens[0]"]
     assert tenant_token.tenant == "team-a" and tenant_token.namespaces == {"ns-a"}

@@ -26,6 +26,8 @@ A_RW = "a-rw-token-0123456789abcdef"
 A_RO = "a-ro-token-0123456789abcdef"
 B_RW = "b-rw-token-0123456789abcdef"
 C_RW = "c-rw-token-0123456789abcdef"
+A_LEAD = "a-lead-token-0123456789abcdef"
+A_NEW = "a-new-token-0123456789abcdef"
 
 
 def blocks(n: int, seed: int) -> list[torch.Tensor]:
@@ -46,6 +48,7 @@ def tenants() -> dict[str, Any]:
                 "tokens": [
                     {"name": "a-rw", "token": A_RW},
                     {"name": "a-ro", "token": A_RO, "scopes": ["read"]},
+                    {"name": "a-lead", "token": A_LEAD, "scopes": ["manage"]},
                 ],
             },
             "team-b": {"namespaces": ["team-b"], "tokens": [{"name": "b-rw", "token": B_RW}]},
@@ -106,12 +109,12 @@ def test_scopes_are_enforced(kv_server: Start, raw: Any) -> None:
         with pytest.raises(ScopeError, match="lacks the write scope"):
             ro.delete(keys)
         assert ro.lookup(keys) == 2  # nothing changed, and the connection goes on
-    with pytest.raises(AccessDeniedError, match="lacks the admin scope"):
+    with pytest.raises(ScopeError, match="lacks the manage scope"):
         admin(server, A_RW).tenants()
     conn = raw(server.address)
     conn.handshake(token=A_RO.encode(), namespace="team-a", layout=LAYOUT)
     frame, meta, _ = conn.call(Op.ADMIN, encode_json({"action": "tenants"}))
-    assert frame.status == Status.NOT_PERMITTED and b"admin scope" in meta
+    assert frame.status == Status.NOT_PERMITTED and b"manage scope" in meta
     frame, _, _ = conn.call(Op.PING)
     assert frame.status == Status.OK  # refused, not cut off
 
@@ -190,3 +193,43 @@ def test_tokens_added_at_run_time_close_connections_made_without_one(kv_server: 
             anyone.lookup(make_keys(1))
     with client(server, A_RW, "team-a") as a:
         assert a.lookup(make_keys(1)) == 0
+
+
+def test_a_tenants_manager_rotates_its_own_tokens_and_nothing_else(kv_server: Start) -> None:
+    server = kv_server(**tenants())
+    keys = make_keys(2, salt=11)
+    with client(server, A_RW, "team-a") as a:
+        assert all(a.put(keys, blocks(2, seed=11)))
+    lead, ops = admin(server, A_LEAD), admin(server)
+    assert set(lead.tenants()["tenants"]) == {"team-a"}  # no other tenant, no server token
+    before = ops.tenants()
+    refused: list[tuple[Any, ...]] = [
+        (lead.put_tenant, "team-a", ["team-a", "team-b"], []),  # grab another's namespace
+        (lead.remove_tenant, "team-b"),
+        (lead.reload,),
+        (lead.put_tokens, [{"name": "x", "token": A_NEW, "scopes": ["manage"]}], "team-b"),
+        (lead.put_tokens, [{"name": "x", "token": A_NEW, "scopes": ["manage", "admin"]}]),
+        (lead.put_tokens, [{"name": "x", "token_file": "/etc/hostname", "scopes": ["manage"]}]),
+    ]
+    for call, *args in refused:
+        with pytest.raises(ScopeError):
+            call(*args)
+    with pytest.raises(InvalidInputError, match="keep one token with the manage scope"):
+        lead.put_tokens([{"name": "a-rw", "token": A_NEW}])
+    assert ops.tenants() == before  # every refusal changed nothing
+    rotated = [
+        {"name": "a-rw", "token": A_NEW},
+        {"name": "a-lead", "token": A_LEAD, "scopes": ["manage"]},
+    ]
+    tokens = lead.put_tokens(rotated)["tenants"]["team-a"]["tokens"]
+    assert [t["name"] for t in tokens] == ["a-rw", "a-lead"]
+    with pytest.raises(AccessDeniedError):  # the old secret stops working
+        client(server, A_RW, "team-a").ping()
+    with client(server, A_NEW, "team-a") as a:
+        assert a.lookup(keys) == 2  # same tenant, same blocks
+    with client(server, B_RW, "team-b") as b:
+        b.ping()  # other tenants untouched
+    assert ops.tenants()["tenants"]["team-b"] == before["tenants"]["team-b"]
+    ops.put_tokens([{"name": "b2", "token": C_RW}], tenant="team-b")  # the operator: any tenant
+    with client(server, C_RW, "team-b") as b:
+        b.ping()
