@@ -30,7 +30,6 @@ asked in the background instead, and what it holds is warmed (``lookups_deferred
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import threading
 import time
@@ -362,9 +361,9 @@ class RestorerParts:
     media: tuple[str | None, ...] = ()
     #: Read one block in the background (refreshes a stale estimate of its tier).
     probe: Callable[[BlockKey], bool] = lambda key: False
-    #: ``find_later(keys, levels)``: in the background, ask the tiers in the bit mask
-    #: ``levels`` which of ``keys`` they hold and warm those; False if not queued.
-    find_later: Callable[[Sequence[BlockKey], int], bool] = lambda keys, levels: False
+    #: ``find(keys, levels)``: ask the tiers in the bit mask ``levels`` which of ``keys``
+    #: they hold (on the caller's thread); how many leading ``keys`` are stored after.
+    find: Callable[[Sequence[BlockKey], int], int] = lambda keys, levels: 0
     #: ``later(job, not_before)``: run ``job`` in the background once ``time.monotonic()``
     #: reaches ``not_before()`` (asked again then); False if not queued.
     later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: _run_now(
@@ -401,6 +400,10 @@ class Restorer:
         # When the compute that plans expect ends (time.monotonic()): warming waits for
         # it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
         self._busy_until = 0.0
+        # First keys of the prompts whose deferred search is queued or running (a prompt
+        # planned again meanwhile is not searched twice). Guarded by _lock, owned here.
+        self._searching: set[BlockKey] = set()
+        self._lock = threading.Lock()
 
     def costs(self) -> RestoreCosts:
         """The costs a plan made now would weigh."""
@@ -438,10 +441,8 @@ class Restorer:
         warm = [*self._loaded_slow(levels, plan, costs), *plan.warm]
         if warm and self.warming:
             self._after_compute(self._warm_job([keys[i] for i in warm]))
-        if hopeless and self.warming:
-            search = functools.partial(self.parts.find_later, list(keys), hopeless)
-            if self._after_compute(search):
-                self.stats.add("lookups_deferred")
+        if hopeless and self.warming and self._search_later(list(keys), hopeless):
+            self.stats.add("lookups_deferred")
         self._probe_stale(keys, levels, plan, costs)
         return plan
 
@@ -484,6 +485,34 @@ class Restorer:
                 self.stats.add("chunks_warming", self.parts.warm_now([key]))
 
         return job
+
+    def _search_later(self, keys: list[BlockKey], levels: int) -> bool:
+        """Once the compute the plans expect has ended, ask the tiers in ``levels`` (which
+        the plan skipped) for ``keys``, then warm what they hold as a plan's warming does:
+        a chunk at a time, yielding to the next prefill (all at once, those copies would
+        compete with every prefill that follows). False if a search is queued already."""
+        with self._lock:
+            if keys[0] in self._searching:
+                return False
+            self._searching.add(keys[0])
+
+        def job() -> None:
+            try:
+                held = self.parts.find(keys, levels)
+            finally:
+                with self._lock:
+                    self._searching.discard(keys[0])
+            if held:
+                self._warm_job(keys[:held])()
+
+        # With no wait, still not on the planning thread: the search is a slow round trip.
+        queued = (
+            self._after_compute(job) if self.warm_wait_s > 0 else self.parts.later(job, lambda: 0.0)
+        )
+        if not queued:
+            with self._lock:
+                self._searching.discard(keys[0])
+        return queued
 
     def _after_compute(self, job: Callable[[], object]) -> bool:
         """Queue ``job`` (copies that compete with the engine for cores, memory bandwidth

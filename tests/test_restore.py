@@ -3,6 +3,7 @@ following them (get_prefix, warming, stats, the off switch)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -211,9 +212,9 @@ def test_a_tier_is_asked_only_when_a_load_from_it_could_pay(
         asked.append(skip)
         return 0
 
-    def find_later(keys: Any, levels: int) -> bool:
+    def find(keys: Any, levels: int) -> int:
         later.append(levels)
-        return True
+        return 0
 
     speeds = [speed(10.0), speed(1.0, latency_ms)]
     parts = RestorerParts(
@@ -222,7 +223,7 @@ def test_a_tier_is_asked_only_when_a_load_from_it_could_pay(
         lambda: speeds,
         frozenset({0}),
         lambda keys: 0,
-        find_later=find_later,
+        find=find,
     )
     restorer = Restorer(parts, prefill(10_000), (16, 32 * 1024, 1))
     keys = [bytes([i]) * 16 for i in range(8)]
@@ -317,6 +318,57 @@ def test_warming_yields_to_a_prefill_a_later_plan_expects() -> None:
     assert restorer.snapshot()["chunks_warming"] == 4
 
 
+def test_what_a_deferred_search_finds_is_warmed_a_chunk_at_a_time() -> None:
+    """A bucket too slow to ask during the plan is searched once the prefill has ended,
+    and what it holds is warmed as a plan's warming is: a chunk at a time, yielding to the
+    next prompt's prefill (queued all at once, the copies competed with every prefill that
+    followed: bench_restore's slow_planned)."""
+    queued: list[tuple[Any, Any]] = []
+    copied: list[Any] = []
+    searched: list[int] = []
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    keys = [bytes([i]) * 16 for i in range(4)]
+    held: dict[Any, list[int]] = {}
+    restorer: Restorer
+
+    def find(found: Any, levels: int) -> int:
+        searched.append(levels)
+        held.update({k: [1] for k in found})
+        return len(found)
+
+    def warm_now(some: Any) -> int:
+        copied.extend(some)
+        if len(copied) == 2:  # meanwhile, the next prompt's plan: a prefill of 2048 tokens
+            restorer.plan([bytes([9]) * 16], restore_request(2048, 0, False, None))
+        return len(some)
+
+    parts = RestorerParts(
+        lambda ks, recheck, skip: len(list(itertools.takewhile(held.__contains__, ks))),
+        lambda key: held.get(key, []),
+        lambda: speeds,
+        frozenset({0}),
+        lambda some: pytest.fail("warming queued every copy at once"),
+        find=find,
+        later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
+        warm_now=warm_now,
+    )
+    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warm_wait_s=10.0)
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert plan.stored == 0 and len(queued) == 1 and searched == []  # asked later
+    assert not restorer.plan(keys, restore_request(None, 0, False, None)).stored
+    assert len(queued) == 1  # the same prompt again: one search
+    job, not_before = queued[0]
+    time.sleep(max(0.0, not_before() - time.monotonic()))
+    job()
+    assert searched == [0b10] and copied == keys[:2]  # then the next plan came
+    assert restorer.snapshot()["warming_yields"] == 1
+    rest, not_before = queued[-1]
+    assert not_before() > time.monotonic()  # behind the next prompt's compute
+    time.sleep(max(0.0, not_before() - time.monotonic()))
+    rest()
+    assert copied == keys and restorer.snapshot()["chunks_warming"] == 4
+
+
 def test_chunks_loaded_from_another_machines_storage_are_warmed_too() -> None:
     """A bucket fast enough to pay: its chunks are loaded, and copied up as well (the
     engine's copy is not the store's), so that the next request finds the head local."""
@@ -347,12 +399,13 @@ def test_warming_starts_at_once_with_no_wait() -> None:
         lambda: speeds,
         frozenset({0}),
         lambda keys: len(keys),
-        later=lambda job, when: bool(queued.append(job)),
+        later=lambda job, when: queued.append(when()) is None,
     )
     restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warm_wait_s=0.0)
     restorer.plan([bytes([i]) * 16 for i in range(3)], restore_request(None, 0, False, None))
-    assert queued == [] and restorer.snapshot()["chunks_warming"] == 2
-    assert restorer.snapshot()["lookups_deferred"] == 0  # the lookup returned nothing later
+    assert restorer.snapshot()["chunks_warming"] == 2  # copies queued at once
+    # the search of the slow tier, a round trip, still leaves the planning thread: at once
+    assert queued == [0.0] and restorer.snapshot()["lookups_deferred"] == 1
 
 
 def store_config(tmp_path: Path, host_blocks: int = 64, **restore: Any) -> dict[str, Any]:

@@ -32,7 +32,6 @@ docs/architecture.md draws the pieces and the path of each operation.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -363,19 +362,15 @@ class BlockManager:
             self.io.hint(level, some, hint)
         return sum(1 for some in held.values() if some)
 
-    def find_later(self, keys: Sequence[BlockKey], levels: int) -> bool:
-        """In the background, ask the tiers in the bit mask ``levels`` which leading
-        ``keys`` they hold, and warm those (what a plan did not ask slow tiers about);
-        False if a search from the same first key is queued already."""
+    def find(self, keys: Sequence[BlockKey], levels: int) -> int:
+        """Ask the tiers in the bit mask ``levels`` which leading ``keys`` they hold (what
+        a plan did not ask slow tiers about), on the caller's thread; how many leading
+        ``keys`` are stored now."""
         if not keys:
-            return False
+            return 0
         others = (1 << len(self.tiers)) - 1 & ~levels
-        job = functools.partial(self._find_and_warm, list(keys), others)
-        return self.mover.submit(job, key=("find", keys[0]))
-
-    def _find_and_warm(self, keys: list[BlockKey], skip: int) -> None:
-        self.finder.discover(keys, skip=skip)
-        self.warm(keys[: self.books.queries.leading(keys)])
+        self.finder.discover(list(keys), skip=others)
+        return self.books.queries.leading(keys)
 
     def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
         """:meth:`Restorer.chunk_pays <kvstore.restore.Restorer.chunk_pays>`."""
@@ -580,7 +575,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         warm_now=manager.warm_now,
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probes.probe,
-        find_later=manager.find_later,
+        find=manager.find,
         later=manager.mover.submit_later,
         # Where CUDA exists the engine's KV is on the GPU, and a prefetch into it reads
         # the chunks of tiers below memory whole before the first layer is handed over.
