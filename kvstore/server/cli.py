@@ -130,8 +130,10 @@ async def _serve(config: Any, args: argparse.Namespace) -> None:
     from kvstore.server.daemon import Server
 
     server = Server(config, reloader=lambda: _config(args))
-    await server.start()
+    # Before start(): its port accepts before start() returns, and a SIGHUP in between
+    # took the default action (the process ended) or, where ignored, did nothing.
     server.install_signal_handlers()
+    await server.start()
     print(_describe(config, server.addresses, server.cluster), flush=True)
     await server.serve_forever()
 

@@ -167,6 +167,9 @@ class Server:
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
+        # Signals that came while start() ran, taken once it is done (loop-only).
+        self._stop_asked = False
+        self._reload_asked = False
         #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``,
         #: ``events`` / ``events_replay`` (ZMQ endpoints of its KV events).
         self.addresses: dict[str, str] = {}
@@ -218,6 +221,10 @@ class Server:
         self._sweeper = asyncio.create_task(self._sweep_held(self._ctx))
         if self.config.cluster.enabled:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._join_cluster)
+        if self._stop_asked:
+            self._stopped.set()
+        if self._reload_asked:
+            self.reload()
 
     def _join_cluster(self) -> None:
         """Publish this server's blocks in the cluster (if peers can reach it)."""
@@ -378,7 +385,9 @@ class Server:
 
     # -- stop -------------------------------------------------------------------
     def stop(self) -> None:
-        """Ask the server to drain and stop (safe from a signal handler)."""
+        """Ask the server to drain and stop (safe from a signal handler; asked while it
+        starts, it stops once started)."""
+        self._stop_asked = True
         if self._stopped is not None:
             self._stopped.set()
 
@@ -474,7 +483,11 @@ class Server:
 
     def reload(self) -> bool:
         """Take the config file's tokens and tenants now; a bad file is logged in one
-        line and changes nothing. True when they were taken."""
+        line and changes nothing. True when they were taken. Asked while the server
+        starts (its port may accept already), it reloads once started."""
+        if self._ctx is None or self._stopped is None or self._sweeper is None:
+            self._reload_asked = True
+            return False
         try:
             self.admin.reload()
         except KVStoreError as exc:

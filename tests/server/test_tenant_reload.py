@@ -119,3 +119,29 @@ def test_a_bad_file_on_sighup_changes_nothing(server: KVStoreServerProcess) -> N
     rewrite(server, lambda s: s.update(tenants=tenants(with_b=True)))
     assert set(admin.reload()["tenants"]) == {"ops", "team-a", "team-b"}
     assert opens(server, B_RW, "team-b")
+
+
+def test_signals_that_come_while_the_server_starts_are_taken_once_it_has(
+    tmp_path: Path,
+) -> None:
+    """The port accepts before start() returns, so a supervisor's SIGHUP or SIGTERM can
+    come first: the reload and the stop happen once the server has started (a SIGHUP there
+    used to end the process, or do nothing where ignored: CI saw no reload)."""
+    import asyncio
+
+    from kvstore.config import StoreConfig
+    from kvstore.server.daemon import Server
+
+    first = StoreConfig.from_dict(server_test_config(tmp_path, tenants=tenants(with_b=False)))
+    fresh = StoreConfig.from_dict(server_test_config(tmp_path, tenants=tenants(with_b=True)))
+
+    async def scenario() -> list[str]:
+        server = Server(first, reloader=lambda: fresh)
+        assert not server.reload()  # not started: asked, not done
+        server.stop()
+        await server.start()
+        names = [t.name for t in server.admin.server.tenants]
+        await asyncio.wait_for(server.serve_forever(), 30)  # the stop asked before it
+        return names
+
+    assert sorted(asyncio.run(scenario())) == ["ops", "team-a", "team-b"]
