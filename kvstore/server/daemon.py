@@ -485,7 +485,7 @@ class Server:
         """Take the config file's tokens and tenants now; a bad file is logged in one
         line and changes nothing. True when they were taken. Asked while the server
         starts (its port may accept already), it reloads once started."""
-        if self._ctx is None or self._stopped is None or self._sweeper is None:
+        if self._ctx is None:  # start() has not made the state a reload changes yet
             self._reload_asked = True
             return False
         try:
