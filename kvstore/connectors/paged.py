@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.connectors.page_strides import PageSide
 from kvstore.errors import InvalidInputError
 
 __all__ = ["NULL_BLOCK", "CacheWriter", "LayerGroups", "PageMap", "PagedKV"]
@@ -227,11 +228,16 @@ class PagedKV:
         v_pos = page_map.v_pos
         self._v = _rows_cols(v_pos, width, self.device) if v_pos is not None else None
         self._heads = torch.arange(self.heads, device=self.device).view(1, -1, 1)
-        # Whole pages move with index_select / index_copy_ where K and V are column
-        # blocks of the page (every GPU backend's layout): no per-element indexing.
-        self._k_cols = _column_block(page_map.k_pos, width)
-        self._v_cols = _column_block(v_pos, width) if v_pos is not None else None
-        self._whole_pages = self._k_cols is not None and (v_pos is None or self._v_cols is not None)
+        # Whole pages move with index_select / index_copy_ and one strided copy a side
+        # where each side of a page is a strided view of it (every GPU backend's rows,
+        # the CPU backend's transposed K, AMX tiles): no per-element indexing.
+        found = [PageSide.find(pos) for pos in (page_map.k_pos, v_pos) if pos is not None]
+        self._sides = [side for side in found if side is not None]
+        self._whole_pages = len(self._sides) == len(found)
+        # Whether K and V fill a page: if not (padding, scales), a write keeps the rest.
+        self._covered = (
+            self.kv_factor * self.page_tokens * self.head_dim == self.page_tokens * width
+        )
 
     @property
     def num_layers(self) -> int:
@@ -257,8 +263,8 @@ class PagedKV:
 
     def pages(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor | None:
         """The kernel pages holding tokens ``[start, end)``, in order, on the cache's
-        device -- when the range is whole pages and K/V are column blocks of a page
-        (then :meth:`gather` and :meth:`scatter` move whole pages); else None."""
+        device -- when the range is whole pages and each side of a page is a strided
+        view of it (then :meth:`gather` and :meth:`scatter` move whole pages); else None."""
         p = self.page_tokens
         if not self._whole_pages or start % p or end % p or start >= end:
             return None
@@ -330,49 +336,24 @@ class PagedKV:
         if self._v is not None:
             cache.index_put_(self._index(slots, self._v), src[1].to(cache.device, cache.dtype))
 
-    def _page_views(
-        self, pages: torch.Tensor, kv: torch.Tensor
-    ) -> list[tuple[slice, torch.Tensor]]:
-        """Per side (K, V): the page columns it occupies, and ``kv[side]`` seen as
-        ``[pages, heads, page_tokens, D]`` (a view)."""
-        n, p = pages.numel(), self.page_tokens
-        cols = [self._k_cols, self._v_cols][: self.kv_factor]
-        views = []
-        for side, first in enumerate(cols):
-            assert first is not None
-            part = kv[side].view(n, p, self.heads, self.head_dim).permute(0, 2, 1, 3)
-            views.append((slice(first, first + self.head_dim), part))
-        return views
-
     def _gather_pages(self, layer: int, pages: torch.Tensor, out: torch.Tensor) -> None:
-        whole = self.caches[layer].index_select(0, pages)  # [pages, heads, page_tokens, C]
-        for cols, part in self._page_views(pages, out):
-            part.copy_(whole[..., cols])
+        cache = self.caches[layer]
+        whole = cache.index_select(0, pages).view(pages.numel(), self.heads, -1)
+        for side, where in enumerate(self._sides):
+            out[side].view(where.sizes(pages.numel(), self.heads)).copy_(where.view(whole))
 
     def _scatter_pages(self, layer: int, pages: torch.Tensor, src: torch.Tensor) -> None:
         cache = self.caches[layer]
-        views = self._page_views(pages, src)
-        covered = sum(cols.stop - cols.start for cols, _ in views) == cache.shape[-1]
-        # Columns K and V do not cover (padding, scales) keep what the pages hold.
+        n = pages.numel()
         whole = (
-            torch.empty((pages.numel(), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
-            if covered
+            torch.empty((n, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            if self._covered
             else cache.index_select(0, pages)
         )
-        for cols, part in views:
-            whole[..., cols].copy_(part)
+        flat = whole.view(n, self.heads, -1)
+        for side, where in enumerate(self._sides):
+            where.view(flat).copy_(src[side].view(where.sizes(n, self.heads)))
         cache.index_copy_(0, pages, whole)
-
-
-def _column_block(pos: torch.Tensor, width: int) -> int | None:
-    """The first column when ``pos`` (``[page_tokens, D]`` flat page positions) puts token
-    ``t``'s ``D`` values in columns ``c, ..., c + D - 1`` of row ``t``; else None."""
-    tokens, dim = pos.shape
-    first = int(pos[0, 0]) % width
-    want = (torch.arange(tokens).unsqueeze(1) * width + first + torch.arange(dim).unsqueeze(0)).to(
-        pos.device
-    )
-    return first if first + dim <= width and torch.equal(pos.to(torch.int64), want) else None
 
 
 def _rows_cols(

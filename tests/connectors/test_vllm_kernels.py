@@ -87,6 +87,17 @@ def test_conversion_matches_the_cpu_kernels(isa: str, dtype: torch.dtype, head_d
     loaded.scatter(0, loaded.slots(blocks, 100, 257), out[:, 100:257])
     write(k[100:257], v[100:257], theirs, flat[100:257])
     assert torch.equal(ours, theirs)
+    # Whole blocks move through strided views of each ISA's pages, the same bytes.
+    pages = paged.pages(blocks, 0, 256)
+    assert pages is not None, f"{isa} pages are not strided"
+    whole = torch.empty(2, 256, HEADS, head_dim, dtype=dtype)
+    paged.gather(0, paged.slots(blocks, 0, 256), whole, pages)
+    assert torch.equal(whole, out[:, :256])
+    ours.zero_()
+    theirs.zero_()
+    loaded.scatter(0, loaded.slots(blocks, 0, 256), whole, pages)
+    write(k[:256], v[:256], theirs, flat[:256])
+    assert torch.equal(ours, theirs)
 
 
 def test_cpu_vec_layout_is_k_transposed_then_v() -> None:

@@ -135,6 +135,52 @@ def test_scatter_of_a_partial_range_equals_the_kernel_writing_it(name: str) -> N
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_whole_pages_move_through_strided_views_of_each_packing(name: str) -> None:
+    """Each packing here (rows, the CPU's transposed K, tiles) is a strided view of a page:
+    whole pages gather and scatter without per-element indexing, exactly as the kernel
+    packed them."""
+    writer = WRITERS[name]
+    cache, ours, theirs = new_cache(), new_cache(), new_cache()
+    page_map = PageMap.calibrate(writer, cache, D, torch.bfloat16)
+    paged, target = PagedKV([cache], page_map, N), PagedKV([ours], page_map, N)
+    blocks, tokens = [4, 1, 3], 3 * N
+    k, v = kv(tokens)
+    writer(k, v, cache, flat_slots(blocks, 0, tokens))
+    pages = paged.pages(blocks, 0, tokens)
+    assert pages is not None and pages.tolist() == blocks
+    out = torch.empty(2, tokens, H, D, dtype=torch.bfloat16)
+    paged.gather(0, paged.slots(blocks, 0, tokens), out, pages)
+    assert torch.equal(out[0], k) and torch.equal(out[1], v)
+    target.scatter(0, target.slots(blocks, 0, tokens), out, pages)
+    writer(k, v, theirs, flat_slots(blocks, 0, tokens))
+    assert torch.equal(ours, theirs)
+
+
+def test_a_packing_no_strides_describe_moves_element_by_element() -> None:
+    order = torch.randperm(N * D, generator=torch.Generator().manual_seed(3))
+
+    def scrambled(
+        k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        for i, s in enumerate(slots.tolist()):
+            b, t = divmod(s, cache.shape[2])
+            for h in range(cache.shape[1]):
+                page = _page(cache, b, h)
+                page[order[t * D + torch.arange(D)]] = k[i, h]
+                page[N * D + t * D + torch.arange(D)] = v[i, h]
+
+    cache = new_cache()
+    paged = PagedKV([cache], PageMap.calibrate(scrambled, cache, D, torch.bfloat16), N)
+    blocks = [2, 5]
+    assert paged.pages(blocks, 0, 2 * N) is None  # no whole-page path for it
+    k, v = kv(2 * N)
+    scrambled(k, v, cache, flat_slots(blocks, 0, 2 * N))
+    out = torch.empty(2, 2 * N, H, D, dtype=torch.bfloat16)
+    paged.gather(0, paged.slots(blocks, 0, 2 * N), out)
+    assert torch.equal(out[0], k) and torch.equal(out[1], v)
+
+
 def test_kernel_pages_smaller_than_engine_blocks() -> None:
     # vLLM may split a 16-token scheduler block into kernel pages of 8 tokens.
     cache = new_cache(blocks=12, page=N)
