@@ -50,6 +50,7 @@ __all__ = [
     "RestoreStats",
     "Restorer",
     "RestorerParts",
+    "Warming",
     "medium_of",
     "plan_restore",
     "restore_request",
@@ -377,6 +378,21 @@ class RestorerParts:
     staged: bool = False
 
 
+@dataclass(frozen=True)
+class Warming:
+    """When the background warming runs (``restore.warm*`` in the config).
+
+    ``enabled``: warm at all. ``wait_s``: a copy waits for the compute the plans expect to
+    end, but no longer than this (0: copies start at once, all queued together).
+    ``settle_s``: and starts only once no compute has been expected for this long, so
+    that a prompt arriving right after the last one ended (back-to-back requests, or a
+    prefill running past its estimate) finds no copy under way."""
+
+    enabled: bool = True
+    wait_s: float = 0.0
+    settle_s: float = 0.0
+
+
 class Restorer:
     """Plans restores for one store: its tiers' live speeds, the engine's prefill speed,
     counters, and the background warming of what a plan leaves on slow tiers."""
@@ -387,15 +403,15 @@ class Restorer:
         prefill: PrefillSpeed,
         chunk: tuple[int, int, int],
         planning: bool = True,
-        warm: bool = True,
-        warm_wait_s: float = 0.0,
+        warming: Warming = Warming(),
     ) -> None:
         self.parts = parts
         self.prefill = prefill
         self.chunk_tokens, self.chunk_bytes, self.num_layers = chunk
         self.planning = planning
-        self.warming = warm
-        self.warm_wait_s = warm_wait_s
+        self.warming = warming.enabled
+        self.warm_wait_s = warming.wait_s
+        self.warm_settle_s = warming.settle_s
         self.stats = RestoreStats()
         # When the compute that plans expect ends (time.monotonic()): warming waits for
         # it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
@@ -470,15 +486,16 @@ class Restorer:
     def _warm_job(self, keys: list[BlockKey]) -> Callable[[], None]:
         """The job that warms ``keys``. Where the store can copy on the job's thread, it
         copies a chunk at a time, and when a plan made since expects the engine to compute
-        again, the rest waits for that compute to end: prompts that come back to back would
-        otherwise find the first one's warming competing with their prefills."""
+        again, the rest waits for that compute to end (and ``warm_settle_s``): prompts that
+        come back to back would otherwise find the first one's warming competing with
+        their prefills."""
 
         def job() -> None:
             if self.parts.warm_now is None or self.warm_wait_s <= 0:
                 self.stats.add("chunks_warming", self.parts.warm(keys))
                 return
             for i, key in enumerate(keys):
-                if i and time.monotonic() < self._busy_until:
+                if i and time.monotonic() < self._busy_until + self.warm_settle_s:
                     self.stats.add("warming_yields")
                     self._after_compute(self._warm_job(keys[i:]))
                     return
@@ -516,12 +533,14 @@ class Restorer:
 
     def _after_compute(self, job: Callable[[], object]) -> bool:
         """Queue ``job`` (copies that compete with the engine for cores, memory bandwidth
-        and, in its process, the GIL) to start when the compute the plans made so far
-        expect has ended, or ``warm_wait_s`` from now at the latest."""
+        and, in its process, the GIL) to start ``warm_settle_s`` after the compute the
+        plans made so far expect has ended (a plan made meanwhile pushes it back), or
+        ``warm_wait_s`` from now at the latest."""
         if self.warm_wait_s <= 0:
             return bool(job())
         latest = time.monotonic() + self.warm_wait_s
-        return self.parts.later(job, lambda: min(self._busy_until, latest))
+        settle = self.warm_settle_s
+        return self.parts.later(job, lambda: min(self._busy_until + settle, latest))
 
     def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
         """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a

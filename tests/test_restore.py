@@ -18,6 +18,7 @@ from kvstore.restore import (
     Restorer,
     RestoreRequest,
     RestorerParts,
+    Warming,
     plan_restore,
     restore_request,
 )
@@ -258,7 +259,7 @@ def test_warming_waits_for_the_compute_the_plans_expect() -> None:
         warm,
         later=later,
     )
-    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warm_wait_s=10.0)
+    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warming=Warming(wait_s=10.0))
     keys = list(levels)
     began = time.monotonic()
     plan = restorer.plan(keys, restore_request(None, 0, False, None))
@@ -301,7 +302,7 @@ def test_warming_yields_to_a_prefill_a_later_plan_expects() -> None:
         later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
         warm_now=warm_now,
     )
-    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warm_wait_s=10.0)
+    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warming=Warming(wait_s=10.0))
     keys = list(levels)
     restorer.plan(keys, restore_request(None, 0, False, None))
     assert len(queued) == 2 and copied == []  # the warming and the deferred search wait
@@ -316,6 +317,47 @@ def test_warming_yields_to_a_prefill_a_later_plan_expects() -> None:
     rest()
     assert copied[2:] == keys[4:]
     assert restorer.snapshot()["chunks_warming"] == 4
+
+
+def test_warming_waits_for_the_engine_to_settle_after_the_compute_it_expects() -> None:
+    """A copy starts only ``settle_s`` after the expected compute has ended: a prompt that
+    arrives right after the last one ended (back to back, as a busy engine takes them)
+    pushes the warming behind its own prefill before any copy has begun (it began at once
+    before, and ran under that prefill); an engine left idle that long gets its warming."""
+    queued: list[tuple[Any, Any]] = []
+    copied: list[Any] = []
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: levels[key],
+        lambda: speeds,
+        frozenset({0}),
+        lambda keys: pytest.fail("warming queued every copy at once"),
+        later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
+        warm_now=lambda keys: copied.extend(keys) or len(keys),
+    )
+    settle = 0.2
+    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warming=Warming(True, 10.0, settle))
+    keys = list(levels)
+    began = time.monotonic()
+    plan = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert plan.ready_s is not None
+    _, not_before = queued[0]
+    ends = began + plan.ready_s
+    assert ends + settle <= not_before() <= time.monotonic() + plan.ready_s + settle
+    # The next prompt arrives as the first one's compute ends, within the settle time:
+    time.sleep(max(0.0, ends - time.monotonic()))
+    assert not_before() > time.monotonic()  # not due as the compute ends: no copy begins
+    again = restorer.plan(keys, restore_request(None, 0, False, None))
+    assert again.ready_s is not None
+    assert not_before() >= time.monotonic() + again.ready_s  # behind the new prefill
+    assert copied == []
+    job, not_before = queued[0]
+    time.sleep(max(0.0, not_before() - time.monotonic()))
+    job()  # the engine has been idle for the settle time: every chunk is copied
+    assert copied == keys[2:]
+    assert restorer.snapshot()["warming_yields"] == 0
 
 
 def test_what_a_deferred_search_finds_is_warmed_a_chunk_at_a_time() -> None:
@@ -352,7 +394,7 @@ def test_what_a_deferred_search_finds_is_warmed_a_chunk_at_a_time() -> None:
         later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
         warm_now=warm_now,
     )
-    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warm_wait_s=10.0)
+    restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warming=Warming(wait_s=10.0))
     plan = restorer.plan(keys, restore_request(None, 0, False, None))
     assert plan.stored == 0 and len(queued) == 1 and searched == []  # asked later
     assert not restorer.plan(keys, restore_request(None, 0, False, None)).stored
@@ -401,7 +443,7 @@ def test_warming_starts_at_once_with_no_wait() -> None:
         lambda keys: len(keys),
         later=lambda job, when: queued.append(when()) is None,
     )
-    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warm_wait_s=0.0)
+    restorer = Restorer(parts, prefill(1_000), (CT, MB, 1), warming=Warming(wait_s=0.0))
     restorer.plan([bytes([i]) * 16 for i in range(3)], restore_request(None, 0, False, None))
     assert restorer.snapshot()["chunks_warming"] == 2  # copies queued at once
     # the search of the slow tier, a round trip, still leaves the planning thread: at once
@@ -530,6 +572,7 @@ def test_bad_plan_input_is_refused(tmp_path: Path) -> None:
         ({"prefill_table": "[[1, 2"}, "not valid YAML"),
         ({"planning": "maybe"}, "restore.planning: expected true or false"),
         ({"warm_wait_s": -1}, "restore.warm_wait_s: must be >= 0"),
+        ({"warm_settle_s": -0.5}, "restore.warm_settle_s: must be >= 0"),
     ],
 )
 def test_bad_restore_config_is_a_clear_error(restore: dict[str, Any], message: str) -> None:
@@ -554,7 +597,7 @@ def test_a_partial_plan_warms_the_disk_chunks_it_loads_too() -> None:
         lambda keys: warmed.append(list(keys)) or len(keys),
         media=("memory", "disk", "shared"),
     )
-    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warm_wait_s=0.0)
+    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warming=Warming(wait_s=0.0))
     keys = list(where)
     plan = restorer.plan(keys, restore_request(None, 0, False, None))
     assert (plan.load, plan.warm) == (2, (2, 3))  # the disk pays at 2K tokens/s; the bucket not
@@ -572,7 +615,7 @@ def test_a_plan_that_loads_all_from_disk_warms_nothing() -> None:
         lambda keys: warmed.append(list(keys)) or len(keys),
         media=("memory", "disk", "shared"),
     )
-    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warm_wait_s=0.0)
+    restorer = Restorer(parts, prefill(2_000), (CT, 32 * MB, 1), warming=Warming(wait_s=0.0))
     plan = restorer.plan([bytes([i]) * 16 for i in range(3)], restore_request(None, 0, False, None))
     assert (plan.load, plan.reason, warmed) == (3, "all", [])
 

@@ -219,6 +219,10 @@ class RestoreConfig:
     engine the copy shares cores, memory bandwidth and the GIL with the model), but
     no longer than this many seconds (0: start at once).
 
+    ``warm_settle_s``: the copy starts only once no compute has been expected for this
+    long, so that a prompt that arrives right after the last one ended (requests back
+    to back, or a prefill that ran past its estimate) finds no copy under way.
+
     ``speed_half_life_s``: each tier's read speed is a fit over its recent
     reads, each weighted by how recent it is; a read's weight halves every
     this many seconds (a tier that slows down shows within a few half-lives).
@@ -234,14 +238,16 @@ class RestoreConfig:
     learn_prefill: bool = _opt(True, parse_bool)
     warm: bool = _opt(True, parse_bool)
     warm_wait_s: float = _opt(30.0, parse_float)
+    warm_settle_s: float = _opt(0.5, parse_float)
     speed_half_life_s: float = _opt(30.0, parse_float)
     speed_stale_s: float = _opt(300.0, parse_float)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
         _check_positive(self, path, "speed_half_life_s", "speed_stale_s")
-        if self.warm_wait_s < 0:
-            raise ConfigError(f"{path}.warm_wait_s: must be >= 0, got {self.warm_wait_s}")
+        for name in ("warm_wait_s", "warm_settle_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{path}.{name}: must be >= 0, got {getattr(self, name)}")
         if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
             raise ConfigError(
                 f"{path}.prefill_tokens_per_s: must be > 0, got {self.prefill_tokens_per_s}"

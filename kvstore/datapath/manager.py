@@ -66,7 +66,7 @@ from kvstore.layout import KVLayout
 from kvstore.memory import cuda_available
 from kvstore.placement import Placement, TierRules
 from kvstore.quota import QuotaHook, QuotaLedger
-from kvstore.restore import Restorer, RestorerParts, medium_of
+from kvstore.restore import Restorer, RestorerParts, Warming, medium_of
 from kvstore.speeds import PrefillSpeed
 from kvstore.tiers.base import LayerRange, Tier
 
@@ -589,14 +589,8 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         manager.clock,
     )
     chunk = (layout.block_tokens, layout.block_nbytes, layout.num_layers)
-    return Restorer(
-        parts,
-        prefill,
-        chunk,
-        planning=restore.planning,
-        warm=restore.warm,
-        warm_wait_s=restore.warm_wait_s,
-    )
+    warming = Warming(restore.warm, restore.warm_wait_s, restore.warm_settle_s)
+    return Restorer(parts, prefill, chunk, planning=restore.planning, warming=warming)
 
 
 def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:
