@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import parse_optional_str, parse_size, parse_str
+from kvstore._values import parse_bool, parse_optional_str, parse_size, parse_str
 from kvstore.config._fields import build, opt
 from kvstore.config.events import EventsConfig
 from kvstore.config.kinds import tier_kinds
@@ -151,6 +151,12 @@ class TenantConfig:
     the ZMQ sockets (PUB, and ROUTER for replays) that carry this tenant's KV
     events, and only its: its stores publish there instead of on ``events.endpoint``.
     None: its events go out with the server's.
+
+    ``events_auth``: subscribers of those sockets must authenticate (ZMQ PLAIN: user
+    the tenant's name, password one of its tokens with the ``read`` scope, or the
+    operator's), checked against the tokens as they stand at each connection. Off by
+    default: consumers such as Dynamo's indexer connect without credentials. PLAIN
+    sends the token as it is: keep such an endpoint on ``ipc://`` or behind a tunnel.
     """
 
     name: str
@@ -159,6 +165,7 @@ class TenantConfig:
     quotas: tuple[TierQuotaConfig, ...] = ()
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
+    events_auth: bool = False
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` naming ``path`` for a bad name, namespace or token."""
@@ -171,8 +178,9 @@ class TenantConfig:
             token.validate(f"{path}.tokens[{i}]")
         for quota in self.quotas:
             quota.validate(f"{path}.quotas.{quota.tier}")
-        if self.events_replay_endpoint is not None and self.events_endpoint is None:
-            raise ConfigError(f"{path}.events_replay_endpoint: give events_endpoint too")
+        for name in ("events_replay_endpoint", "events_auth"):
+            if getattr(self, name) and self.events_endpoint is None:
+                raise ConfigError(f"{path}.{name}: give events_endpoint too")
         if self.events_endpoint is not None:
             self.events(EventsConfig(), path)
 
@@ -195,6 +203,7 @@ class TenantConfig:
             "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in self.quotas},
             "events_endpoint": self.events_endpoint,
             "events_replay_endpoint": self.events_replay_endpoint,
+            "events_auth": self.events_auth,
         }
 
 
@@ -247,6 +256,7 @@ def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
     if not isinstance(body, Mapping):
         raise ConfigError(f"{path}: expected a mapping, got {type(body).__name__}")
     keys = {"namespaces", "tokens", "quotas", "events_endpoint", "events_replay_endpoint"}
+    keys.add("events_auth")
     unknown = set(body) - {"name", *keys}
     if unknown:
         allowed = ", ".join(sorted(keys))
@@ -257,11 +267,12 @@ def parse_tenant(name: str, body: Any, path: str) -> TenantConfig:
         raise ConfigError(f"{path}.tokens: expected a list of tokens")
     tokens = tuple(parse_token(t, f"{path}.tokens[{i}]") for i, t in enumerate(raw))
     quotas = _quotas(body.get("quotas"), f"{path}.quotas")
-    endpoints = [
+    endpoint, replay = (
         parse_optional_str(body.get(k), f"{path}.{k}")
         for k in ("events_endpoint", "events_replay_endpoint")
-    ]
-    tenant = TenantConfig(name, namespaces, tokens, quotas, *endpoints)
+    )
+    auth = parse_bool(body.get("events_auth", False), f"{path}.events_auth")
+    tenant = TenantConfig(name, namespaces, tokens, quotas, endpoint, replay, auth)
     tenant.validate(path)
     return tenant
 

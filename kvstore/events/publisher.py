@@ -69,6 +69,8 @@ except ImportError:  # pragma: no cover - depends on the install
         f"events: publishing KV events needs 'pyzmq'; install it with: {INSTALL_HINT}"
     ) from None
 
+from kvstore.events.zap import Check, ZapHandler, require_plain
+
 __all__ = ["END_SEQ", "SNAPSHOT_BATCH_EVENTS", "EventPublisher", "Source"]
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,12 @@ class EventPublisher:
     stores may share one publisher (each registers its snapshot source).
     """
 
-    def __init__(self, config: EventsConfig) -> None:
+    def __init__(self, config: EventsConfig, authenticate: Check | None = None) -> None:
         self.config = config
+        #: ``authenticate(user, password)``: subscribers must connect with ZMQ PLAIN
+        #: credentials it accepts (:mod:`kvstore.events.zap`); None: anyone may connect.
+        self.authenticate = authenticate
+        self._zap: ZapHandler | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._sources: list[Source] = []
@@ -153,14 +159,20 @@ class EventPublisher:
     def _open_sockets(self) -> None:
         assert self._ctx is not None
         config = self.config
+        if self.authenticate is not None:  # ZAP's handler before any socket binds
+            self._zap = ZapHandler(self._ctx, self.authenticate)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, _LINGER_MS)
+        if self._zap is not None:
+            require_plain(self._pub)
         self.bound_endpoint = self._attach(self._pub, config.endpoint, "endpoint")
         if config.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer
             self._replay.setsockopt(zmq.LINGER, _LINGER_MS)
+            if self._zap is not None:
+                require_plain(self._replay)
             self.bound_replay_endpoint = self._attach(
                 self._replay, config.replay_endpoint, "replay_endpoint", bind=True
             )
@@ -204,6 +216,9 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=_LINGER_MS)
         self._pub = self._replay = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -246,7 +261,9 @@ class EventPublisher:
     def stats(self) -> dict[str, int]:
         """Batches, events and payload bytes published; replays served; snapshots taken;
         the next sequence number."""
-        return {**self._counts, "next_seq": self._seq, "buffered": len(self._buffer)}
+        zap = self._zap.counts if self._zap is not None else {}
+        subscribers = {f"subscribers_{name}": n for name, n in zap.items()}
+        return {**self._counts, **subscribers, "next_seq": self._seq, "buffered": len(self._buffer)}
 
     def _wake(self) -> None:
         with self._lock:  # close() must not close the pipe under a write
@@ -261,12 +278,16 @@ class EventPublisher:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.socket, zmq.POLLIN)
         self._send(time.time(), [AllBlocksCleared()])
         running = True
         while running:
             ready = dict(poller.poll(100))
             if self._wake_r in ready:
                 self._clear_wakeups()
+            while self._zap is not None and self._zap.socket.poll(0):
+                self._zap.answer()
             running = self._drain_queue()
             beat = self.config.heartbeat_s
             if running and beat and time.monotonic() - self._last_send >= beat:

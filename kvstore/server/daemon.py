@@ -261,12 +261,18 @@ class Server:
             if tenant.events_endpoint is None:
                 continue
             where = f"server.tenants.{tenant.name}"
-            publisher = EventPublisher(tenant.events(self.config.events, where))
+            check = self._events_check(tenant.name) if tenant.events_auth else None
+            publisher = EventPublisher(tenant.events(self.config.events, where), check)
             self.tenant_events[tenant.name] = publisher
             publisher.start()
             self.addresses[f"events:{tenant.name}"] = publisher.bound_endpoint or ""
             if publisher.bound_replay_endpoint:
                 self.addresses[f"events_replay:{tenant.name}"] = publisher.bound_replay_endpoint
+
+    def _events_check(self, tenant: str) -> Callable[[str, bytes], bool]:
+        """Who may subscribe to ``tenant``'s own KV events (``events_auth``): its readers
+        and the operator, by the tokens as they stand when a subscriber connects."""
+        return lambda user, secret: self._authenticator.reads_events_of(tenant, user, secret)
 
     def _events_for(self, namespace: str) -> EventPublisher | None:
         tenant = self._authenticator.tenant_of(namespace)

@@ -87,6 +87,7 @@ def describe(server: ServerConfig, only: str | None = None) -> dict[str, Any]:
             "tokens": [{"name": k.name, "scopes": list(k.scopes)} for k in t.tokens],
             "quotas": {q.tier: {"share": q.share, "limit": q.limit} for q in t.quotas},
             "events_endpoint": t.events_endpoint,
+            "events_auth": t.events_auth,
         }
         for t in server.tenants
         if only is None or t.name == only

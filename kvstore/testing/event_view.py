@@ -41,9 +41,16 @@ _POLL_MS = 50
 class EventView:
     """Block hash -> medium, built only from the events of one publisher."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None,
+        credentials: tuple[str, str] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        #: ``(user, password)`` for a publisher that checks tokens (ZMQ PLAIN).
+        self.credentials = credentials
         self._lock = threading.Lock()
         self._view: dict[int | bytes, str] = {}
         self._last_seq: int | None = None
@@ -100,11 +107,17 @@ class EventView:
             return dict(self._counts)
 
     # -- the receiving thread --------------------------------------------------------------
+    def _sign(self, sock: Any) -> None:
+        if self.credentials is not None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, self.credentials[0].encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self.credentials[1].encode())
+
     def _run(self) -> None:
         ctx: Any = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        self._sign(sub)
         sub.connect(self.endpoint)
         try:
             while not self._stop.is_set():
@@ -128,6 +141,7 @@ class EventView:
             return
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self._sign(sock)
         sock.connect(self.replay_endpoint)
         try:
             sock.send_multipart([b"", start.to_bytes(8, "big")])

@@ -75,6 +75,21 @@ class Authenticator:
                 found = cred
         return found
 
+    def reads_events_of(self, tenant: str, user: str, secret: bytes) -> bool:
+        """Whether ``secret`` is, as the tokens stand now, a token that may read
+        ``tenant``'s KV events: one of that tenant's with the read scope (``user`` names
+        the tenant), or the operator's (admin scope). Compared with every token in
+        constant time, as :meth:`verify` does."""
+        found = None
+        for cred in self._credentials:
+            if hmac.compare_digest(cred.secret, secret):
+                found = cred
+        if found is None:
+            return False
+        if found.may("admin"):
+            return True
+        return user == tenant == found.tenant and found.may("read")
+
     def allows(self, credential: Credential | None, namespace: str) -> bool:
         """Whether ``credential`` (None: an unauthenticated server) opens ``namespace``."""
         if credential is None or credential.may("admin"):  # the operator opens them all

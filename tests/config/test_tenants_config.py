@@ -57,6 +57,11 @@ def test_credentials_carry_tenant_scopes_and_namespaces() -> None:
             {"tenants": {"t": {"events_replay_endpoint": "tcp://127.0.0.1:0"}}},
             "give events_endpoint too",
         ),
+        ({"tenants": {"t": {"events_auth": True}}}, r"t\.events_auth: give events_endpoint too"),
+        (
+            {"tenants": {"t": {"events_endpoint": "tcp://127.0.0.1:0", "events_auth": "maybe"}}},
+            r"server\.tenants\.t\.events_auth: expected true or false",
+        ),
         (
             {"tenants": {"t": {"namespaces": ["n"]}, "u": {"namespaces": ["n"]}}},
             "namespace 'n' already belongs to tenant 't'",
