@@ -275,9 +275,9 @@ class RunFailed(RuntimeError):
     """A vLLM process failed; the message has the tail of its log."""
 
 
-def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Run the driver on ``run`` in a new process (its own session, killed whole at the
-    end); its JSON result with the process's seconds, counters and logged metrics."""
+def launch(run: Run, work: Path, args: argparse.Namespace, lockstep: Path | None = None) -> Any:
+    """Start the driver on ``run`` in a new process (its own session); its ``Popen``.
+    ``lockstep``: the driver's ``--lockstep`` directory (each request waits its turn)."""
     prompts_file = work / f"{run.name}-prompts.json"
     prompts_file.write_text(json.dumps(run.requests))
     out, log_path = work / f"{run.name}.json", work / f"{run.name}.log"
@@ -287,9 +287,10 @@ def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--repeat", str(run.repeat), "--gap-s", str(run.gap_s), "--out", str(out)]
     if run.store_config is not None:
         cmd += ["--store-config", json.dumps(run.store_config), "--stats-dir", str(stats_dir)]
-    start = time.perf_counter()
+    if lockstep is not None:
+        cmd += ["--lockstep", str(lockstep)]
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd,
             stdout=logf,
             stderr=subprocess.STDOUT,
@@ -297,22 +298,35 @@ def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
             cwd=ROOT,
             start_new_session=True,
         )
-        try:
-            rc: int | None = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine and worker processes too
-            proc.wait()
-    wall = time.perf_counter() - start
+
+
+def collect(run: Run, proc: Any, work: Path, timeout: float | None) -> dict[str, Any]:
+    """Wait for ``proc`` (``run``'s driver; killed whole at the end, vLLM's engine and
+    worker processes too); its JSON result with its counters and logged metrics."""
+    out, log_path = work / f"{run.name}.json", work / f"{run.name}.log"
+    try:
+        rc: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     if rc != 0 or not out.exists():
-        why = f"timed out after {args.timeout:.0f} s" if rc is None else f"exit status {rc}"
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"exit status {rc}"
         raise RunFailed(f"{run.name}: {why}\n{tail(log_path)}")
     result: dict[str, Any] = json.loads(out.read_text())
-    result["process_s"] = round(wall, 1)
-    result["counters"] = read_counters(stats_dir)
+    result["counters"] = read_counters(work / f"{run.name}-stats")
     result["kv_metrics"] = kv_metrics(log_path.read_text(errors="replace"))
+    return result
+
+
+def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the driver on ``run`` to its end; its JSON result with the process's seconds,
+    counters and logged metrics (:func:`launch`, :func:`collect`)."""
+    start = time.perf_counter()
+    result = collect(run, launch(run, work, args), work, args.timeout)
+    result["process_s"] = round(time.perf_counter() - start, 1)
     return result
 
 

