@@ -8,10 +8,12 @@ subject and its baseline are timed in the same run, interleaved in rounds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,3 +152,18 @@ def drop_cache(paths: Sequence[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def wait_then_kill(proc: subprocess.Popen[Any], timeout: float | None) -> int | None:
+    """``proc``'s exit status (None: still running after ``timeout`` seconds); then its
+    whole process group is killed (it was started in a session of its own, so vLLM's
+    engine and worker processes go with it)."""
+    try:
+        rc: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return rc

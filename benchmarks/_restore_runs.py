@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _common import median
+from _common import median, wait_then_kill
 
 if TYPE_CHECKING:
     from kvstore.keys import BlockKey
@@ -304,14 +303,7 @@ def collect(run: Run, proc: Any, work: Path, timeout: float | None) -> dict[str,
     """Wait for ``proc`` (``run``'s driver; killed whole at the end, vLLM's engine and
     worker processes too); its JSON result with its counters and logged metrics."""
     out, log_path = work / f"{run.name}.json", work / f"{run.name}.log"
-    try:
-        rc: int | None = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    rc = wait_then_kill(proc, timeout)
     if rc != 0 or not out.exists():
         why = f"timed out after {timeout:.0f} s" if rc is None else f"exit status {rc}"
         raise RunFailed(f"{run.name}: {why}\n{tail(log_path)}")

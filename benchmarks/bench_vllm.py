@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _common import base_parser, emit, environment, log, median
+from _common import base_parser, emit, environment, log, median, wait_then_kill
 from _vllm_worker import EXAMPLES, kv_transfer_config, worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,14 +193,7 @@ def run_config(
         proc = subprocess.Popen(
             cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: vLLM's leftovers too
-            proc.wait()
+        rc = wait_then_kill(proc, timeout)
     wall = time.perf_counter() - start
     if rc == 0 and out_path.exists():
         result: dict[str, Any] = {"ok": True, **json.loads(out_path.read_text())}

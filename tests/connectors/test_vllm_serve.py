@@ -208,15 +208,21 @@ class Server:
             self.proc.wait(timeout=10)
 
 
-def write_model(work: Path) -> Path:
-    """The example's random Llama, written by .venv-vllm's Python (torch, safetensors)."""
-    model = work / "model"
+def write_in_engine_venv(model: Path, call: str) -> Path:
+    """Write the checkpoint ``model`` with ``call`` (an ``examples/`` module's writer, its
+    path argument ``path``) in .venv-vllm's Python (torch, transformers, safetensors)."""
+    module = call.split(".", 1)[0]
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "import vllm_offline; vllm_offline.write_model(Path(sys.argv[2]))"
+        f"import {module}; path = Path(sys.argv[2]); {call}"
     )
     subprocess.run([str(VLLM_PYTHON), "-c", code, str(EXAMPLES), str(model)], check=True)
     return model
+
+
+def write_model(work: Path) -> Path:
+    """The example's random Llama."""
+    return write_in_engine_venv(work / "model", "vllm_offline.write_model(path)")
 
 
 def read_stats(stats_dir: Path, role: str) -> dict[str, float]:
@@ -309,14 +315,9 @@ HYBRID_PREFIX = 5 * HYBRID_BLOCK
 
 def write_hybrid_model(work: Path) -> Path:
     """``examples/vllm_models.py``'s random GraniteMoeHybrid (three Mamba2 layers, one
-    attention layer), written by .venv-vllm's Python."""
+    attention layer)."""
     model = work / "model-granite_hybrid"
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "import vllm_models; vllm_models.write('granite_hybrid', Path(sys.argv[2]))"
-    )
-    subprocess.run([str(VLLM_PYTHON), "-c", code, str(EXAMPLES), str(model)], check=True)
-    return model
+    return write_in_engine_venv(model, "vllm_models.write('granite_hybrid', path)")
 
 
 def hybrid_answer(server: Server, prompt: list[int]) -> dict[str, Any]:
