@@ -384,9 +384,10 @@ class Warming:
 
     ``enabled``: warm at all. ``wait_s``: a copy waits for the compute the plans expect to
     end, but no longer than this (0: copies start at once, all queued together).
-    ``settle_s``: and starts only once no compute has been expected for this long, so
-    that a prompt arriving right after the last one ended (back-to-back requests, or a
-    prefill running past its estimate) finds no copy under way."""
+    ``settle_s``: and starts only once no compute has been expected for this long (or
+    for as long as the last expected compute, if that was shorter), so that a prompt
+    arriving right after the last one ended (back-to-back requests, or a prefill running
+    past its estimate) finds no copy under way."""
 
     enabled: bool = True
     wait_s: float = 0.0
@@ -413,8 +414,8 @@ class Restorer:
         self.warm_wait_s = warming.wait_s
         self.warm_settle_s = warming.settle_s
         self.stats = RestoreStats()
-        # When the compute that plans expect ends (time.monotonic()): warming waits for
-        # it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
+        # When the compute that plans expect ends, and the engine has settled after it
+        # (time.monotonic()): warming waits for it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
         self._busy_until = 0.0
         # First keys of the prompts whose deferred search is queued or running (a prompt
         # planned again meanwhile is not searched twice). Guarded by _lock, owned here.
@@ -453,7 +454,10 @@ class Restorer:
         plan = plan_restore(request, costs)
         self.stats.planned(plan, costs.chunk_tokens)
         if plan.ready_s is not None:
-            self._busy_until = max(self._busy_until, time.monotonic() + plan.ready_s)
+            # The engine counts as busy past the compute for a settle time (as long as
+            # that compute, at most warm_settle_s): a short plan barely defers warming.
+            settle = min(self.warm_settle_s, plan.ready_s)
+            self._busy_until = max(self._busy_until, time.monotonic() + plan.ready_s + settle)
         warm = [*self._loaded_slow(levels, plan, costs), *plan.warm]
         if warm and self.warming:
             self._after_compute(self._warm_job([keys[i] for i in warm]))
@@ -495,7 +499,7 @@ class Restorer:
                 self.stats.add("chunks_warming", self.parts.warm(keys))
                 return
             for i, key in enumerate(keys):
-                if i and time.monotonic() < self._busy_until + self.warm_settle_s:
+                if i and time.monotonic() < self._busy_until:
                     self.stats.add("warming_yields")
                     self._after_compute(self._warm_job(keys[i:]))
                     return
@@ -539,8 +543,7 @@ class Restorer:
         if self.warm_wait_s <= 0:
             return bool(job())
         latest = time.monotonic() + self.warm_wait_s
-        settle = self.warm_settle_s
-        return self.parts.later(job, lambda: min(self._busy_until + settle, latest))
+        return self.parts.later(job, lambda: min(self._busy_until, latest))
 
     def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
         """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a

@@ -337,12 +337,13 @@ def test_warming_waits_for_the_engine_to_settle_after_the_compute_it_expects() -
         later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
         warm_now=lambda keys: copied.extend(keys) or len(keys),
     )
-    settle = 0.2
+    settle = 0.05
     restorer = Restorer(parts, prefill(20_000), (CT, MB, 1), warming=Warming(True, 10.0, settle))
     keys = list(levels)
     began = time.monotonic()
     plan = restorer.plan(keys, restore_request(None, 0, False, None))
     assert plan.ready_s is not None
+    assert plan.ready_s > settle  # settles for warm_settle_s (a shorter compute: its own)
     _, not_before = queued[0]
     ends = began + plan.ready_s
     assert ends + settle <= not_before() <= time.monotonic() + plan.ready_s + settle
@@ -358,6 +359,29 @@ def test_warming_waits_for_the_engine_to_settle_after_the_compute_it_expects() -
     job()  # the engine has been idle for the settle time: every chunk is copied
     assert copied == keys[2:]
     assert restorer.snapshot()["warming_yields"] == 0
+
+
+def test_a_short_compute_settles_for_as_long_as_itself() -> None:
+    """A plan expecting microseconds of compute defers warming by as much, not by the whole
+    settle time: a caller that plans every few milliseconds (SGLang polling
+    ``batch_exists``) would otherwise never let the warming start."""
+    queued: list[tuple[Any, Any]] = []
+    speeds = [speed(10.0), speed(0.0001, 500.0)]
+    levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
+    parts = RestorerParts(
+        lambda keys, recheck, skip: len(keys),
+        lambda key: levels[key],
+        lambda: speeds,
+        frozenset({0}),
+        lambda keys: len(keys),
+        later=lambda job, not_before: bool(queued.append((job, not_before))) or True,
+        warm_now=lambda keys: len(keys),
+    )
+    restorer = Restorer(parts, prefill(1e9), (CT, MB, 1), warming=Warming(True, 10.0, 5.0))
+    plan = restorer.plan(list(levels), restore_request(None, 0, False, None))
+    assert plan.ready_s is not None and plan.ready_s < 1e-3
+    _, not_before = queued[0]
+    assert not_before() < time.monotonic() + 0.01  # due at once, not 5 s from now
 
 
 def test_what_a_deferred_search_finds_is_warmed_a_chunk_at_a_time() -> None:

@@ -220,8 +220,9 @@ class RestoreConfig:
     no longer than this many seconds (0: start at once).
 
     ``warm_settle_s``: the copy starts only once no compute has been expected for this
-    long, so that a prompt that arrives right after the last one ended (requests back
-    to back, or a prefill that ran past its estimate) finds no copy under way.
+    long (or for as long as the last expected compute, if that was shorter), so that a
+    prompt that arrives right after the last one ended (requests back to back, or a
+    prefill that ran past its estimate) finds no copy under way.
 
     ``speed_half_life_s``: each tier's read speed is a fit over its recent
     reads, each weighted by how recent it is; a read's weight halves every
