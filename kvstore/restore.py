@@ -415,7 +415,8 @@ class Restorer:
         self.warm_settle_s = warming.settle_s
         self.stats = RestoreStats()
         # When the compute that plans expect ends, and the engine has settled after it
-        # (time.monotonic()): warming waits for it. Written by plan() callers, read by the mover's timer; a float swap, no lock.
+        # (time.monotonic()): warming waits for it. Written by plan() callers, read by
+        # the mover's timer; a float swap, no lock.
         self._busy_until = 0.0
         # First keys of the prompts whose deferred search is queued or running (a prompt
         # planned again meanwhile is not searched twice). Guarded by _lock, owned here.
