@@ -1,6 +1,6 @@
-"""The short form of the memory soak (``benchmarks/bench_soak.py``, issue 32): two
-minutes of mixed load at capacity on one store and one kvstore-server, sampled every
-few seconds. Memory gets a loose bound (a short run still sees allocator warm-up);
+"""The short form of the memory soak (``benchmarks/bench_soak.py``, issue 32): one
+minute of mixed load at capacity on one store and one kvstore-server, sampled every
+five seconds. Memory gets a loose bound (a short run still sees allocator warm-up);
 counts must not move at all, and no byte may be wrong. A subscriber of the server's KV
 events, restarted now and then, ends with exactly what the server holds."""
 
@@ -24,11 +24,11 @@ def test_soak_short_keeps_memory_and_counts_flat() -> None:
             sys.executable,
             str(BENCH),
             "--minutes",
-            "2",
+            "1",
             "--warmup-minutes",
-            "0.5",
+            "0.25",
             "--interval",
-            "10",
+            "5",
             "--max-growth",
             "0.25",
         ],
