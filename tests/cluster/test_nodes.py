@@ -20,8 +20,10 @@ import torch
 from cluster_nodes import HEARTBEAT, LAYOUT, Nodes, blocks, eventually, read
 
 from kvstore import KVStore
+from kvstore.cluster.router import NodeRank
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.servers import RedisServer
+from kvstore.wire.protocol import SlotStatus
 
 
 def test_a_block_stored_on_a_is_fetched_byte_exact_through_b(nodes: Nodes) -> None:
@@ -59,24 +61,41 @@ def test_an_in_process_store_with_a_cluster_config_reads_from_the_nodes(nodes: N
         assert [t.kind for t in store.datapath.tiers] == ["host", "cluster"]
 
 
-def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes) -> None:
+def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes, aws_env: None) -> None:
+    """c computed a prompt's first 2 chunks, then a the whole prompt: a can load all 6
+    (its own, and c's 2 from the bucket where a's put found them there and left them
+    PRESENT: whether it does depends on when a last listed the bucket), c its first 2
+    and would recompute the rest, b nothing of its own."""
     keys, data = make_keys(6, salt=2), blocks(6, seed=2)
     with nodes.client("a") as a, nodes.client("c") as c:
-        assert all(a.put(keys, data))
-        assert all(c.put(keys[:2], data[:2]))
+        assert c.put_statuses(keys[:2], data[:2]) == [SlotStatus.STORED] * 2
+        assert eventually(lambda: nodes.holders(keys[:2])["c"] == [True, True])
+        assert eventually(lambda: nodes.on_s3(keys[:2]))
+        statuses = a.put_statuses(keys, data)
+    assert statuses[2:] == [SlotStatus.STORED] * 4
+    assert set(statuses[:2]) <= {SlotStatus.STORED, SlotStatus.PRESENT}
+
+    def loadable(rank: NodeRank) -> int:
+        return rank.memory_blocks + rank.disk_blocks + rank.shared_blocks
+
     with nodes.router() as router:
-        assert eventually(lambda: router.rank(keys)[0].prefix_blocks == 6)
+        # The index first, each node's speeds with a later heartbeat.
         assert eventually(
             lambda: (
-                [(r.node_id, r.prefix_blocks) for r in router.rank(keys)][:2]
-                == [("a", 6), ("c", 2)]
+                (first := router.rank(keys)[0]).node_id == "a"
+                and loadable(first) == 6
+                and first.ready_ms is not None
             )
         )
         ranked = router.rank(keys)
-        assert ranked[2].node_id == "b" and ranked[2].prefix_blocks == 0
+        assert [r.node_id for r in ranked] == ["a", "c", "b"]
+        assert ranked[0].memory_blocks >= 4  # its own; c's 2 too where it stored them
+        assert (ranked[1].prefix_blocks, ranked[1].memory_blocks) == (2, 2)
+        assert ranked[2].prefix_blocks == 0
         assert router.best(make_keys(3, salt=99)) is not None  # nobody holds it: any node
-        # Each node publishes its tiers' read speeds: a's load of the prefix, in ms.
+        # Each node publishes its tiers' read speeds: a's load of the prompt, in ms.
         assert ranked[0].restore_ms is not None and ranked[0].restore_ms > 0
+        assert ranked[0].ready_ms == ranked[0].restore_ms  # nothing left to recompute
         assert ranked[1].ready_ms is None  # c would recompute 4 chunks: no prefill speed
 
 
