@@ -15,11 +15,16 @@ blocks must go before ``n`` more fit? The answer is the largest of
 - under pressure: when the pool's bytes plus the new ones pass the pool, an
   owner past its ``share`` gives back the overflow, never going below its share.
 
-A store never evicts another store's blocks, so an owner within its share
-keeps them whatever others put: others past their shares shrink on their own
-puts. Blocks the store cannot free (pinned, or the owner's bytes are in its
-other stores) are not stored: counted as ``refused``. Demotions and replicas
-reserve room in their tier like puts, so they count against the owner too.
+A store never evicts another store's blocks on its own path, so an owner within
+its share keeps them whatever others put. A grant that takes a pool past its
+capacity while others are past their shares (an owner that flooded and went
+idle) is *pressure*: the ledger calls ``on_pressure``, and whoever owns the
+stores (the server's reclaimer) asks :meth:`QuotaLedger.reclaims` which blocks
+those owners must give back, most over its share first, and evicts them from
+their own stores, off every put's path. Blocks the store cannot free (pinned,
+or the owner's bytes are in its other stores) are not stored: counted as
+``refused``. Demotions and replicas reserve room in their tier like puts, so they
+count against the owner too.
 
 Lock order: a store's books lock, then the ledger's (the ledger never takes a
 books lock; it reads other stores' ``resident`` counts, which grow under the
@@ -30,7 +35,7 @@ as found: an owner over its limit then frees at its next grant).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,11 +52,15 @@ class Level(Protocol):
         """Blocks in the tier, room reserved included."""
 
     @property
+    def leaving(self) -> int:
+        """Of ``resident``, blocks on their way out (evicted, their room not free yet)."""
+
+    @property
     def policy(self) -> Sized:
         """The tier's eviction policy: ``len`` is the count of blocks it holds."""
 
 
-__all__ = ["Quota", "QuotaHook", "QuotaLedger"]
+__all__ = ["Quota", "QuotaHook", "QuotaLedger", "Reclaim"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,16 @@ class Quota:
 
     share: int
     limit: int
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Blocks one store must give back in one of its tiers (``tier``: the index in its
+    hook's ``levels``): its owner is past its share of a pool over capacity."""
+
+    hook: QuotaHook
+    tier: int
+    blocks: int
 
 
 def _blocks_for(nbytes: int, block: int) -> int:
@@ -75,11 +94,21 @@ class QuotaLedger:
         self._pools = dict(pools)
         self._quotas = dict(quotas)
         self._hooks: list[QuotaHook] = []
+        #: Called under :attr:`lock` when a pool is past its capacity after a grant or a
+        #: quota change (pressure): it must not block or take locks (set an event).
+        self.on_pressure: Callable[[], None] | None = None
 
     def set_quotas(self, quotas: Mapping[tuple[str, str], Quota]) -> None:
-        """New quotas from now on (owner, tier kind): applied at the next grant."""
+        """New quotas from now on (owner, tier kind): applied at the next grant, and
+        by the reclaimer at once where a pool is past its capacity."""
         with self.lock:
             self._quotas = dict(quotas)
+            if any(self.used(kind) > pool for kind, pool in self._pools.items()):
+                self._pressure()
+
+    def _pressure(self) -> None:
+        if self.on_pressure is not None:
+            self.on_pressure()
 
     def quota(self, owner: str, kind: str) -> Quota | None:
         """``owner``'s quota in tier ``kind`` (None: unbounded there)."""
@@ -103,19 +132,70 @@ class QuotaLedger:
         return sum(h.bytes_in(kind) for h in list(self._hooks) if owner in (None, h.owner))
 
     def overflow(self, hook: QuotaHook, level: Level, n: int) -> int:
-        """Blocks ``hook``'s store must free in ``level`` for ``n`` more (lock held)."""
-        quota = self._quotas.get((hook.owner, level.kind))
-        if quota is None:
-            return 0
+        """Blocks ``hook``'s store must free in ``level`` for ``n`` more (lock held).
+        Where the pool stays past its capacity even so, others must give back: pressure."""
         block = hook.block_nbytes
-        mine = self.used(level.kind, hook.owner) + n * block
-        must = _blocks_for(mine - quota.limit, block)
         pool = self._pools.get(level.kind)
-        if pool is not None and mine > quota.share:
-            total = self.used(level.kind) + n * block
-            squeeze = min(total - pool, mine - quota.share)
-            must = max(must, _blocks_for(squeeze, block))
+        total = self.used(level.kind) + n * block
+        quota = self._quotas.get((hook.owner, level.kind))
+        must = 0
+        if quota is not None:
+            mine = self.used(level.kind, hook.owner) + n * block
+            must = _blocks_for(mine - quota.limit, block)
+            if pool is not None and mine > quota.share:
+                squeeze = min(total - pool, mine - quota.share)
+                must = max(must, _blocks_for(squeeze, block))
+        if pool is not None and self.staying(level.kind) + (n - must) * block > pool:
+            self._pressure()
         return must
+
+    def staying(self, kind: str, owner: str | None = None) -> int:
+        """Like :meth:`used`, less the blocks already on their way out."""
+        return sum(
+            (lv.resident - lv.leaving) * h.block_nbytes
+            for h in list(self._hooks)
+            if owner in (None, h.owner)
+            for lv in h.levels
+            if lv.kind == kind
+        )
+
+    def reclaims(self) -> list[Reclaim]:
+        """What owners past their shares must give back so that every pool fits its
+        capacity again (blocks already leaving count as gone): the owner most past its
+        share first, never below its share, from its biggest stores first (lock held)."""
+        out: list[Reclaim] = []
+        for kind, pool in self._pools.items():
+            over = self.staying(kind) - pool
+            owners = {h.owner for h in self._hooks}
+            past = []
+            for owner in owners:
+                quota = self._quotas.get((owner, kind))
+                if quota is not None and (extra := self.staying(kind, owner) - quota.share) > 0:
+                    past.append((extra, owner))
+            for extra, owner in sorted(past, reverse=True):
+                if over <= 0:
+                    break
+                take = min(over, extra)
+                out.extend(self._split(kind, owner, take))
+                over -= take
+        return out
+
+    def _split(self, kind: str, owner: str, nbytes: int) -> list[Reclaim]:
+        """``nbytes`` of ``owner``'s blocks in tiers of ``kind``, biggest holders first."""
+        seats = [
+            (len(lv.policy) - lv.leaving, i, hook)
+            for hook in self._hooks
+            if hook.owner == owner
+            for i, lv in enumerate(hook.levels)
+            if lv.kind == kind and len(lv.policy) > lv.leaving
+        ]
+        out = []
+        for held, tier, hook in sorted(seats, key=lambda s: -s[0]):
+            blocks = min(held, _blocks_for(nbytes, hook.block_nbytes))
+            if blocks > 0:
+                out.append(Reclaim(hook, tier, blocks))
+                nbytes -= blocks * hook.block_nbytes
+        return out
 
     def figures(self) -> dict[str, dict[str, Any]]:
         """Per owner: per tier kind bytes, blocks, share, limit; and refusals."""

@@ -100,3 +100,51 @@ def test_a_store_over_its_limit_with_nothing_to_evict_refuses(stores: list[KVSto
     assert ledger.figures()["t"]["refused"] == 4
     assert a.put(make_keys(4, salt=3), kv(4, seed=3)) == 4  # a evicts its own
     assert ledger.used("host", "t") == 8 * BLOCK
+
+
+def test_a_quiet_owners_growth_is_pressure_that_reclaims_an_idle_floods_blocks(
+    stores: list[KVStore],
+) -> None:
+    """An owner that flooded past its share and went idle shrinks only when asked: the
+    quiet owner's puts within its share take the pool past its capacity (pressure), and
+    the reclaim plan takes the overflow from the flood's stores, never below its share."""
+    quotas = {
+        ("quiet", "host"): Quota(share=20 * BLOCK, limit=POOL),
+        ("noisy", "host"): Quota(share=10 * BLOCK, limit=POOL),
+    }
+    ledger = QuotaLedger({"host": POOL}, quotas)
+    woken: list[int] = []
+    ledger.on_pressure = lambda: woken.append(1)
+    quiet = seated(stores, ledger, "quiet")
+    noisy = [seated(stores, ledger, "noisy"), seated(stores, ledger, "noisy")]
+    assert noisy[0].put(make_keys(24, salt=1), kv(24, seed=1)) == 24
+    assert noisy[1].put(make_keys(12, salt=2), kv(12, seed=2)) == 12  # 36 of 40
+    assert not woken and ledger.reclaims() == []
+    assert quiet.put(make_keys(16, salt=3), kv(16, seed=3)) == 16  # the pool: 52 of 40
+    assert woken
+    with ledger.lock:
+        plans = ledger.reclaims()
+    assert sum(p.blocks for p in plans) == 12  # the pool's overflow, all of it noisy's
+    assert {p.hook.owner for p in plans} == {"noisy"} and {p.tier for p in plans} == {0}
+    assert plans[0].blocks >= plans[-1].blocks  # the bigger store gives first
+    for plan in plans:
+        store = next(s for s in noisy if s.datapath.books.room.levels[0] is plan.hook.levels[0])
+        assert len(store.evict(plan.blocks, plan.tier)) == plan.blocks
+    assert ledger.used("host") == POOL
+    assert ledger.reclaims() == []
+    assert quiet.lookup(make_keys(16, salt=3)) == 16
+
+
+def test_a_reclaim_never_takes_an_owner_below_its_share(stores: list[KVStore]) -> None:
+    quotas = {
+        ("a", "host"): Quota(share=30 * BLOCK, limit=POOL),
+        ("b", "host"): Quota(share=10 * BLOCK, limit=POOL),
+    }
+    ledger = QuotaLedger({"host": POOL}, quotas)
+    a, b = seated(stores, ledger, "a"), seated(stores, ledger, "b")
+    assert b.put(make_keys(14, salt=1), kv(14, seed=1)) == 14  # 4 past its share
+    assert a.put(make_keys(30, salt=2), kv(30, seed=2)) == 30  # within its share: 44 of 40
+    plans = ledger.reclaims()
+    assert [(p.hook.owner, p.blocks) for p in plans] == [("b", 4)]
+    ledger.set_quotas({**quotas, ("b", "host"): Quota(share=12 * BLOCK, limit=POOL)})
+    assert [(p.hook.owner, p.blocks) for p in ledger.reclaims()] == [("b", 2)]  # its new share

@@ -426,6 +426,7 @@ class Server:
             await self._metrics_endpoint.close()
         if self.cluster is not None:  # leave first: peers stop asking for our blocks
             await loop.run_in_executor(self._executor, self.cluster.stop)
+        await loop.run_in_executor(self._executor, self.quotas.close)
         await loop.run_in_executor(self._executor, self.registry.close)
         if self.events is not None:
             await loop.run_in_executor(self._executor, self.events.close)

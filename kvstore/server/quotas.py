@@ -8,21 +8,38 @@ own tier objects). A tenant's ``quotas`` give it a share and a limit per kind;
 server with ``server.tenants`` all take part (namespaces no tenant owns belong
 to tenant ``default``, which has no quota: it yields nothing and is bounded
 only by its tiers). A namespace keeps the tenant it had when its store opened.
+
+Under pressure (the ledger's ``on_pressure``: a pool past its capacity while
+tenants past their shares hold blocks, say one that flooded and went idle), the
+*reclaimer*, a thread of this object's own, evicts those tenants' blocks from
+their own stores until the pool fits, off every request's path. It also looks
+every few seconds, for pressure no grant announced.
+
+Lock ownership: ``_lock`` guards ``_hooks``, ``_stores`` and the reclaimer's start
+and stop; ``reclaimed`` is written by the reclaimer alone. The ledger's lock is
+taken only to plan a reclaim, never while a store evicts.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.config.server import ServerConfig
-from kvstore.errors import ConfigError
-from kvstore.quota import Quota, QuotaHook, QuotaLedger
+from kvstore.errors import CapacityError, ConfigError, KVStoreError
+from kvstore.quota import Quota, QuotaHook, QuotaLedger, Reclaim
 from kvstore.server.stores import HostedStore
+from kvstore.store import KVStore
 
 __all__ = ["TenantQuotas"]
+
+log = logging.getLogger(__name__)
+
+#: How often the reclaimer looks without being woken (seconds).
+RECLAIM_POLL_S = 5.0
 
 #: Per-store counters summed per tenant: stats key -> the tenant figure's name.
 _COUNTS = (
@@ -61,7 +78,14 @@ class TenantQuotas:
         self._tenant_of = tenant_of
         self._enabled = bool(config.server.tenants)
         self._hooks: dict[str, list[QuotaHook]] = {}
+        self._stores: dict[QuotaHook, KVStore] = {}
         self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._reclaimer: threading.Thread | None = None
+        #: Blocks the reclaimer evicted, per tenant.
+        self.reclaimed: dict[str, int] = {}
+        self.ledger.on_pressure = self._wake.set
 
     def check(self, server: ServerConfig) -> None:
         """ConfigError when shares promise more of a tier than it has."""
@@ -93,6 +117,47 @@ class TenantQuotas:
         hook = hosted.store.datapath.use_quota(self.ledger, tenant)
         with self._lock:
             self._hooks.setdefault(hosted.namespace, []).append(hook)
+            self._stores[hook] = hosted.store
+            if self._reclaimer is None and not self._closing:
+                self._reclaimer = threading.Thread(
+                    target=self._reclaim_loop, name="kvstore-reclaim", daemon=True
+                )
+                self._reclaimer.start()
+
+    def close(self) -> None:
+        """Stop the reclaimer (before the stores close)."""
+        with self._lock:
+            self._closing = True
+            thread = self._reclaimer
+        self._wake.set()
+        if thread is not None:
+            thread.join()
+
+    def _reclaim_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(RECLAIM_POLL_S)
+            self._wake.clear()
+            # Until the pools fit, or a pass frees nothing (pinned blocks stay).
+            while not self._closing and self.reclaim() > 0:
+                pass
+
+    def reclaim(self) -> int:
+        """One pass: evict what tenants past their shares owe an over-full pool; how
+        many blocks went."""
+        with self.ledger.lock:
+            plans = self.ledger.reclaims()
+        evicted = 0
+        for plan in plans:
+            with self._lock:
+                store = self._stores.get(plan.hook)
+            if store is None:
+                continue
+            n = _evict_up_to(store, plan)
+            if n:
+                owner = plan.hook.owner
+                self.reclaimed[owner] = self.reclaimed.get(owner, 0) + n
+                evicted += n
+        return evicted
 
     def figures(self, stores: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """Per tenant: per tier kind bytes, blocks (share, limit), and its stores'
@@ -108,6 +173,8 @@ class TenantQuotas:
             for key, name in _COUNTS:
                 mine[name] = mine.get(name, 0) + int(stats.get(key, 0))
             mine["evictions"] = mine.get("evictions", 0) + sum(stats.get("evictions", []) or [0])
+        for tenant, n in list(self.reclaimed.items()):
+            out.setdefault(tenant, {"tiers": {}, "refused": 0})["reclaimed"] = n
         return out
 
     def render(self, stores: list[dict[str, Any]]) -> str:
@@ -128,6 +195,21 @@ class TenantQuotas:
         return "\n".join(lines) + "\n"
 
 
+def _evict_up_to(store: KVStore, plan: Reclaim) -> int:
+    """Evict up to ``plan.blocks`` of ``store``'s unpinned blocks from its tier
+    ``plan.tier`` (fewer where some are pinned); how many went."""
+    n = plan.blocks
+    while n > 0:
+        try:
+            return len(store.evict(n, plan.tier))
+        except CapacityError:
+            n //= 2
+        except KVStoreError:  # a store closing, a tier failing: the next pass retries
+            log.warning("reclaiming %d blocks of tenant %s failed", n, plan.hook.owner)
+            return 0
+    return 0
+
+
 _GAUGES = (
     ("kvstore_tenant_bytes", "bytes", "gauge"),
     ("kvstore_tenant_blocks", "blocks", "gauge"),
@@ -139,4 +221,5 @@ _TOTALS = (
     ("kvstore_tenant_misses_total", "misses"),
     ("kvstore_tenant_evictions_total", "evictions"),
     ("kvstore_tenant_refusals_total", "refused"),
+    ("kvstore_tenant_reclaimed_total", "reclaimed"),
 )

@@ -5,6 +5,7 @@ in STATS (a tenant sees only its own) and in /metrics with a tenant label."""
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -136,3 +137,38 @@ def test_a_limit_holds_under_concurrent_puts_from_two_namespaces(kv_server: Star
     assert figures["tiers"]["host"]["bytes"] == held * BLOCK <= 48 * BLOCK
     assert sum(stored) + figures["refused"] == 2 * 20 * 8  # each block stored or refused
     assert sum(stored) == held + figures["evictions"]  # every block stored is held or was evicted
+
+
+def test_an_idle_flood_gives_back_what_a_quiet_tenant_within_its_share_needs(
+    kv_server: Start,
+) -> None:
+    """The noisy tenant fills the pool while nobody else needs it, then stops. The quiet
+    tenant's puts within its share take the pool past its capacity: the server's reclaimer
+    evicts the noisy tenant's blocks until the pool fits again, keeping the noisy tenant's
+    share, and counts them (``reclaimed``, ``kvstore_tenant_reclaimed_total``)."""
+    server = start(kv_server, noisy_limit=200 * BLOCK)
+    with client(server, NOISY, "noisy") as noisy:
+        for i in range(17):  # 170 of the pool's 200 blocks (its tier's high mark: 180)
+            assert all(noisy.put(make_keys(10, salt=500 + i), blocks(10, seed=i)))
+    mine = make_keys(50, salt=2)
+    with client(server, QUIET, "quiet") as quiet, client(server, OPS, "quiet") as ops:
+        assert all(quiet.put(mine, blocks(50, seed=2)))  # within its share: 220 of 200
+
+        def host_blocks() -> dict[str, int]:
+            every = ops.server_stats()["tenants"]
+            return {t: every[t]["tiers"].get("host", {}).get("blocks", 0) for t in every}
+
+        def reclaimed() -> int:
+            return int(ops.server_stats()["tenants"]["noisy"].get("reclaimed", 0))
+
+        deadline = time.monotonic() + 20
+        while reclaimed() < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = host_blocks()
+        assert held["quiet"] == 50 and quiet.lookup(mine) == 50
+        assert held["noisy"] == 150  # exactly the overflow went, and no more
+        time.sleep(0.3)
+        assert reclaimed() == 20 and host_blocks()["noisy"] == 150
+    host, port = server.server.addresses["metrics"].rsplit(":", 1)
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    assert 'kvstore_tenant_reclaimed_total{tenant="noisy"} 20' in text
