@@ -145,10 +145,10 @@ class Nodes:
     def router(self) -> Router:
         return Router(self.cluster, LAYOUT)
 
-    def holders(self, keys: list[bytes]) -> dict[str, list[bool]]:
+    def holders(self, keys: list[bytes], namespace: str = "default") -> dict[str, list[bool]]:
         index = ClusterIndex(self.cluster)
         try:
-            return index.locate("default", LAYOUT.fingerprint_hex, keys, ["a", "b", "c"])
+            return index.locate(namespace, LAYOUT.fingerprint_hex, keys, ["a", "b", "c"])
         finally:
             index.close()
 
