@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,39 @@ def test_a_reclaim_never_takes_an_owner_below_its_share(stores: list[KVStore]) -
     assert [(p.hook.owner, p.blocks) for p in plans] == [("b", 4)]
     ledger.set_quotas({**quotas, ("b", "host"): Quota(share=12 * BLOCK, limit=POOL)})
     assert [(p.hook.owner, p.blocks) for p in ledger.reclaims()] == [("b", 2)]  # its new share
+
+
+def test_demotions_count_against_the_owner_in_the_tier_they_land_in(
+    stores: list[KVStore], tmp_path: Path
+) -> None:
+    """Blocks evicted from host memory to a real disk tier reserve their room there through
+    the owner's quota: they count in its disk bytes, and its disk limit holds for them."""
+    quotas = {("t", "disk"): Quota(share=0, limit=6 * BLOCK)}
+    ledger = QuotaLedger({"host": POOL, "disk": 100 * BLOCK}, quotas)
+    config = {
+        "tiers": [
+            {"kind": "host", "capacity": 40 * BLOCK},
+            {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": 100 * BLOCK},
+        ]
+    }
+    store = KVStore(LAYOUT, config)
+    stores.append(store)
+    room = store.datapath.books.room
+    room.use_quota(ledger.hook("t", room.levels, BLOCK))
+    keys = make_keys(10, salt=1)
+    assert store.put(keys, kv(10, seed=1)) == 10
+    assert store.drain(10)
+    assert (ledger.used("host", "t"), ledger.used("disk", "t")) == (10 * BLOCK, 0)
+    store.evict(4, tier=0)  # demoted: they land on the disk, under t's disk quota
+    assert store.drain(10)
+    assert (ledger.used("host", "t"), ledger.used("disk", "t")) == (6 * BLOCK, 4 * BLOCK)
+    store.evict(4, tier=0)  # 4 more: past the disk limit, t's oldest disk blocks make way
+    assert store.drain(10)
+    assert (ledger.used("host", "t"), ledger.used("disk", "t")) == (2 * BLOCK, 6 * BLOCK)
+    assert ledger.figures()["t"]["tiers"]["disk"] == {
+        "bytes": 6 * BLOCK,
+        "blocks": 6,
+        "share": 0,
+        "limit": 6 * BLOCK,
+    }
+    assert store.lookup(keys) == 0  # the first chunk was among those that went
