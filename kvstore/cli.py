@@ -107,13 +107,23 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser(
         "stats",
-        help="what the config's disk tiers hold, per layout found there (reads only)",
+        help="what the config's disk tiers hold (reads only), or a running server's figures",
         description="Every layout (and server namespace) the config's disk tiers hold, its "
         "blocks, and each tier's capacity in blocks; with layout flags, that layout too. "
-        "Reads only: no store is opened, nothing is written.",
+        "Reads only: no store is opened, nothing is written. With --server: what a running "
+        "kvstore-server says (each tier's live read speed, restore plans, tenants' figures).",
     )
     stats.add_argument("--config", help="store config YAML (default: $KVSTORE_CONFIG / embedded)")
     stats.add_argument("--json", action="store_true", help="print the report as JSON")
+    stats.add_argument(
+        "--server", metavar="ADDRESS", help="a running server's HOST:PORT or unix:/path"
+    )
+    stats.add_argument(
+        "--namespace", default="default", help="with --server: the namespace to connect as"
+    )
+    stats.add_argument(
+        "--token-file", help="with --server: a file holding the token (the operator's: all)"
+    )
     _layout_args(stats, "on disk (kvstore stats lists them)")
 
     config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
@@ -221,7 +231,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     """Report what the disk tiers hold without opening a store (kvstore/survey.py):
-    opening one would create directories, sweep files and join a cluster."""
+    opening one would create directories, sweep files and join a cluster. With
+    ``--server``, a running server's own figures (kvstore/live_report.py)."""
+    if args.server:
+        return _server_stats(args)
     from kvstore.config import StoreConfig
     from kvstore.survey import format_survey, survey
 
@@ -232,6 +245,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     # Each disk tier once: every store in it shares the directory's state.
     disks = {t["root"]: t for s in report["stores"] for t in s["tiers"] if t["kind"] == "disk"}
     return _tier_troubles(list(disks.values()))
+
+
+def _server_stats(args: argparse.Namespace) -> int:
+    from kvstore.client import ClientOptions
+    from kvstore.client.admin import AdminClient
+    from kvstore.errors import ConfigError
+    from kvstore.live_report import format_server_stats
+
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip().encode()
+        except OSError as exc:
+            raise ConfigError(f"--token-file: {exc}") from None
+    options = ClientOptions(args.server, args.namespace, token)
+    stats = AdminClient(options).stats()
+    print(json.dumps(stats, indent=2) if args.json else format_server_stats(stats, args.server))
+    return 0
 
 
 def _check_disk_paths(config: Any) -> None:

@@ -62,6 +62,15 @@ class AdminClient:
         finally:
             conn.close()
 
+    def stats(self) -> dict[str, Any]:
+        """The server's ``STATS`` as this token sees them (a tenant's: its own stores
+        and figures; the operator's: every one), over a connection that opens no store."""
+        conn = Connection(self.options, None)
+        try:
+            return conn.call_json(Op.STATS)
+        finally:
+            conn.close()
+
     def tenants(self) -> dict[str, Any]:
         """The tenants (namespaces, token names and scopes; never secrets) and older tokens."""
         return self.request("tenants")
