@@ -30,20 +30,20 @@ asked in the background instead, and what it holds is warmed (``lookups_deferred
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey
+from kvstore.restore_stats import LoadMark, RestoreStats
 from kvstore.speeds import PrefillSpeed, SpeedEstimate
 from kvstore.tiers.base import Tier
 
 __all__ = [
+    "LoadMark",
     "RestoreCosts",
     "RestorePlan",
     "RestoreRequest",
@@ -101,7 +101,8 @@ class RestorePlan:
     ``load_s``: expected seconds to load them; ``recompute_s``: to prefill the same
     tokens instead (None: prefill speed unknown); ``ready_s`` / ``nocache_s``: expected
     seconds to a ready prompt with this plan / loading nothing. ``tier_chunks``: chunks
-    loaded per tier level. ``warm``: indexes of stored chunks left on slow tiers.
+    loaded per tier level; ``tier_load_s``: the seconds of ``load_s`` each level takes.
+    ``warm``: indexes of stored chunks left on slow tiers.
     ``reason``: ``pays`` (planned), ``all`` (every stored chunk pays), ``off``
     (planning off), ``unknown`` (no prefill speed yet), ``none`` (nothing stored).
     """
@@ -117,6 +118,7 @@ class RestorePlan:
     reason: str
     tier_chunks: dict[int, int] = field(default_factory=dict)
     warm: tuple[int, ...] = ()
+    tier_load_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def skipped(self) -> int:
@@ -136,6 +138,7 @@ class RestorePlan:
             "floor": self.floor,
             "reason": self.reason,
             "tier_chunks": dict(self.tier_chunks),
+            "tier_load_ms": {level: t * 1e3 for level, t in self.tier_load_s.items()},
             "warm": len(self.warm),
         }
 
@@ -265,6 +268,10 @@ def _plan(
     for level in request.levels[first:best]:
         tier_chunks[level] = tier_chunks.get(level, 0) + 1
     warm = tuple(i for i in range(best, stored) if request.levels[i] not in costs.fast)
+    # load_s is a sum over levels (_load_seconds): each level's own share of it.
+    tier_load_s = {
+        level: _load_seconds({level: n}, costs, request.overlap) for level, n in tier_chunks.items()
+    }
     return RestorePlan(
         stored=stored,
         first=first,
@@ -277,68 +284,8 @@ def _plan(
         reason=reason,
         tier_chunks=tier_chunks,
         warm=warm,
+        tier_load_s=tier_load_s,
     )
-
-
-class RestoreStats:
-    """Counts of plans and how their estimates held up.
-
-    Locking: ``_lock`` guards every field; callers hold it for a few additions.
-    """
-
-    #: Counters shown from the start (others appear when first counted).
-    BASE = (
-        "plans",
-        "tokens_planned_load",
-        "tokens_planned_recompute",
-        "chunks_warming",
-        "lookups_deferred",
-        "warming_yields",
-        "restores_timed",
-        "load_planned_s",
-        "load_actual_s",
-    )
-
-    def __init__(self, keep: int = 256) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, float] = dict.fromkeys(self.BASE, 0)
-        self._errors: deque[float] = deque(maxlen=keep)  # planned / actual - 1
-
-    def add(self, name: str, amount: float = 1) -> None:
-        """Add ``amount`` to counter ``name``."""
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + amount
-
-    def planned(self, plan: RestorePlan, chunk_tokens: int) -> None:
-        """Count a plan: tokens to load (per tier) and tokens left to recompute."""
-        with self._lock:
-            c = self._counts
-            c["plans"] = c.get("plans", 0) + 1
-            c[f"plans_{plan.reason}"] = c.get(f"plans_{plan.reason}", 0) + 1
-            loaded = (plan.load - plan.first) * chunk_tokens
-            c["tokens_planned_load"] = c.get("tokens_planned_load", 0) + loaded
-            skipped = plan.skipped * chunk_tokens
-            c["tokens_planned_recompute"] = c.get("tokens_planned_recompute", 0) + skipped
-            for level, n in plan.tier_chunks.items():
-                name = f"tokens_planned_load_tier{level}"
-                c[name] = c.get(name, 0) + n * chunk_tokens
-
-    def loaded(self, planned_s: float, actual_s: float) -> None:
-        """One restore ran: its planned and its actual load seconds."""
-        if planned_s <= 0 or actual_s <= 0:
-            return
-        with self._lock:
-            self._errors.append(planned_s / actual_s - 1)
-            self._counts["restores_timed"] = self._counts.get("restores_timed", 0) + 1
-            self._counts["load_planned_s"] = self._counts.get("load_planned_s", 0) + planned_s
-            self._counts["load_actual_s"] = self._counts.get("load_actual_s", 0) + actual_s
-
-    def snapshot(self) -> dict[str, Any]:
-        """Every counter, and the median of planned / actual load time - 1 (recent ones)."""
-        with self._lock:
-            out: dict[str, Any] = dict(self._counts)
-            out["estimate_error_median"] = statistics.median(self._errors) if self._errors else None
-        return out
 
 
 def _run_now(job: Callable[[], object]) -> bool:
@@ -376,6 +323,10 @@ class RestorerParts:
     #: Loads go to a GPU, which reads chunks below memory whole first
     #: (:attr:`RestoreCosts.staged`).
     staged: bool = False
+    #: Per tier level, the seconds the calling thread's reads of it have taken so far
+    #: (:meth:`ReadSpeed.thread_seconds <kvstore.speeds.ReadSpeed.thread_seconds>`): a
+    #: restore's actual load time per tier. Empty: not kept.
+    thread_reads: Callable[[], Sequence[float]] = lambda: ()
 
 
 @dataclass(frozen=True)
@@ -466,6 +417,21 @@ class Restorer:
             self.stats.add("lookups_deferred")
         self._probe_stale(keys, levels, plan, costs)
         return plan
+
+    def load_started(self) -> LoadMark:
+        """Start timing a restore this thread is about to load (:meth:`loaded`)."""
+        return LoadMark.now(self.parts.thread_reads())
+
+    def loaded(self, plan: RestorePlan, mark: LoadMark) -> None:
+        """The restore timed from ``mark`` on this thread loaded ``plan`` whole: count its
+        planned against its actual load seconds, in all and per tier (the tiers' reads
+        on this thread since the mark)."""
+        actual_s, reads = mark.since(self.parts.thread_reads())
+        tiers = {
+            level: (plan.tier_load_s.get(level, 0.0), reads.get(level, 0.0))
+            for level in plan.tier_load_s.keys() | reads.keys()
+        }
+        self.stats.loaded(plan.load_s, actual_s, tiers)
 
     def _loaded_slow(
         self, levels: Sequence[int], plan: RestorePlan, costs: RestoreCosts

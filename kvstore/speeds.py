@@ -134,7 +134,8 @@ class DecayedFit:
 class ReadSpeed:
     """One tier's read-speed estimate (see the module docstring).
 
-    Thread-safe: the fit takes its own lock.
+    Thread-safe: the fit takes its own lock; each thread's own read seconds
+    (:meth:`thread_seconds`) are kept apart, in a thread-local.
     """
 
     def __init__(
@@ -149,13 +150,20 @@ class ReadSpeed:
         self.half_life_s = half_life_s
         self.stale_s = stale_s
         self._fit_line = DecayedFit(half_life_s, clock)
+        self._mine = threading.local()  # .seconds: this thread's observed read seconds
 
     def observe(self, nbytes: float, seconds: float, calls: int = 1) -> None:
         """Read calls: ``calls`` of them, ``nbytes`` in ``seconds`` together (calls that
         read nothing are not observations)."""
         if nbytes <= 0 or seconds <= 0 or calls <= 0:
             return
+        self._mine.seconds = getattr(self._mine, "seconds", 0.0) + seconds
         self._fit_line.observe(nbytes / calls, seconds / calls, float(calls))
+
+    def thread_seconds(self) -> float:
+        """Seconds of every read observed so far on the calling thread: what a restore's
+        own reads of this tier took, apart from other threads' (warming, probes)."""
+        return float(getattr(self._mine, "seconds", 0.0))
 
     def estimate(self) -> SpeedEstimate:
         """The current estimate (the prior until a read was observed)."""

@@ -280,10 +280,10 @@ class KVStore:
         restore = self.plan(checked, prompt_tokens=prompt_tokens)
         if restore.load == 0:
             return 0
-        start = time.perf_counter()
+        mark = self._manager.restorer.load_started()
         n = self._manager.get(checked[: restore.load], chunks[: restore.load], prefix=True)
-        if n == restore.load:
-            self._manager.restorer.stats.loaded(restore.load_s, time.perf_counter() - start)
+        if n == restore.load:  # planned against actual load seconds, in all and per tier
+            self._manager.restorer.loaded(restore, mark)
         return n
 
     # -- restore planning ----------------------------------------------------

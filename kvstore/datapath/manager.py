@@ -580,6 +580,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         # Where CUDA exists the engine's KV is on the GPU, and a prefetch into it reads
         # the chunks of tiers below memory whole before the first layer is handed over.
         staged=cuda_available(),
+        thread_reads=lambda: [speed.thread_seconds() for speed in manager.io.speeds],
     )
     prefill = PrefillSpeed(
         restore.prefill_table,

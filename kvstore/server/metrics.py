@@ -288,9 +288,17 @@ _RESTORE = (
 )
 
 
+#: The same per tier level (a ``tier`` label): stats key before the level, metric name.
+_RESTORE_PER_TIER = (
+    ("tokens_planned_load_tier", "kvstore_restore_tier_tokens_planned_load_total"),
+    ("load_planned_s_tier", "kvstore_restore_tier_load_planned_seconds_total"),
+    ("load_actual_s_tier", "kvstore_restore_tier_load_actual_seconds_total"),
+)
+
+
 def _restore_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
-    """Tokens each store planned to load vs recompute (per tier: ``tier`` label), and
-    planned vs actual load seconds, so a wrong speed estimate shows."""
+    """Tokens each store planned to load vs recompute, and planned vs actual load
+    seconds, so a wrong speed estimate shows; both also per tier (``tier`` label)."""
     for key, name in _RESTORE:
         samples = []
         for stats in stores:
@@ -300,15 +308,16 @@ def _restore_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                 samples.append((labels, float(restore[key])))
         kind = "gauge" if key == "estimate_error_median" else "counter"
         _metric(lines, name, kind, samples)
-    per_tier = []
-    for stats in stores:
-        restore = stats.get("restore") or {}
-        labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
-        for key, value in restore.items():
-            if key.startswith("tokens_planned_load_tier") and isinstance(value, (int, float)):
-                tier = key.removeprefix("tokens_planned_load_tier")
-                per_tier.append((labels + f',tier="{tier}"', float(value)))
-    _metric(lines, "kvstore_restore_tier_tokens_planned_load_total", "counter", per_tier)
+    for prefix, name in _RESTORE_PER_TIER:
+        per_tier = []
+        for stats in stores:
+            restore = stats.get("restore") or {}
+            labels = f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}"'
+            for key, value in restore.items():
+                if key.startswith(prefix) and isinstance(value, (int, float)):
+                    tier = key.removeprefix(prefix)
+                    per_tier.append((labels + f',tier="{tier}"', float(value)))
+        _metric(lines, name, "counter", per_tier)
 
 
 def _cluster_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:

@@ -308,3 +308,29 @@ def test_the_server_gives_its_free_heap_back_periodically(
     while server.stats().get("heap_trims", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.stats()["heap_trims"] >= 2
+
+
+def test_restore_load_times_per_tier_are_on_metrics(tmp_path: Any) -> None:
+    """A restore from host memory and a disk of real files: /metrics shows its planned and
+    actual load seconds per tier, as ``stats()["restore"]`` counts them."""
+    from kvstore import KVStore
+
+    host = {"kind": "host", "capacity": 64 * LAYOUT.block_nbytes}
+    disk = {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}
+    config = {"tiers": [host, disk], "restore": {"prefill_tokens_per_s": 1.0}}
+    kv = random_blocks(LAYOUT, 4, seed=2)
+    with KVStore(LAYOUT, config) as store:
+        keys = store.hash_tokens(list(range(4 * LAYOUT.block_tokens)), namespace="m")
+        assert store.put(keys, kv) == 4
+        store.flush()
+        assert store.evict(4, tier=0) and store.datapath.promote(keys[:2], tier=0) == 2
+        assert store.get_prefix(keys, torch.empty(LAYOUT.tensor_shape(4), dtype=LAYOUT.dtype)) == 4
+        stats = {"namespace": "t", "layout_fp": LAYOUT.fingerprint_hex, **store.stats()}
+    types, samples = parse_exposition(ServerMetrics().render([stats]))
+    for what in ("planned", "actual"):
+        name = f"kvstore_restore_tier_load_{what}_seconds_total"
+        assert types[name] == "counter"
+        for tier in ("0", "1"):
+            labels = (("namespace", "t"), ("layout", LAYOUT.fingerprint_hex), ("tier", tier))
+            value = samples[(name, labels)]
+            assert value > 0 and value == stats["restore"][f"load_{what}_s_tier{tier}"]
