@@ -22,7 +22,7 @@ Layout of an encoded block (all integers little-endian)::
     H             payload: layer 0, layer 1, ... (each compressed on its own)
 
 An encrypted block (:mod:`kvstore.crypt`, encryption at rest) has format
-version 2 and flag bit 0 set; 44 more bytes follow the layer table, before
+version 3 and flag bit 0 set; 44 more bytes follow the layer table, before
 the header checksum::
 
     52+12L  32    key id (ASCII, zero-padded): which key of the keyring sealed it
@@ -32,6 +32,13 @@ and each layer's stored bytes are its AES-256-GCM ciphertext followed by its
 16-byte tag, so a layer (or a range of layers) is read and opened on its own.
 The per-layer checksums stay the plaintext's (the stored bytes before sealing),
 checked after opening. Plain blocks are unchanged (version 1).
+
+Version 2 was the first encrypted format: the same header, but its layers'
+associated data did not bind the store's namespace. Such a block is still
+parsed (``sealed_version`` 2) and :class:`DecryptError` when a cipher checks
+it: a counted miss, never data (a later put of its key overwrites it). An
+encrypted block found under another key than the one it names is a
+:class:`DecryptError` too (moved or copied there), not rot.
 
 A failure to parse or verify raises :class:`CorruptBlockError` (or
 :class:`LayoutMismatchError` for a whole, valid header of another layout).
@@ -62,6 +69,7 @@ __all__ = [
     "MAGIC",
     "NONCE_BYTES",
     "SEALED_VERSION",
+    "SEALED_VERSIONS",
     "TAG_BYTES",
     "VERSION",
     "BlockHeader",
@@ -74,8 +82,12 @@ __all__ = [
 
 MAGIC = b"KVSB"
 VERSION = 1
-#: The format version of encrypted blocks (the key id and nonce follow the layer table).
-SEALED_VERSION = 2
+#: The format version of encrypted blocks (the key id and nonce follow the layer table;
+#: each layer's associated data binds the namespace: :mod:`kvstore.crypt`).
+SEALED_VERSION = 3
+#: The encrypted formats whose headers parse: 2 (no namespace in the associated data,
+#: refused by the cipher) and the current one.
+SEALED_VERSIONS = (2, SEALED_VERSION)
 FLAG_SEALED = 1
 KEY_ID_BYTES = 32
 NONCE_BYTES = 12
@@ -139,8 +151,10 @@ class BlockHeader:
     layer_checksums: tuple[int, ...]
     #: Encrypted blocks: the id of the key that sealed it ("" for a plain block) ...
     key_id: str = ""
-    #: ... and the block's nonce.
+    #: ... the block's nonce ...
     nonce: bytes = b""
+    #: ... and the format version it was sealed in (:data:`SEALED_VERSIONS`).
+    sealed_version: int = SEALED_VERSION
 
     @property
     def sealed(self) -> bool:
@@ -173,7 +187,7 @@ class BlockHeader:
         """Encode this header (with checksum and padding)."""
         fixed = _FIXED.pack(
             MAGIC,
-            SEALED_VERSION if self.sealed else VERSION,
+            self.sealed_version if self.sealed else VERSION,
             int(self.codec),
             FLAG_SEALED if self.sealed else 0,
             self.num_layers,
@@ -219,7 +233,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     )
     if magic != MAGIC:
         raise CorruptBlockError(f"not a kvstore block (magic {bytes(magic)!r})")
-    sealed = version == SEALED_VERSION and flags & FLAG_SEALED
+    sealed = version in SEALED_VERSIONS and flags & FLAG_SEALED
     if version != VERSION and not sealed:
         raise CorruptBlockError(f"unsupported block format version {version}")
     if not 0 < nlayers <= _MAX_LAYERS:
@@ -247,6 +261,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         layer_checksums=tuple(c for _, c in layers),
         key_id=key_id,
         nonce=bytes(nonce),
+        sealed_version=version if sealed else SEALED_VERSION,
     )
     return header
 
@@ -288,6 +303,11 @@ def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> N
             f"this store's layout is {layout.fingerprint_hex}"
         )
     if key is not None and header.key != bytes(key):
+        if header.sealed:  # a whole, sealed header under another name: moved, not rot
+            raise DecryptError(
+                f"encrypted block {header.key.hex()} is stored as {bytes(key).hex()} (moved "
+                "or copied there); it is not opened"
+            )
         raise CorruptBlockError(f"block holds key {header.key.hex()}, expected {bytes(key).hex()}")
     if (
         header.num_layers != layout.num_layers

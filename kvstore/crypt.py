@@ -6,7 +6,7 @@ memory tiers (host, device) are not at rest and stay plain. The cipher is the
 ``cryptography`` package's AES-GCM (OpenSSL underneath), never one of our own.
 
 Format (:mod:`kvstore.codec`): an encrypted block's header says so (format
-version 2) and names the key id; each layer's stored bytes are its ciphertext
+version 3) and names the key id; each layer's stored bytes are its ciphertext
 followed by its 16-byte tag, so a ranged read of a few layers opens just those.
 The per-layer checksums stay the plaintext's and are checked after opening.
 
@@ -17,10 +17,20 @@ blocks collide only if their random nonces differ by a layer index, about
 ``layers * 2**-96`` per pair of blocks: 2**-37 at 16M blocks of 4096 layers), one
 ``os.urandom`` per block and 12 header bytes instead of 12 per layer.
 
-Associated data of layer ``i``: the format tag, the tenant, the key id, the
-layout's fingerprint, the block's key (a content hash that folds in the
-namespace), ``i`` and the codec. A block copied under another key, a layer moved
-to another position, a block of another tenant or layout: each fails its tag.
+Associated data of layer ``i``: the format tag; the tenant, the store's
+namespace and the key id, each length-prefixed; the layout's fingerprint, the
+block's key, ``i`` and the codec. The namespace is the server's (the ``ns-<name>``
+of its disk directories, S3 prefixes and Redis keys), ``cluster.namespace`` for a
+library store. A block copied under another key or into another namespace's place
+(of the same tenant too), a layer moved to another position, a block of another
+tenant or layout: each fails its tag. (A block's key folds in the model's
+namespace, not the server's: clients name keys, and two namespaces may hold the
+same one.)
+
+Format version 2, the first, bound everything but the namespace. Its blocks are
+not opened (:meth:`BlockCipher.check`: a counted miss, never data; a later put of
+the key overwrites them): reading them by their own rule would leave exactly those
+blocks movable between a tenant's namespaces.
 
 A block that cannot be opened (no key for its id, a tag that does not verify:
 tampered, or sealed under another key; a plain block where encryption is on) is
@@ -28,9 +38,9 @@ tampered, or sealed under another key; a plain block where encryption is on) is
 and answers a miss, and deletes nothing, because another process holding the
 right key may share the medium. A later put of the key overwrites it.
 
-Tenants: tenants do not exist yet; the tenant of a store is
-``tenant_of(namespace)``, which puts every namespace in tenant ``default``
-until :func:`use_tenant_resolver` plugs in another mapping.
+Tenants: the tenant of a store is ``tenant_of(namespace)``, which puts every
+namespace in tenant ``default`` until :func:`use_tenant_resolver` plugs in another
+mapping (a kvstore-server with ``server.tenants`` plugs in its own).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from typing import Any
 import torch
 
 from kvstore._dist import install_hint
+from kvstore.block_header import SEALED_VERSION
 from kvstore.codec import (
     NONCE_BYTES,
     TAG_BYTES,
@@ -61,8 +72,10 @@ from kvstore.errors import ConfigError, CorruptBlockError, DecryptError
 from kvstore.layout import KVLayout
 
 __all__ = [
+    "DEFAULT_NAMESPACE",
     "DEFAULT_TENANT",
     "BlockCipher",
+    "StoreKeys",
     "encrypt_tiers",
     "open_into",
     "seal",
@@ -73,7 +86,10 @@ __all__ = [
 ]
 
 DEFAULT_TENANT = "default"
-_AAD = b"kvstore-aead-v1\0"
+#: The namespace of a store whose config names none (``cluster.namespace``'s default).
+DEFAULT_NAMESPACE = "default"
+_AAD = b"kvstore-aead-v2\0"
+_NAME = struct.Struct("<H")
 _LAYER_CODEC = struct.Struct("<IB")
 #: Keys read under an older key id, remembered for the re-encryption, which takes them
 #: right after its own reads: a full set is emptied (reads outside a sweep fill it too).
@@ -111,15 +127,22 @@ def sealed_nbytes(layout: KVLayout) -> int:
     return layout.block_nbytes + TAG_BYTES * layout.num_layers
 
 
-class BlockCipher:
-    """Seals and opens one store's blocks with a tenant's keys (thread-safe)."""
+def _names(*names: str) -> bytes:
+    """``names`` each UTF-8, length-prefixed (no name can run into the next)."""
+    return b"".join(_NAME.pack(len(b)) + b for b in (n.encode() for n in names))
 
-    def __init__(self, tenant: str, keys: TenantKeys) -> None:
+
+class BlockCipher:
+    """Seals and opens one store's blocks with a tenant's keys (thread-safe);
+    ``namespace``: the store's, bound into every layer's associated data."""
+
+    def __init__(self, tenant: str, keys: TenantKeys, namespace: str = DEFAULT_NAMESPACE) -> None:
         aead = _aead_module()
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         self.tenant = tenant
+        self.namespace = namespace
         self.active = keys.active
         self._keys = dict(keys.keys)
         self._aead = {kid: aead.AESGCM(key) for kid, key in self._keys.items()}
@@ -136,7 +159,7 @@ class BlockCipher:
         """The cipher of a store of ``namespace`` (reads the keyring now)."""
         keyring: Keyring = config.keyring()
         tenant = tenant_of(namespace)
-        return cls(tenant, keyring.tenant(tenant))
+        return cls(tenant, keyring.tenant(tenant), namespace)
 
     @property
     def old_keys(self) -> list[str]:
@@ -148,10 +171,7 @@ class BlockCipher:
         return b"".join(
             (
                 _AAD,
-                self.tenant.encode(),
-                b"\0",
-                header.key_id.encode("ascii"),
-                b"\0",
+                _names(self.tenant, self.namespace, header.key_id),
                 header.layout_fp,
                 header.key,
                 _LAYER_CODEC.pack(index, int(header.codec)),
@@ -207,8 +227,9 @@ class BlockCipher:
         except self._invalid:
             raise DecryptError(
                 f"layer {index} of block {header.key.hex()} does not verify under key "
-                f"{header.key_id!r} of tenant {self.tenant!r} (tampered, or sealed with "
-                "another key)"
+                f"{header.key_id!r} of tenant {self.tenant!r} in namespace "
+                f"{self.namespace!r} (tampered, sealed with another key, or moved from "
+                "another key or namespace)"
             ) from None
 
     def check(self, header: BlockHeader) -> None:
@@ -217,6 +238,12 @@ class BlockCipher:
             raise DecryptError(
                 f"block {header.key.hex()} is not encrypted, and this tier stores only "
                 "encrypted blocks"
+            )
+        if header.sealed_version != SEALED_VERSION:
+            raise DecryptError(
+                f"block {header.key.hex()} is sealed in format version "
+                f"{header.sealed_version}, which did not bind its namespace; it is not "
+                "opened (a later put of the key replaces it)"
             )
         if header.key_id not in self._aead:
             raise DecryptError(
@@ -246,7 +273,13 @@ class BlockCipher:
         """What the tier's ``stats()`` shows of its encryption."""
         with self._lock:
             counts = dict(self._counts)
-        return {"encrypted": True, "tenant": self.tenant, "active_key": self.active, **counts}
+        return {
+            "encrypted": True,
+            "tenant": self.tenant,
+            "namespace": self.namespace,
+            "active_key": self.active,
+            **counts,
+        }
 
     def count_sealed(self) -> None:
         """Count a sealed block."""
@@ -291,6 +324,7 @@ def seal(encoded: EncodedBlock, cipher: BlockCipher, dst: memoryview | None = No
         layer_nbytes=tuple(n + TAG_BYTES for n in sizes),
         key_id=cipher.active,
         nonce=os.urandom(NONCE_BYTES),
+        sealed_version=SEALED_VERSION,
     )
     offset = 0
     for index, group in enumerate(_split(encoded.payload, sizes)):
@@ -339,7 +373,16 @@ def open_into(
     cipher.opened(header)
 
 
-def store_keys(config: EncryptionConfig, namespace: str) -> tuple[str, TenantKeys] | None:
+@dataclasses.dataclass(frozen=True)
+class StoreKeys:
+    """What seals a store's blocks: its namespace, its tenant and the tenant's keys."""
+
+    namespace: str
+    tenant: str
+    keys: TenantKeys
+
+
+def store_keys(config: EncryptionConfig, namespace: str) -> StoreKeys | None:
     """The tenant of a store of ``namespace`` and its keys (the keyring is read now,
     before any tier opens: a bad one is a :class:`ConfigError` that changed nothing);
     None when encryption is off."""
@@ -347,16 +390,13 @@ def store_keys(config: EncryptionConfig, namespace: str) -> tuple[str, TenantKey
         return None
     _aead_module()  # a missing package is said before anything is made
     tenant = tenant_of(namespace)
-    return tenant, config.keyring().tenant(tenant)
+    return StoreKeys(namespace, tenant, config.keyring().tenant(tenant))
 
 
-def encrypt_tiers(
-    tiers: Sequence[Any], config: EncryptionConfig, keys: tuple[str, TenantKeys]
-) -> int:
+def encrypt_tiers(tiers: Sequence[Any], config: EncryptionConfig, keys: StoreKeys) -> int:
     """Give each of ``tiers`` whose kind ``config.tiers`` names a cipher of its own (its
     own record of blocks read under older keys); how many tiers encrypt."""
-    tenant, tenant_keys = keys
     wanted = [t for t in tiers if t.kind in config.tiers]
     for tier in wanted:
-        tier.encrypt_with(BlockCipher(tenant, tenant_keys))
+        tier.encrypt_with(BlockCipher(keys.tenant, keys.keys, keys.namespace))
     return len(wanted)

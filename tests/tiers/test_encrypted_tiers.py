@@ -1,21 +1,32 @@
 """Encryption at rest in the disk, Redis and S3 tiers: real files, a real redis-server,
-moto S3 over HTTP. Round trips, layer ranges, tampered bytes, wrong and missing keys."""
+moto S3 over HTTP. Round trips, layer ranges, tampered bytes, wrong and missing keys,
+blocks moved to another key or namespace, blocks of the earlier format."""
 
 from __future__ import annotations
 
 import os
+import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
-from kvstore.codec import SEALED_VERSION, parse_header, read_header
+from kvstore.codec import (
+    SEALED_VERSION,
+    TAG_BYTES,
+    encode_block,
+    header_size,
+    parse_header,
+    read_header,
+)
 from kvstore.config import DiskTierConfig, RedisTierConfig, S3TierConfig
 from kvstore.config.encryption import TenantKeys
-from kvstore.crypt import BlockCipher
+from kvstore.crypt import BlockCipher, open_into, seal
+from kvstore.errors import DecryptError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.testing.conformance import TierConformance, make_keys
@@ -30,8 +41,8 @@ from kvstore.tiers.disk_sealed import SealedFiles
 K1, K2 = os.urandom(32), os.urandom(32)
 
 
-def cipher(active: str = "k1", **keys: bytes) -> BlockCipher:
-    return BlockCipher("default", TenantKeys(active, keys or {"k1": K1}))
+def cipher(active: str = "k1", namespace: str = "default", **keys: bytes) -> BlockCipher:
+    return BlockCipher("default", TenantKeys(active, keys or {"k1": K1}), namespace)
 
 
 def disk_tier(path: Path, layout: KVLayout, codec: str = "raw", **fields: Any) -> DiskTier:
@@ -249,3 +260,160 @@ class TestEncryptedDiskConformance(TierConformance):
         tier = DiskTier(config, layout)
         tier.encrypt_with(cipher())
         return tier
+
+
+# -- blocks moved to another key or namespace ---------------------------------------------
+
+#: ``open(place, namespace)``: a tier of the kind in its own place (a directory, a Redis key
+#: prefix, an S3 prefix) sealing under k1, bound to ``namespace``.
+Opener = Callable[[str, str], Tier]
+#: ``copy(src, key, dst, key2, edit)``: ``src``'s stored bytes of ``key``, through ``edit``,
+#: written verbatim where ``dst`` keeps ``key2``.
+Copier = Callable[..., None]
+
+
+@pytest.fixture(params=["disk", "redis", "s3"])
+def places(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Opener, Copier, str]]:
+    kind, layout, base = request.param, small_layout(), f"mv{uuid.uuid4().hex[:10]}"
+    opened: list[Tier] = []
+    if kind == "s3":
+        request.getfixturevalue("aws_env")
+
+    def open_tier(place: str, namespace: str) -> Tier:
+        if kind == "disk":
+            tier: Tier = disk_tier(tmp_path / place, layout)
+        elif kind == "redis":
+            tier = redis_tier(request.getfixturevalue("redis_server"), layout, f"{base}:{place}")
+        else:
+            tier = s3_tier(request.getfixturevalue("s3_server"), layout, f"{base}/{place}")
+        tier.encrypt_with(cipher(namespace=namespace))
+        opened.append(tier)
+        return tier
+
+    def copy(src: Any, key: BlockKey, dst: Any, key2: BlockKey, edit: Any = None) -> None:
+        change = edit or (lambda data: data)
+        if kind == "disk":
+            Path(dst.block_path(key2)).parent.mkdir(parents=True, exist_ok=True)
+            Path(dst.block_path(key2)).write_bytes(change(Path(src.block_path(key)).read_bytes()))
+        elif kind == "redis":
+            import redis
+
+            client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+            client.set(dst.key_name(key2), change(client.get(src.key_name(key))))
+            client.close()
+        else:
+            server = request.getfixturevalue("s3_server")
+            got = server.client().get_object(Bucket=server.bucket, Key=src.object_name(key))
+            body = change(got["Body"].read())
+            server.client().put_object(Bucket=server.bucket, Key=dst.object_name(key2), Body=body)
+
+    yield open_tier, copy, kind
+    for tier in opened:
+        tier.close()
+
+
+def rewritten(data: bytes, *, key: bytes | None = None, version: int | None = None) -> bytes:
+    """A sealed block with its header's key or format version changed, the header's
+    checksum made right again: what someone who can write the medium can do."""
+    out = bytearray(data)
+    if key is not None:
+        out[20:36] = key
+    if version is not None:
+        struct.pack_into("<H", out, 4, version)
+    end = 52 + 12 * small_layout().num_layers + 44  # the sealed header's checked bytes
+    struct.pack_into("<Q", out, end, xxhash.xxh3_64_intdigest(bytes(out[:end])))
+    return bytes(out)
+
+
+def assert_counted_misses(tier: Tier, key: BlockKey, misses: int = 2) -> None:
+    """Whole and ranged reads of ``key`` miss; each is a decrypt failure, nothing deleted."""
+    layout = tier.layout
+    assert tier.get([key], empty(layout, 1)) == [False]
+    assert tier.get([key], empty(layout, 1, (1, 2)), layers=(1, 2)) == [False]
+    stats = tier.stats()
+    assert stats["decrypt_failures"] == misses, stats
+    assert stats.get("corrupt", 0) == 0  # moved is not rot ...
+    assert tier.contains([key]) == [True]  # ... and not deleted: a later put overwrites it
+
+
+def test_block_moved_to_another_key_is_a_counted_miss(places: Any) -> None:
+    open_tier, copy, _ = places
+    tier = open_tier("a", "team-a")
+    keys, blocks = make_keys(3, salt=11), blocks_of(tier.layout, 1)
+    assert tier.put(keys[:1], blocks) == [True]
+    copy(tier, keys[0], tier, keys[1])  # as it is: its header names keys[0]
+    assert_counted_misses(tier, keys[1])
+    # Its header made to name the new key: the tag, which binds the key, fails.
+    copy(tier, keys[0], tier, keys[2], lambda data: rewritten(data, key=keys[2]))
+    fresh = open_tier("a", "team-a")
+    assert_counted_misses(fresh, keys[2])
+    outs = empty(tier.layout, 1)
+    assert fresh.get(keys[:1], outs) == [True] and torch.equal(outs[0], blocks[0])
+
+
+def test_block_moved_to_another_namespace_is_a_counted_miss(places: Any) -> None:
+    """The same tenant, the same key, the same block key: only the namespace differs."""
+    open_tier, copy, _ = places
+    a, b = open_tier("ns-team-a", "team-a"), open_tier("ns-team-a-eval", "team-a-eval")
+    keys, blocks = make_keys(1, salt=12), blocks_of(a.layout, 1)
+    assert a.put(keys, blocks) == [True]
+    copy(a, keys[0], b, keys[0])
+    assert_counted_misses(b, keys[0])
+    # The bytes are sound: a store of namespace team-a reads them in any place.
+    elsewhere = open_tier("ns-team-a-copy", "team-a")
+    copy(a, keys[0], elsewhere, keys[0])
+    outs = empty(a.layout, 1)
+    assert elsewhere.get(keys, outs) == [True] and torch.equal(outs[0], blocks[0])
+    assert elsewhere.stats()["decrypt_failures"] == 0
+
+
+def first_format(data: bytes, start: int, namespace: str) -> bytes:
+    """``data`` (sealed now, its payload at ``start``) sealed again as format version 2
+    sealed it, under the same key and nonce: each layer's associated data without the
+    namespace. What a store of the first encrypting release wrote."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    header, out, offset = read_header(data), bytearray(rewritten(data, version=2)), start
+    for i, n in enumerate(header.layer_nbytes):
+        plain = bytearray(n - TAG_BYTES)
+        stored = memoryview(data)[offset : offset + n]
+        cipher(namespace=namespace).open_layer(header, i, stored, [memoryview(plain)])
+        tail = (int.from_bytes(header.nonce[-4:], "little") ^ i).to_bytes(4, "little")
+        aad = b"kvstore-aead-v1\0default\0k1\0" + header.layout_fp + header.key
+        aad += struct.pack("<IB", i, int(header.codec))
+        out[offset : offset + n] = AESGCM(K1).encrypt(header.nonce[:-4] + tail, plain, aad)
+        offset += n
+    return bytes(out)
+
+
+def test_block_of_the_first_sealed_format_is_a_counted_miss(places: Any) -> None:
+    """Format version 2 did not bind the namespace: its blocks are not opened, even where
+    their tags verify by their own rule; a later put replaces them."""
+    open_tier, copy, kind = places
+    tier = open_tier("a", "default")
+    keys, blocks = make_keys(1, salt=13), blocks_of(tier.layout, 1)
+    assert tier.put(keys, blocks) == [True]
+    start = 4096 if kind == "disk" else header_size(tier.layout.num_layers, sealed=True)
+    copy(tier, keys[0], tier, keys[0], lambda data: first_format(data, start, "default"))
+    assert_counted_misses(tier, keys[0])
+    assert tier.put(keys, blocks) == [True]
+    outs = empty(tier.layout, 1)
+    assert tier.get(keys, outs) == [True] and torch.equal(outs[0], blocks[0])
+
+
+def test_associated_data_binds_tenant_namespace_and_key() -> None:
+    """One block, one key's bytes: it opens only for its own tenant and namespace."""
+    layout = small_layout()
+    key, block = make_keys(1, salt=14)[0], blocks_of(layout, 1)[0]
+    keys = TenantKeys("k1", {"k1": K1})
+    sealed = seal(encode_block(key, layout, block, 0), BlockCipher("team-a", keys, "ns-1"))
+    header, payload = sealed.header, sealed.payload[0]
+    assert (
+        header.sealed_version == SEALED_VERSION == read_header(sealed.header_bytes).sealed_version
+    )
+    out = empty(layout, 1)[0]
+    open_into(header, payload, layout, out, None, BlockCipher("team-a", keys, "ns-1"))
+    assert torch.equal(out, block)
+    for tenant, namespace in (("team-b", "ns-1"), ("team-a", "ns-2"), ("team-a", "ns-1\0")):
+        with pytest.raises(DecryptError, match="does not verify"):
+            open_into(header, payload, layout, out, None, BlockCipher(tenant, keys, namespace))
