@@ -3,15 +3,18 @@ before the next turn, sessions named alone, and every hint answered."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.hints import Retention, parse_hint
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.servers import S3Server
 
 LAYOUT = small_layout()
 
@@ -181,3 +184,65 @@ def test_bad_hints_config_is_a_clear_error() -> None:
                 "hints": {"max_retained_fraction": 2},
             },
         )
+
+
+def under_pressure(store: KVStore, bottom: int) -> tuple[list[Any], list[Any]]:
+    """A retained session and a later one not retained, then a flood of six more through
+    a 4-block memory tier over an 8-block tier ``bottom``: the bottom tier must evict."""
+    assert store.stats()["tiers"][bottom]["capacity_blocks"] == 8
+    agent, bystander = session(store, 4, seed=1), session(store, 4, seed=2)
+    store.drain()
+    answer = store.hint(agent, retain_s=600, priority=5)
+    assert (answer.status, answer.blocks) == ("accepted", 4)
+    for seed in range(3, 9):
+        session(store, 4, seed=seed)
+        store.drain()
+    assert store.stats()["tiers"][bottom]["evictions"] >= 4 * 4  # (the last in memory only)
+    return agent, bystander
+
+
+def survived(store: KVStore, agent: list[Any], bystander: list[Any], bottom: int) -> None:
+    """The retained session is still in tier ``bottom`` (asked of the medium itself) and
+    reads back whole; the newer session nobody retained was evicted from every tier."""
+    medium = store.datapath.io.tiers[bottom]
+    assert all(bottom in store.datapath.where(k) for k in agent)
+    assert medium.contains(agent) == [True] * 4
+    assert medium.contains(bystander) == [False] * 4
+    assert not any(store.datapath.where(k) for k in bystander)
+    assert torch.equal(store.get(agent), random_blocks(LAYOUT, 4, seed=1))
+
+
+def test_retained_blocks_survive_pressure_on_a_capacity_limited_disk(tmp_path: Path) -> None:
+    host = {"kind": "host", "capacity": 4 * LAYOUT.block_nbytes}
+    disk = {
+        "kind": "disk",
+        "path": str(tmp_path / "disk"),
+        "capacity": 8 * (LAYOUT.block_nbytes + 4096),
+    }
+    for tier in (host, disk):
+        tier.update(high_watermark=1.0, low_watermark=0.99)
+    with KVStore(LAYOUT, {"tiers": [host, disk]}) as store:
+        agent, bystander = under_pressure(store, bottom=1)
+        survived(store, agent, bystander, bottom=1)
+        files = [p for p in (tmp_path / "disk").rglob("*") if p.is_file()]
+        assert any(bytes(agent[0]).hex() in p.name for p in files)  # a real file, by name
+
+
+def test_retained_blocks_survive_pressure_on_a_capacity_limited_bucket(
+    s3_server: S3Server, aws_env: None
+) -> None:
+    host = {"kind": "host", "capacity": 4 * LAYOUT.block_nbytes}
+    s3 = {
+        "kind": "s3",
+        "bucket": s3_server.bucket,
+        "prefix": f"hints-{uuid.uuid4().hex[:12]}",
+        "endpoint_url": s3_server.url,
+        "region": "us-east-1",
+        "codec": "raw",
+        "capacity": 8 * LAYOUT.block_nbytes,
+    }
+    for tier in (host, s3):
+        tier.update(high_watermark=1.0, low_watermark=0.99)
+    with KVStore(LAYOUT, {"tiers": [host, s3]}) as store:
+        agent, bystander = under_pressure(store, bottom=1)
+        survived(store, agent, bystander, bottom=1)
