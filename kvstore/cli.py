@@ -1,4 +1,5 @@
-"""The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats``, ``config`` and ``bench``."""
+"""The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats``, ``config``,
+``calibrate-prefill`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ _AT_LEAST = {
     "head_dim": 1,
     "block_tokens": 1,
     "nodes": 1,
+    "reps": 1,
 }
 
 #: The layout flags' values when none is given: Llama-3-8B.
@@ -125,6 +127,32 @@ def _parser() -> argparse.ArgumentParser:
         "--token-file", help="with --server: a file holding the token (the operator's: all)"
     )
     _layout_args(stats, "on disk (kvstore stats lists them)")
+
+    cal = sub.add_parser(
+        "calibrate-prefill",
+        help="measure a model's prefill time with vLLM; print restore.prefill_table",
+        description="Runs vLLM offline (no cache) on random prompts of each length, one at a "
+        "time to their first token, and prints the restore section whose prefill_table the "
+        "restore planner weighs loads against (docs/restore.md). Needs vLLM installed.",
+    )
+    cal.add_argument("--model", required=True, help="the model's path or Hugging Face id")
+    cal.add_argument(
+        "--lengths",
+        default="1024,4096,16384",
+        help="prompt lengths in tokens, comma-separated (default: %(default)s)",
+    )
+    cal.add_argument(
+        "--reps", type=int, default=3, help="timed prompts per length (default: %(default)s)"
+    )
+    cal.add_argument(
+        "--out", help="also write the restore section to this file (vLLM logs to stdout too)"
+    )
+    cal.add_argument(
+        "--engine",
+        default="{}",
+        help="more vllm.LLM arguments as JSON, e.g. '{\"tensor_parallel_size\": 2}' "
+        "(default: none)",
+    )
 
     config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
     config.add_argument("--config", help="store config YAML to check")
@@ -245,6 +273,33 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     # Each disk tier once: every store in it shares the directory's state.
     disks = {t["root"]: t for s in report["stores"] for t in s["tiers"] if t["kind"] == "disk"}
     return _tier_troubles(list(disks.values()))
+
+
+def _cmd_calibrate_prefill(args: argparse.Namespace) -> int:
+    from kvstore.connectors.calibrate import (
+        Calibration,
+        calibrate_prefill,
+        format_table,
+        parse_lengths,
+    )
+    from kvstore.errors import ConfigError
+
+    try:
+        engine = json.loads(args.engine)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--engine: not JSON: {exc}") from None
+    if not isinstance(engine, dict):
+        raise ConfigError(f"--engine: a JSON object of vllm.LLM arguments, got {args.engine!r}")
+    cal = Calibration(args.model, parse_lengths(args.lengths), args.reps, engine=engine)
+    text = format_table(calibrate_prefill(cal), cal)
+    print(text)
+    if args.out:
+        try:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--out: {exc}") from None
+    return 0
 
 
 def _server_stats(args: argparse.Namespace) -> int:
@@ -480,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "server": _cmd_server,
         "route": _cmd_route,
         "local-cluster": _cmd_local_cluster,
+        "calibrate-prefill": _cmd_calibrate_prefill,
     }
     try:
         check_counts(args, _AT_LEAST)
