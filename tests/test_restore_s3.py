@@ -4,6 +4,7 @@ probed, and a tier that stalls mid-load ends the load within its deadline."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,8 +128,24 @@ def test_a_lookup_asks_a_slow_shared_tier_only_about_what_faster_ones_lost(
         assert asked == 2  # only the two chunks no faster shared tier holds
 
 
+def calls_by_thread(tier: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """From now on, each call into ``tier``'s medium (its lookups, reads and listings) as
+    ``(thread id, method)``, the calling thread's: what a plan asks on its caller's thread
+    told apart from the background work (searches, warming, probes) of the store's own."""
+    calls: list[tuple[int, str]] = []
+    for name in ("contains", "get", "stored_keys"):
+        method = getattr(tier, name)
+
+        def recorded(*args: Any, _name: str = name, _method: Any = method) -> Any:
+            calls.append((threading.get_ident(), _name))
+            return _method(*args)
+
+        monkeypatch.setattr(tier, name, recorded)
+    return calls
+
+
 def test_a_plan_does_not_ask_a_tier_too_slow_to_pay_and_warms_what_it_holds_behind(
-    s3_server: S3Server, throttle: ThrottlingProxy, tmp_path: Any
+    s3_server: S3Server, throttle: ThrottlingProxy, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bucket behind a 1.5 MB/s, 50 ms link, declared so: even a prompt stored whole
     there would be recomputed, so the plan spends no round trip asking it about chunks
@@ -144,13 +161,20 @@ def test_a_plan_does_not_ask_a_tier_too_slow_to_pay_and_warms_what_it_holds_behi
             keys = writer.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
             assert writer.put(keys, kv) == N
         throttle.set(gbps=0.0015, latency_ms=50)
+        store.drain(30.0)  # what the store's opening queued is done
+        asked = calls_by_thread(store.datapath.io.tiers[1], monkeypatch)
         requests = store.stats()["tiers"][1]["requests"]
         plan = store.plan(keys)
-        assert (plan.stored, plan.load) == (0, 0)  # the bucket was not asked: a miss
-        assert store.stats()["tiers"][1]["requests"] == requests
+        assert (plan.stored, plan.load) == (0, 0)  # a miss: ...
+        # ... the plan's lookup did not ask the bucket. Its deferred search runs on another
+        # thread, at once here (no compute to wait for) and on a loaded machine before the
+        # bucket's request counter is read: only this thread's calls tell the plan's own.
+        me = threading.get_ident()
+        assert [what for thread, what in asked if thread == me] == []
         assert store.stats()["restore"]["lookups_deferred"] == 1
         store.drain(30.0)  # the search and the warming, in the background
         assert store.stats()["tiers"][1]["requests"] > requests
+        assert any(thread != me for thread, _ in asked)  # the search: seen by the same record
         plan = store.plan(keys)
         assert (plan.load, plan.tier_chunks) == (N, {0: N})  # now on disk: loaded
         assert store.get_prefix(keys, out, plan=False) == N and torch.equal(out, kv)
