@@ -11,6 +11,10 @@ Both run the same two prompts one at a time (``max_num_seqs`` 1, prefill steps o
 
 Each run's probe records every full block of each prompt, per KV cache group and
 layer, at the step its prefill ends; :func:`compare_blocks` matches them up.
+
+:func:`probe_run` and :func:`side_by_side` are the same runs' parts for tests that lay
+out their processes otherwise (test_vllm_hybrid: a reference and a storing run side by
+side, then a hit in a process of its own).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import random
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +101,62 @@ def run_pair(work: Path, extra: list[str]) -> dict[str, Any]:
             t.join()
     else:
         for n in names:
+            one(n, cores[0])
+    return out
+
+
+def probe_run(
+    work: Path,
+    name: str,
+    args: list[str],
+    prompts: list[list[int]],
+    core: str | None = None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """One driver process ``name`` with the probe (``<work>/<name>-probe``) on ``prompts``,
+    one at a time, 16 greedy tokens each with logprobs; ``args``: the model, the store or
+    not (without one, the do-nothing probe connector), vLLM's settings. ``core``: the
+    cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). Its JSON
+    result, with ``wall_s``, ``log`` and ``probes`` (:func:`read_probes`)."""
+    out, log, probe = work / f"{name}.json", work / f"{name}.log", work / f"{name}-probe"
+    (work / f"{name}-prompts.json").write_text(json.dumps(prompts))
+    cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), *args]
+    cmd += ["--prompts-file", str(work / f"{name}-prompts.json"), "--probe-dir", str(probe)]
+    cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", "--max-num-seqs", "1"]
+    cmd += ["--out", str(out)]
+    env = engine_env(**({"VLLM_CPU_OMP_THREADS_BIND": core} if core is not None else {}))
+    start = time.perf_counter()
+    rc = run_engine(cmd, env, log, timeout=timeout)
+    if rc != 0:
+        raise RuntimeError(f"{name}: rc {rc}\n{log.read_text()[-6000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - start
+    result["log"] = log.read_text()
+    result["probes"] = read_probes(probe)
+    return result
+
+
+def side_by_side(jobs: dict[str, Callable[[str], dict[str, Any]]]) -> dict[str, Any]:
+    """Run each job (given the core it may use) at once, a core each where there are
+    enough, else one after the other on the first core; each result by name, or the
+    exception it raised (for :func:`run_of` to report)."""
+    cores = sorted(os.sched_getaffinity(0))
+    out: dict[str, Any] = {}
+
+    def one(name: str, core: int) -> None:
+        try:
+            out[name] = jobs[name](str(core))
+        except Exception as exc:
+            out[name] = exc
+
+    if len(cores) >= len(jobs):
+        threads = [threading.Thread(target=one, args=(n, cores[i])) for i, n in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for n in jobs:
             one(n, cores[0])
     return out
 
