@@ -248,6 +248,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ignore_eos=True,
         seed=0,
         logprobs=0 if args.logprobs else None,  # 0: the sampled token's only
+        # A session hint rides in the request's kv_transfer_params (docs/restore.md).
+        **(
+            {"extra_args": {"kv_transfer_params": {"kvstore_hint": json.loads(args.hint)}}}
+            if args.hint
+            else {}
+        ),
     )
     prompts = [TokensPrompt(prompt_token_ids=t) for t in prompt_token_ids(args)]
     # One prompt at a time (each TTFT is its own prefill), or all at once (--batch: several
@@ -340,6 +346,8 @@ def _result(out: Any, total: float, logprobs: bool) -> dict[str, Any]:
         "ttft_s": ttft,
         "total_s": total,
     }
+    if getattr(out, "kv_transfer_params", None):  # what the connector answered (a hint's)
+        result["kv_transfer_params"] = out.kv_transfer_params
     if logprobs:
         steps = zip(out.outputs[0].token_ids, out.outputs[0].logprobs or [], strict=True)
         result["logprobs"] = [step[token].logprob for token, step in steps]
@@ -438,6 +446,11 @@ def main() -> None:
         "them only at each prompt's replay boundary: prefix_cache_retention_interval 0)",
     )
     parser.add_argument("--probe-dir", help="record each prompt's KV block hashes here")
+    parser.add_argument(
+        "--hint",
+        metavar="JSON",
+        help="a kvstore session hint every request carries, e.g. '{\"retain_s\": 600}'",
+    )
     parser.add_argument(
         "--dtype",
         default="float32",

@@ -406,17 +406,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan.verify = self._sampler.for_saves(plan.saves)
         return KVStoreConnectorMetadata(plan)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        """Forget the request (its session hint, if any, goes to the stores); saves are
-        synchronous, so its blocks can be freed now."""
-        finish_with_hint(self._planner, request, self._lookup_store, self.counters)
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request (its session hint, if any, goes to the stores, and the
+        answer back with its output); saves are synchronous, so its blocks can be freed
+        now."""
+        answer = finish_with_hint(self._planner, request, self._lookup_store, self.counters)
         self._prompts.pop(request.request_id, None)
         self._sampler.finished(request.request_id)
-        return False, None
+        return False, answer
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` for vLLM's hybrid KV cache manager (every group)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 

@@ -24,12 +24,28 @@ def request(params: Any, req_id: str = "r") -> Any:
 
 def test_a_request_hint_is_parsed_or_counted_as_rejected() -> None:
     counters = Counters("scheduler")
-    hint = request_hint(request({PARAM: {"retain_s": 60, "session": "s1"}}), counters)
-    assert hint is not None and hint[0].retain_s == 60 and hint[1] == "s1"
-    assert request_hint(request({"other": 1}), counters) is None
-    assert request_hint(request(None), counters) is None
-    assert request_hint(request({PARAM: {"retain_s": -5}}), counters) is None
+    hint, rejected = request_hint(request({PARAM: {"retain_s": 60, "session": "s1"}}), counters)
+    assert hint is not None and hint[0].retain_s == 60 and hint[1] == "s1" and rejected is None
+    assert request_hint(request({"other": 1}), counters) == (None, None)
+    assert request_hint(request(None), counters) == (None, None)
+    hint, rejected = request_hint(request({PARAM: {"retain_s": -5}}), counters)
+    assert hint is None and rejected is not None and rejected["status"] == "rejected"
+    assert "retain_s" in rejected["reason"]
     assert counters.snapshot() == {"hints_received": 1, "hints_rejected": 1}
+
+
+def test_a_malformed_hint_is_answered_with_why_and_changes_nothing(tmp_path: Path) -> None:
+    planner = Planner(C, C, lambda t, a, s: {0: []}, lambda k, n, c: Found(0, 0))
+    planner.match("r", list(range(C + 2)), 0)
+    counters = Counters("scheduler")
+    config = {"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "8MiB"}]}
+    with KVStore(LAYOUT, config) as store:
+        answer = finish_with_hint(planner, request({PARAM: ["retain"]}), store, counters)
+        assert store.stats()["hints"]["blocks_retained"] == 0
+    assert answer is not None and answer[PARAM]["status"] == "rejected"
+    assert "mapping" in answer[PARAM]["reason"]
+    assert not planner.step([]).hints
+    assert finish_with_hint(planner, request(None, "other"), None, counters) is None
 
 
 def test_a_finished_requests_hint_reaches_the_shared_store_and_the_workers(
@@ -44,15 +60,18 @@ def test_a_finished_requests_hint_reaches_the_shared_store_and_the_workers(
         planner.match("r", list(range(3 * C + 2)), 0)
         counters = Counters("scheduler")
         params = {PARAM: {"retain_s": 30, "priority": 3, "session": "agent"}}
-        finish_with_hint(planner, request(params), store, counters)
+        answer = finish_with_hint(planner, request(params), store, counters)
         assert counters.snapshot()["hints_accepted"] == 1  # the shared tiers retain them
+        assert answer is not None  # ... and say so with the request's output
+        assert answer[PARAM]["status"] == "accepted" and answer[PARAM]["blocks"] == 3
+        assert answer[PARAM]["retain_s"] == 30
         assert store.stats()["hints"]["blocks_retained"] == 3
         (spec,) = planner.step([]).hints  # ... and the next step tells the workers
         assert spec.keys == by_rank and spec.session == "agent" and spec.hint.priority == 3
         assert not planner.step([]).hints
         worker = Counters("worker")
-        apply_hints(store, 0, [spec], worker)
-        apply_hints(store, 1, [spec], worker)  # a rank the spec has no keys for: nothing
+        assert [a.status for a in apply_hints(store, 0, [spec], worker)] == ["accepted"]
+        assert apply_hints(store, 1, [spec], worker) == []  # a rank with no keys: nothing
         assert worker.snapshot() == {"hints_accepted": 1}
         # the session can now be named alone, e.g. to demote it when it goes idle
         assert store.hint(session="agent", retain_s=5).status == "accepted"

@@ -33,6 +33,10 @@ CORRUPT_CHUNK = 5  # of group 0's shared prefix: claimed by the lookup, fails ve
 DELETED_CHUNK = 3  # of group 1's shared prefix: a plain miss from there on
 
 
+#: The session hint every request of the ``hits`` run carries (kv_transfer_params).
+HINT = {"retain_s": 600, "priority": 5, "session": "e2e"}
+
+
 def drive(
     work: Path, name: str, prompts: str, store: Path | None, config: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -45,6 +49,8 @@ def drive(
     out, log = work / f"{name}.json", work / f"{name}.log"
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), "--prompts", prompts]
     cmd += ["--out", str(out)]
+    if name == "hits":
+        cmd += ["--hint", json.dumps(HINT)]
     if config is not None:
         cmd += ["--store-config", json.dumps(config), "--stats-dir", str(work / f"{name}-stats")]
     elif store is not None:
@@ -194,6 +200,28 @@ def test_matched_tokens_follow_the_restore_plan(runs: dict[str, dict[str, Any]])
     assert scheduler.get("lookup_hit_tokens", 0) == 0
     # A worker that loaded nothing may report no counters at all (no "worker" entry).
     assert planned["stats"].get("worker", {}).get("load_tokens", 0) == 0
+
+
+def test_a_session_hint_rides_each_request_and_is_answered(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """Each request of the ``hits`` run carried ``kvstore_hint`` in its kv_transfer_params:
+    the scheduler applied it to the request's chunks in the shared tiers and vLLM handed
+    the answer back with the request's output; the workers applied it in their tiers with
+    the next step."""
+    hits = runs["hits"]
+    n = len(hits["results"])
+    scheduler, worker = hits["stats"]["scheduler"], hits["stats"]["worker"]
+    assert scheduler["hints_received"] == n and scheduler.get("hints_rejected", 0) == 0
+    assert scheduler.get("hints_accepted", 0) == n
+    # The workers take a finished request's hint with the engine's next step: the last
+    # request's waits for one (an idle engine's memory tiers evict nothing meanwhile).
+    assert worker.get("hints_accepted", 0) == n - 1
+    for result in hits["results"]:
+        answer = result["kv_transfer_params"]["kvstore_hint"]
+        assert answer["status"] == "accepted" and answer["retain_s"] == 600
+        assert answer["blocks"] == result["prompt_tokens"] // LAYOUT.block_tokens
+    assert all("kv_transfer_params" not in r for r in runs["store"]["results"])  # no hint
 
 
 def test_first_run_stored_its_prefixes(runs: dict[str, dict[str, Any]]) -> None:
