@@ -20,11 +20,13 @@ would read it from S3, which ranks above a node that must recompute it.
 read speeds (memory, disk, shared storage) and its engine's prefill speed
 (:class:`~kvstore.cluster.speeds.NodeSpeeds`), so each rank also says, in
 milliseconds, how long the node would take to load its share of the prefix
-(``restore_ms``) and to have the prompt ready with the rest recomputed
-(``ready_ms``). When every live node gives a ``ready_ms``, nodes rank by it
-(least first; then load) instead of by merit: a node holding the prefix on a
-disk that is slow today ranks below one that reads it from a fast S3 and below
-one that recomputes it faster.
+(``restore_ms``) and to have the prompt ready (``ready_ms``): loading the leading
+chunks that pay and recomputing the rest, by the restore planner's rule
+(:meth:`~kvstore.cluster.speeds.NodeSpeeds.plan`), so a prefix on a medium slower
+than the node's prefill costs no more than recomputing it. When every live node
+gives a ``ready_ms``, nodes rank by it (least first; then load) instead of by
+merit: a node holding the prefix on a disk that is slow today ranks below one that
+reads it from a fast S3 and below one that recomputes it faster.
 
 Lookups read this process's copy of the shared index
 (:class:`~kvstore.cluster.view.IndexView`): no Redis round trip per prompt.
@@ -56,8 +58,9 @@ class NodeRank:
     ``memory_blocks`` / ``disk_blocks`` / ``shared_blocks``: the chunks of the
     prefix it can load (its own and, past them, S3's) by where it would load
     them from; ``merit``: their weighted sum; ``restore_ms`` / ``ready_ms``: the
-    expected milliseconds to load them / to have the prompt's chunks ready with
-    the rest recomputed (None: the node did not publish the speeds it needs).
+    expected milliseconds to load them all / to have the prompt's chunks ready,
+    loading those that pay and recomputing the rest (None: the node did not
+    publish the speeds it needs).
     """
 
     node_id: str
@@ -126,7 +129,7 @@ class Router:
         chunks = {"memory": counts.memory, "disk": counts.disk, "shared": shared}
         nbytes, tokens = self.layout.block_nbytes, self.layout.block_tokens
         restore = info.speeds.restore_ms(chunks, nbytes)
-        ready = info.speeds.ready_ms(chunks, nbytes, (total - counts.prefix) * tokens)
+        ready = info.speeds.ready_ms(chunks, nbytes, (total - counts.prefix) * tokens, tokens)
         return NodeRank(
             info.node_id,
             info.advertise,

@@ -6,14 +6,21 @@ storage (S3) every node reads -- and its engine's prefill speed where the store
 knows one (``restore:`` in its config, or learned). A router then turns a
 node's share of a prompt's prefix (chunks in memory, on disk, in S3) into
 milliseconds: :meth:`NodeSpeeds.restore_ms` to load it, and with the rest of
-the prompt recomputed, :meth:`NodeSpeeds.ready_ms`.
+the prompt recomputed, :meth:`NodeSpeeds.ready_ms`: by the node's own restore
+planner's rule (:func:`~kvstore.restore.plan_restore`), the node loads only the
+leading chunks that load faster than they recompute, so a prefix on a medium slower
+than the node's prefill counts its recompute time, not its load time.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
+
+from kvstore.restore import RestoreCosts, RestorePlan, RestoreRequest, plan_restore
+from kvstore.speeds import PrefillSpeed, SpeedEstimate
 
 __all__ = ["MEDIA", "NodeSpeeds"]
 
@@ -75,14 +82,37 @@ class NodeSpeeds:
         return total
 
     def ready_ms(
-        self, chunks: dict[str, int], chunk_bytes: int, recompute_tokens: int
+        self, chunks: dict[str, int], chunk_bytes: int, recompute_tokens: int, chunk_tokens: int
     ) -> float | None:
-        """:meth:`restore_ms` plus the prefill of ``recompute_tokens`` (None: unknown)."""
-        load = self.restore_ms(chunks, chunk_bytes)
-        if load is None or (recompute_tokens > 0 and self.prefill_tokens_per_s is None):
-            return None
-        rate = self.prefill_tokens_per_s or 1.0
-        return load + recompute_tokens / rate * 1e3
+        """Milliseconds to a ready prompt: the node's prefix (``chunks[medium]`` chunks of
+        ``chunk_tokens`` tokens from each medium) loaded as far as loading pays, the rest
+        and ``recompute_tokens`` more recomputed (:meth:`plan`); None if unknown."""
+        plan = self.plan(chunks, chunk_bytes, recompute_tokens, chunk_tokens)
+        return None if plan is None or plan.ready_s is None else plan.ready_s * 1e3
+
+    def plan(
+        self, chunks: dict[str, int], chunk_bytes: int, recompute_tokens: int, chunk_tokens: int
+    ) -> RestorePlan | None:
+        """The node's restore plan for a prompt whose prefix it holds as ``chunks[medium]``
+        chunks, followed by ``recompute_tokens`` it holds nowhere: the restore planner's
+        rule (:func:`~kvstore.restore.plan_restore`) over the published speeds, with the
+        chunks in memory first (always loaded), then on disk, then in shared storage (the
+        order is not published: the fast media lead). None if the node published no
+        speed for a medium it would read."""
+        by_name = {name: (gbps, ms) for name, gbps, ms in self.media}
+        levels: list[int] = []
+        speeds = []
+        for level, name in enumerate(MEDIA):
+            if chunks.get(name, 0) > 0 and name not in by_name:
+                return None
+            gbps, ms = by_name.get(name, (1.0, 0.0))  # a medium not read: any figure
+            speeds.append(SpeedEstimate(gbps, ms, "published", 0.0, None))
+            levels += [level] * max(0, chunks.get(name, 0))
+        prefill = PrefillSpeed(None, self.prefill_tokens_per_s, False, 1.0, time.monotonic)
+        fast = frozenset({MEDIA.index("memory")})
+        costs = RestoreCosts(chunk_tokens, chunk_bytes, speeds, fast, prefill)
+        prompt = len(levels) * chunk_tokens + max(0, recompute_tokens)
+        return plan_restore(RestoreRequest(levels, prompt_tokens=prompt), costs)
 
 
 def _number(value: Any) -> bool:

@@ -116,14 +116,16 @@ def speeds(memory: float, disk: float, shared: float, prefill: float | None) -> 
 
 def test_nodes_rank_by_time_when_they_publish_their_speeds(redis_server: RedisServer) -> None:
     """The same prefix on two nodes' disks, one disk slow today: the node with the fast
-    disk first, then a node that reads the prefix from S3 faster than the slow disk
-    gives it, and the slow-disk node last -- merit alone would rank the disks first."""
+    disk first, then a node that reads the prefix from S3 faster than it recomputes it,
+    and the slow-disk node last, recomputing the prefix rather than loading it (246 ms
+    from its disk, 100 ms of prefill) -- merit alone would rank the disks first."""
     config, index = cluster(redis_server)
     keys = make_keys(8)
     fp, nbytes = LAYOUT.fingerprint_hex, LAYOUT.block_nbytes
-    index.heartbeat(NodeInfo("fast-disk", "127.0.0.1:1", speeds=speeds(10, 1.0, 0.5, 1e4)))
-    index.heartbeat(NodeInfo("slow-disk", "127.0.0.1:2", speeds=speeds(10, 1e-4, 0.5, 1e4)))
-    index.heartbeat(NodeInfo("from-s3", "127.0.0.1:3", speeds=speeds(10, 1.0, 0.5, 1e4)))
+    rate = 640  # tokens a second: 8 chunks of 8 tokens recompute in 100 ms
+    index.heartbeat(NodeInfo("fast-disk", "127.0.0.1:1", speeds=speeds(10, 1.0, 0.5, rate)))
+    index.heartbeat(NodeInfo("slow-disk", "127.0.0.1:2", speeds=speeds(10, 1e-4, 0.5, rate)))
+    index.heartbeat(NodeInfo("from-s3", "127.0.0.1:3", speeds=speeds(10, 1.0, 0.5, rate)))
     index.add("default", fp, "fast-disk", keys, Medium.DISK)
     index.add("default", fp, "slow-disk", keys, Medium.DISK)
     index.publish("default", fp, "gone", {k: (Medium.DISK, Medium.SHARED) for k in keys})
@@ -133,9 +135,11 @@ def test_nodes_rank_by_time_when_they_publish_their_speeds(redis_server: RedisSe
         by = {r.node_id: r for r in ranked}
         assert by["fast-disk"].restore_ms == pytest.approx(1.0 + 8 * nbytes / 1e9 * 1e3, rel=1e-3)
         assert by["from-s3"].restore_ms == pytest.approx(50 + 8 * nbytes / 0.5e9 * 1e3, rel=1e-3)
-        assert by["slow-disk"].ready_ms == by["slow-disk"].restore_ms  # nothing to recompute
+        assert by["from-s3"].ready_ms == by["from-s3"].restore_ms  # loading pays
+        assert by["slow-disk"].restore_ms == pytest.approx(1.0 + 8 * nbytes / 1e5 * 1e3, rel=1e-3)
+        assert by["slow-disk"].ready_ms == pytest.approx(100.0)  # recomputing is faster
         half = router.rank(keys[:4] + make_keys(4, salt=9))  # 4 chunks nobody holds
-        recompute_ms = 4 * LAYOUT.block_tokens / 1e4 * 1e3
+        recompute_ms = 4 * LAYOUT.block_tokens / rate * 1e3
         first = half[0]
         assert first.ready_ms == pytest.approx(first.restore_ms + recompute_ms, rel=1e-3)
     index.close()
@@ -164,3 +168,30 @@ def test_bad_published_speeds_are_ignored() -> None:
     odd = NodeSpeeds.of({"memory": [0, 1], "disk": ["x", 1], "shared": [1.0, 2.0], "x": 3})
     assert odd == NodeSpeeds((("shared", 1.0, 2.0),), None)
     assert NodeSpeeds.decode(odd.encode()) == odd
+
+
+def test_ready_ms_is_the_lesser_of_loading_and_recomputing_by_the_planners_rule() -> None:
+    """A node's ready time follows its restore planner (plan_restore) over its published
+    speeds: chunks of 1 MB read at 1 GB/s (1 ms) behind 10 ms a call, against 5 ms of
+    prefill a chunk (100 tokens at 20K tokens a second)."""
+    node = NodeSpeeds((("memory", 10.0, 0.0), ("disk", 1.0, 10.0), ("shared", 0.01, 50.0)), 2e4)
+    mb, ct = 1_000_000, 100
+    # 2 chunks on disk: 12 ms to load, 10 ms to recompute: recomputed.
+    assert node.restore_ms({"disk": 2}, mb) == pytest.approx(12.0)
+    assert node.ready_ms({"disk": 2}, mb, 0, ct) == pytest.approx(10.0)
+    # 4 chunks: the call's latency is paid once, 14 ms against 20 ms: loaded.
+    assert node.ready_ms({"disk": 4}, mb, 0, ct) == pytest.approx(14.0)
+    # On disk, then 2 chunks in a slow bucket (150 ms to load): the disk loads, the
+    # bucket's chunks and the 3 unheld chunks' tokens recompute (25 ms).
+    plan = node.plan({"disk": 4, "shared": 2}, mb, 3 * ct, ct)
+    assert plan is not None and (plan.load, plan.tier_chunks) == (4, {1: 4})
+    assert node.ready_ms({"disk": 4, "shared": 2}, mb, 3 * ct, ct) == pytest.approx(14.0 + 25.0)
+    # What the memory holds is always loaded, as the planner does, however it compares.
+    slow_memory = NodeSpeeds((("memory", 0.001, 0.0),), 2e4)
+    assert slow_memory.ready_ms({"memory": 1}, mb, 0, ct) == pytest.approx(1000.0)
+    # No prefill speed: every chunk loads; with tokens to recompute, no figure at all.
+    unknown = NodeSpeeds((("disk", 1.0, 10.0),), None)
+    assert unknown.ready_ms({"disk": 2}, mb, 0, ct) == pytest.approx(12.0)
+    assert unknown.ready_ms({"disk": 2}, mb, ct, ct) is None
+    # A medium the node reads but published no speed for: no figure.
+    assert NodeSpeeds((), 2e4).ready_ms({"disk": 1}, mb, 0, ct) is None
