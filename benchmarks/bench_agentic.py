@@ -33,12 +33,18 @@ Per turn, time to first token (TTFT) is modelled as
 - ``recompute``: the prompt's tokens not restored, at a declared prefill rate
   (``--prefill-tokens-per-s``, 8000 tokens/s: an 8B-class model on one mid-range GPU);
   nothing is computed;
-- after the first token the turn's new full chunks (prompt and answer) are ``put``
-  (timed, reported as ``put_ms``, not part of TTFT).
+- after the first token the turn's new full chunks are ``put`` (timed, reported as
+  ``put_ms``, not part of TTFT), as the vLLM connector stores them: the prompt's, and in
+  hinted mode, when the answer is done, also those its answer completed (the tokens the
+  decode computed: all but the last sampled one), which the connector saves for a
+  request that carries a session hint (``save_outputs: hinted``, its default). A plain
+  turn's answer is stored with the next turn's prompt, after that turn's restore.
 
-Two modes, the same schedule, each on a store and directory of its own:
+Three modes, the same schedule, each on a store and directory of its own:
 
 - ``plain``: no hints (the store's own LRU, write-back and promotion on hit);
+- ``answers``: no hints either, but every answer's chunks stored as hinted mode stores
+  them (the connector's ``save_outputs: always``): what the hints do beyond that;
 - ``hinted``: when a turn ends, ``hint(keys, session=..., retain_s=600, priority=50)``
   with the session's stored chunks; if its tool time is long (>= ``--idle-s``, 30 s),
   ``hint(session=..., demote=True)`` at the start of the gap; ``--lead-s`` (2 s) before
@@ -46,8 +52,8 @@ Two modes, the same schedule, each on a store and directory of its own:
   ``hint(session=..., prefetch=True)``; the prefetch runs on the store's mover in the
   background while the timeline goes on.
 
-The two stores run in lockstep: each event goes to both, the order alternating event by
-event, so machine noise falls on both alike. Simulated seconds pass between events and
+The stores run in lockstep: each event goes to each, the order alternating event by
+event, so machine noise falls on all alike. Simulated seconds pass between events and
 none pass here, so before each turn's restore both stores' background work (write-backs,
 promotions, prefetches) is drained (``store.drain()``), in both modes alike: no restore
 runs beside background copies. ``settle_ms`` reports those drains and
@@ -108,18 +114,24 @@ from kvstore import KVStore, StoreConfig
 from kvstore.keys import BlockKey
 
 NAMESPACE = "agent-model"
+#: plain: no hints; hinted: hints (and their answers saved); answers: answers saved only.
+MODES = ("plain", "hinted", "answers")
 TARGET_P99 = 0.7
 TARGETS = {"turn_ttft_p99_hinted_vs_plain": f"<= {TARGET_P99}"}
 DEFINITIONS = {
     "ttft": "restore wall-clock (get_prefix) + unrestored prompt tokens / prefill_tokens_per_s"
     " (+ hinted: the prefetch wait past lead_s)",
     "turn_ttft_pXX_hinted_vs_plain": "percentile over every turn of hinted / the same of plain",
+    "turn_ttft_pXX_hinted_vs_answers": "the same against answers (no hints, every answer's "
+    "chunks stored: save_outputs always)",
+    "stored": "after each turn's first token its prompt's new full chunks; hinted and answers "
+    "also the chunks its answer completed (all but the last sampled token), when it ends",
     "fast_tier_hit_rate": "restored chunks the host tier held just before the restore / "
     "restored chunks (hinted: after waiting for the prefetch)",
     "prefix_hit_rate": "restored tokens / prompt tokens, over every turn",
     "prefetch_wait": "hinted: wall-clock from hint(prefetch=True) to the end of the drain "
     "before the turn; counted = max(0, that - lead_s), added to TTFT",
-    "settle_ms": "the drain of both stores' background work before each restore (not in TTFT)",
+    "settle_ms": "the drain of every store's background work before each restore (not in TTFT)",
 }
 
 
@@ -152,6 +164,7 @@ class Mode:
 
     def __init__(self, mode: str, w: Workload, schedule: Schedule, scratch: Path) -> None:
         self.hinted = mode == "hinted"
+        self.saves_answers = mode != "plain"
         self.w, self.schedule = w, schedule
         self.run = ModeRun(mode)
         self.clock = Clock()
@@ -204,9 +217,10 @@ class Mode:
         )
 
     def end(self, turn: Turn) -> None:
-        """The answer is done: put the turn's new chunks; hinted: retain, maybe demote."""
+        """The answer is done: put the turn's new chunks (hinted: the answer's too, see the
+        module docstring); hinted: retain, maybe demote."""
         w, store, s = self.w, self.store, turn.session
-        length = turn.prompt_tokens + turn.answer_tokens
+        length = turn.prompt_tokens + (turn.answer_tokens - 1 if self.saves_answers else 0)
         keys = store.hash_tokens(self.schedule.tokens[s][:length], NAMESPACE)
         result = self.results[(s, turn.index)]
         new = keys[result.restored :]
@@ -263,7 +277,7 @@ def run_pass(w: Workload, schedule: Schedule, scratch: Path) -> dict[str, ModeRu
     started = time.perf_counter()
     modes: list[Mode] = []
     try:
-        for name in ("plain", "hinted"):
+        for name in MODES:
             modes.append(Mode(name, w, schedule, scratch))
         last_at = 0.0
         for i, (at, kind, turn) in enumerate(events(schedule, w)):
@@ -391,14 +405,15 @@ def run_all(w: Workload, rounds: int, scratch: Path) -> dict[str, Any]:
         f"agentic: {w.sessions} sessions x {w.turns} turns, {schedule.total_chunks} chunks of "
         f"{w.layout.block_nbytes / 2**20:g} MiB; host tier {w.fast_fraction:g} of them"
     )
-    runs: dict[str, list[ModeRun]] = {"plain": [], "hinted": []}
+    runs: dict[str, list[ModeRun]] = {mode: [] for mode in MODES}
     per_round = []
     load = [os.getloadavg()[0]]
     for r in range(rounds):
         this = run_pass(w, schedules[r], scratch)
         load.append(os.getloadavg()[0])
         p, h = summary(this["plain"].turns), summary(this["hinted"].turns)
-        for mode, fig in (("plain", p), ("hinted", h)):
+        a = summary(this["answers"].turns)
+        for mode, fig in (("plain", p), ("hinted", h), ("answers", a)):
             runs[mode].append(this[mode])
             log(
                 f"  round {r + 1}/{rounds} {mode}: TTFT p50 {fig['ttft_ms']['p50']:.1f} ms, "
@@ -409,6 +424,7 @@ def run_all(w: Workload, rounds: int, scratch: Path) -> dict[str, Any]:
             {
                 "p50_hinted_vs_plain": ratio(h["ttft_ms"]["p50"], p["ttft_ms"]["p50"]),
                 "p99_hinted_vs_plain": ratio(h["ttft_ms"]["p99"], p["ttft_ms"]["p99"]),
+                "p99_hinted_vs_answers": ratio(h["ttft_ms"]["p99"], a["ttft_ms"]["p99"]),
                 "seed": w.seed + r,
                 "total_chunks": schedules[r].total_chunks,
                 "seconds": round(this["plain"].seconds, 1),
@@ -416,11 +432,19 @@ def run_all(w: Workload, rounds: int, scratch: Path) -> dict[str, Any]:
         )
     plain = mode_figures(runs["plain"], bt, w.idle_s)
     hinted = mode_figures(runs["hinted"], bt, w.idle_s)
+    answers_saved = mode_figures(runs["answers"], bt, w.idle_s)
     head = {
         "turn_ttft_p50_hinted_vs_plain": ratio(hinted["ttft_ms"]["p50"], plain["ttft_ms"]["p50"]),
         "turn_ttft_p99_hinted_vs_plain": ratio(hinted["ttft_ms"]["p99"], plain["ttft_ms"]["p99"]),
         "fast_tier_hit_rate_hinted": hinted["fast_tier_hit_rate"],
         "fast_tier_hit_rate_plain": plain["fast_tier_hit_rate"],
+        "turn_ttft_p50_hinted_vs_answers": ratio(
+            hinted["ttft_ms"]["p50"], answers_saved["ttft_ms"]["p50"]
+        ),
+        "turn_ttft_p99_hinted_vs_answers": ratio(
+            hinted["ttft_ms"]["p99"], answers_saved["ttft_ms"]["p99"]
+        ),
+        "fast_tier_hit_rate_answers": answers_saved["fast_tier_hit_rate"],
     }
     hinted_turns = [t for run in runs["hinted"] for t in run.turns]
     waited = [t for t in hinted_turns if t.gap_before_s is not None]
@@ -444,13 +468,25 @@ def run_all(w: Workload, rounds: int, scratch: Path) -> dict[str, Any]:
         "restore_p99_hinted_vs_plain": ratio(
             hinted["restore_ms"]["p99"], plain["restore_ms"]["p99"]
         ),
-        "ttft_ms": {"plain": plain["ttft_ms"], "hinted": hinted["ttft_ms"]},
-        "restore_ms": {"plain": plain["restore_ms"], "hinted": hinted["restore_ms"]},
-        "prefix_hit_rate": {"plain": plain["prefix_hit_rate"], "hinted": hinted["prefix_hit_rate"]},
+        "ttft_ms": {
+            "plain": plain["ttft_ms"],
+            "hinted": hinted["ttft_ms"],
+            "answers": answers_saved["ttft_ms"],
+        },
+        "restore_ms": {
+            "plain": plain["restore_ms"],
+            "hinted": hinted["restore_ms"],
+            "answers": answers_saved["restore_ms"],
+        },
+        "prefix_hit_rate": {
+            "plain": plain["prefix_hit_rate"],
+            "hinted": hinted["prefix_hit_rate"],
+            "answers": answers_saved["prefix_hit_rate"],
+        },
         "targets": TARGETS,
         "pass": {name: head[name] is not None and head[name] <= TARGET_P99 for name in TARGETS},
         "definitions": DEFINITIONS,
-        "modes": {"plain": plain, "hinted": hinted},
+        "modes": {"plain": plain, "hinted": hinted, "answers": answers_saved},
         "per_round": per_round,
         "prefetch_wait": {
             "lead_s": w.lead_s,

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.connectors.plan import HintSpec, Planner
+from kvstore.connectors.plan import FinishedOutput, HintSpec, Planner
 from kvstore.connectors.settings import Counters
 from kvstore.hints import Hint, HintAnswer, parse_hint
 from kvstore.store import KVStore
@@ -50,13 +50,20 @@ def request_hint(
 
 
 def finish_with_hint(
-    planner: Planner, request: Any, store: KVStore | None, counters: Counters
-) -> dict[str, Any] | None:
+    planner: Planner,
+    request: Any,
+    store: KVStore | None,
+    counters: Counters,
+    output: FinishedOutput | None = None,
+) -> tuple[bool, dict[str, Any] | None]:
     """The scheduler side forgets a finished request; its hint, if any, is applied to
-    every rank's chunks in ``store`` (the shared tiers) now and queued for the workers.
-    Returns the ``kv_transfer_params`` vLLM hands back with the request's output:
-    ``{"kvstore_hint": answer}`` (``HintAnswer.as_dict()`` of the shared tiers' answer, or
-    the rejection of a malformed hint), None for a request without a hint."""
+    every rank's chunks in ``store`` (the shared tiers) now and queued for the workers,
+    and ``output``'s chunks are queued for saving (:meth:`Planner.finished`).
+
+    Returns whether the engine must keep the request's blocks for that save, and the
+    ``kv_transfer_params`` vLLM hands back with the request's output: ``{"kvstore_hint":
+    answer}`` (``HintAnswer.as_dict()`` of the shared tiers' answer, or the rejection of a
+    malformed hint), None for a request without a hint."""
     hint, rejected = request_hint(request, counters)
     state = planner.requests.get(request.request_id)
     answer = rejected
@@ -65,10 +72,12 @@ def finish_with_hint(
         for key_index in state.keys:
             got = apply_hints(store, key_index, [spec], counters)
             answer = answer or (got[0].as_dict() if got else None)
-    planner.finished(request.request_id, hint)
+    keep = planner.finished(request.request_id, hint, output)
+    if keep:
+        counters.add("output_saves_queued")
     if answer is None and hint is not None:
         answer = {"status": "accepted", "reason": "queued for the workers' tiers"}
-    return None if answer is None else {PARAM: answer}
+    return keep, None if answer is None else {PARAM: answer}
 
 
 def apply_hints(

@@ -28,6 +28,7 @@ __all__ = [
     "Scheduled",
     "StepPlan",
     "TransferSpec",
+    "FinishedOutput",
     "Found",
     "HintSpec",
     "chunk_tokens_for",
@@ -133,19 +134,36 @@ class HintSpec:
     session: str | None = None
 
 
+@dataclass(frozen=True)
+class FinishedOutput:
+    """A finished request's computed tokens (prompt and output: those whose KV the
+    engine holds) and its blocks per KV cache group, for saving the chunks its output
+    completed. ``needs_hint``: save them only if the request carried a session hint (the
+    session goes on, so its next prompt starts with this output)."""
+
+    tokens: list[int]
+    block_ids: GroupBlocks
+    needs_hint: bool = True
+
+
 @dataclass
 class StepPlan:
-    """Everything the workers move in one engine step."""
+    """Everything the workers move in one engine step.
+
+    ``finishing``: saves of finished requests' output chunks, whose blocks the engine
+    keeps until the workers report them done (vLLM's delayed free, ``finished_sending``).
+    """
 
     loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
     hints: list[HintSpec] = field(default_factory=list)
+    finishing: list[TransferSpec] = field(default_factory=list)
     #: Shadow verification (verify.py): request -> its namespace, for the saves whose
     #: stored chunks the workers compare with the engine's recompute.
     verify: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.hints)
+        return bool(self.loads or self.saves or self.hints or self.finishing)
 
 
 @dataclass
@@ -163,6 +181,8 @@ class RequestState:
     expected_computed: int = 0  # computed tokens the engine should report next step
     pending_load: tuple[int, int] | None = None  # token range to load in the next step
     load_failed: bool = False  # a whole load failed: recompute, never offer a hit again
+    adapter: str | None = None  # what the keys were hashed with (an output's keys too)
+    salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -203,13 +223,15 @@ class Planner:
         self.requests: dict[str, RequestState] = {}
         self._whole_loads: list[TransferSpec] = []
         self._hints: list[HintSpec] = []
+        self._finishing: list[TransferSpec] = []
 
     def _state(
         self, req_id: str, tokens: Sequence[int], adapter: str | None, salt: str | None
     ) -> RequestState:
         state = self.requests.get(req_id)
         if state is None:
-            state = RequestState(self._keys_for(tokens, adapter, salt), len(tokens))
+            keys = self._keys_for(tokens, adapter, salt)
+            state = RequestState(keys, len(tokens), adapter=adapter, salt=salt)
             self.requests[req_id] = state
         return state
 
@@ -275,12 +297,28 @@ class Planner:
         state.saved_chunks = 0  # what is still stored is skipped when saving
         state.expected_computed = 0
 
-    def finished(self, req_id: str, hint: tuple[Hint, str | None] | None = None) -> None:
+    def finished(
+        self,
+        req_id: str,
+        hint: tuple[Hint, str | None] | None = None,
+        output: FinishedOutput | None = None,
+    ) -> bool:
         """Forget a finished request; with a ``(hint, session)``, the next step's workers
-        apply it to the request's chunks (its saves are done by now)."""
+        apply it to the request's chunks (its saves are done by now). With ``output``
+        (and a hint where it needs one), the next step's workers also save the chunks its
+        output completed: True, the engine must keep its blocks until they report it."""
         state = self.requests.pop(req_id, None)
-        if state is not None and hint is not None and state.keys:
+        if state is None or not state.keys:
+            return False
+        queued = False
+        if output is not None and (hint is not None or not output.needs_hint):
+            spec = self._output_spec(req_id, state, output)
+            if spec is not None:
+                self._finishing.append(spec)
+                queued = True
+        if hint is not None:
             self._hints.append(HintSpec(state.keys, hint[0], hint[1]))
+        return queued
 
     def step(self, scheduled: Sequence[Scheduled]) -> StepPlan:
         """The loads and saves of one step, from what the engine scheduled.
@@ -288,8 +326,8 @@ class Planner:
         Requests never seen by :meth:`match` are left alone: their keys would
         lack the request's salt and adapter, so nothing of theirs is stored.
         """
-        plan = StepPlan(loads=self._whole_loads, hints=self._hints)
-        self._whole_loads, self._hints = [], []
+        plan = StepPlan(loads=self._whole_loads, hints=self._hints, finishing=self._finishing)
+        self._whole_loads, self._hints, self._finishing = [], [], []
         for req in scheduled:
             state = self.requests.get(req.req_id)
             if state is None:
@@ -345,6 +383,25 @@ class Planner:
         if spec is not None:
             state.saved_chunks = last
             spec.step_end = done
+        return spec
+
+    def _output_spec(
+        self, req_id: str, state: RequestState, output: FinishedOutput
+    ) -> TransferSpec | None:
+        """The save of the full chunks past the saved ones that ``output``'s tokens fill
+        (the prompt's keys go on as the chain of the longer token list); the hint that
+        follows covers them too."""
+        keys = self._keys_for(output.tokens, state.adapter, state.salt)
+        c = self.chunk_tokens
+        last = min(len(output.tokens) // c, len(next(iter(keys.values()), [])))
+        first = min(state.saved_chunks, len(next(iter(state.keys.values()))))
+        if last <= first:
+            return None
+        state.keys, state.block_ids = keys, [list(ids) for ids in output.block_ids]
+        spec = self._spec(req_id, state, first, last, first * c, last * c)
+        if spec is not None:
+            spec.token_ids = list(output.tokens[first * c : last * c])
+            spec.parents = {r: ks[first - 1] if first else None for r, ks in keys.items()}
         return spec
 
     def _spec(

@@ -22,6 +22,7 @@ from kvstore.errors import ConfigError
 
 __all__ = [
     "FLUSH_POLICIES",
+    "OUTPUT_SAVES",
     "TRANSFER_MODES",
     "ConnectorSettings",
     "Counters",
@@ -31,6 +32,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FLUSH_POLICIES = ("step", "background", "close")
+OUTPUT_SAVES = ("hinted", "always", "never")
 TRANSFER_MODES = ("layerwise", "sync")
 _MEMORY_KINDS = ("host", "device")
 
@@ -48,8 +50,11 @@ class ConnectorSettings:
     (namespace), ``stats_dir`` (write counters as JSON there),
     ``recompute_on_load_failure``, ``staging_bytes``, ``verify_sample_rate`` (the
     fraction of hits recomputed and compared with the stored blocks instead of served;
-    0 turns shadow verification off) and ``verify_tolerance`` (the largest relative
-    difference that matches; default by KV dtype; see kvstore/connectors/verify.py).
+    0 turns shadow verification off), ``verify_tolerance`` (the largest relative
+    difference that matches; default by KV dtype; see kvstore/connectors/verify.py) and
+    ``save_outputs`` (when a request finishes, also store the chunks its generated
+    tokens completed, so the next turn of a conversation hits through its answer:
+    ``hinted``, for requests that carry a session hint; ``always``; ``never``).
     """
 
     store_config: Any = None
@@ -63,6 +68,7 @@ class ConnectorSettings:
     staging_bytes: int = 256 * 1024**2
     verify_sample_rate: float = 0.001  # one hit in a thousand recomputed and compared
     verify_tolerance: float | None = None
+    save_outputs: str = "hinted"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -88,6 +94,10 @@ class ConnectorSettings:
     def _check(self) -> None:
         if self.flush not in FLUSH_POLICIES:
             raise ConfigError(f"flush: use one of {', '.join(FLUSH_POLICIES)}, got {self.flush!r}")
+        if self.save_outputs not in OUTPUT_SAVES:
+            raise ConfigError(
+                f"save_outputs: use one of {', '.join(OUTPUT_SAVES)}, got {self.save_outputs!r}"
+            )
         if self.transfer not in TRANSFER_MODES:
             raise ConfigError(
                 f"transfer: use one of {', '.join(TRANSFER_MODES)}, got {self.transfer!r}"

@@ -500,6 +500,19 @@ class TransferWorker:
         if stored:
             self._persist()
 
+    def save_finished(self, specs: Sequence[TransferSpec]) -> set[str]:
+        """Save finished requests' output chunks from the blocks the engine kept for it;
+        the ids of the requests done, saved or not (a failed save is a future miss, and
+        the engine must get its blocks back either way)."""
+        if not specs:
+            return set()
+        if self.saves and self.paged is not None:
+            stored = sum(self._save_sync(spec) for spec in specs)
+            self.counters.add("output_chunks_stored", stored)
+            if stored:
+                self._persist()
+        return {spec.req_id for spec in specs}
+
     def _save_sync(self, spec: TransferSpec) -> int:
         prepared = self._prepare([spec])
         if not prepared:

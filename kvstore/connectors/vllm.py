@@ -67,7 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.hints import apply_hints, finish_with_hint
 from kvstore.connectors.paged import LayerGroups, PagedKV, PageMap
-from kvstore.connectors.plan import Found, Planner, Scheduled, StepPlan, chunk_tokens_for
+from kvstore.connectors.plan import FinishedOutput, Found, Planner, StepPlan, chunk_tokens_for
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
 from kvstore.connectors.transfer import TransferWorker
@@ -75,6 +75,7 @@ from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromM
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
 from kvstore.connectors.vllm_hybrid import StateLookup, StateTransfer
+from kvstore.connectors.vllm_requests import finished_output, groups, scheduled_requests
 from kvstore.connectors.vllm_runtime import cache_writer, parallel_ranks
 from kvstore.connectors.vllm_stats import KVStoreConnectorStats
 from kvstore.datapath.contracts import Medium
@@ -85,7 +86,7 @@ from kvstore.store import KVStore
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata", "scheduled_requests"]
+__all__ = ["EngineGeometry", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
 # Under vLLM's logger, so start-up lines (what is served, what is recomputed) show with
 # vLLM's own output.
@@ -97,33 +98,6 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
-
-
-def scheduled_requests(scheduler_output: Any) -> list[Scheduled]:
-    """vLLM's new and cached requests of one step (a ``SchedulerOutput``) as the
-    :class:`Scheduled` entries the step planner reads, block ids per KV cache group."""
-    counts = scheduler_output.num_scheduled_tokens
-    out = [
-        Scheduled(r.req_id, _groups(r.block_ids), True, r.num_computed_tokens, counts[r.req_id])
-        for r in scheduler_output.scheduled_new_reqs
-        if r.req_id in counts
-    ]
-    cached = scheduler_output.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        if req_id not in counts:
-            continue
-        new_ids = cached.new_block_ids[i]
-        blocks = _groups(new_ids) if new_ids is not None else None
-        resumed = req_id in cached.resumed_req_ids
-        out.append(
-            Scheduled(req_id, blocks, resumed, cached.num_computed_tokens[i], counts[req_id])
-        )
-    return out
-
-
-def _groups(block_ids: Any) -> tuple[list[int], ...]:
-    """vLLM's per-group block ids (a tuple of lists) as plain lists."""
-    return tuple(list(ids) for ids in block_ids)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -372,7 +346,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         block ids repeat across groups).
         """
         if self.geometry.per_request_loads and num_external_tokens > 0:
-            block_ids = _groups(blocks.get_block_ids())
+            block_ids = groups(blocks.get_block_ids())
             self._planner.allocated(request.request_id, num_external_tokens, block_ids)
         else:
             self._planner.allocated(request.request_id, num_external_tokens)
@@ -410,18 +384,39 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request (its session hint, if any, goes to the stores, and the
-        answer back with its output); saves are synchronous, so its blocks can be freed
-        now."""
-        answer = finish_with_hint(self._planner, request, self._lookup_store, self.counters)
-        self._prompts.pop(request.request_id, None)
-        self._sampler.finished(request.request_id)
-        return False, answer
+        answer back with its output). Prompt saves are synchronous; the blocks are kept
+        (True) only while the workers save the chunks its output completed."""
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished` for vLLM's hybrid KV cache manager (every group)."""
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        output = self._finished_output(request, block_ids)
+        state = self._planner.requests.get(request.request_id)
+        keep, answer = finish_with_hint(
+            self._planner, request, self._lookup_store, self.counters, output
+        )
+        if keep and output is not None and state is not None and self._events is not None:
+            # Announced as the step's prompt saves are: when planned (the next step's).
+            keys = state.keys[min(state.keys)]  # the output's chain now (Planner.finished)
+            self._events.held(keys, output.tokens[: len(keys) * self.chunk_tokens])
+        self._prompts.pop(request.request_id, None)
+        self._sampler.finished(request.request_id)
+        return keep, answer
+
+    def _finished_output(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> FinishedOutput | None:
+        """What of a finished request's output to save (``save_outputs``): models whose
+        every layer is plain attention (a window's or a state's blocks at the output's
+        end, or a draft's, are not this simple)."""
+        policy = self.settings.save_outputs
+        g = self.geometry
+        plain = not (g.states or g.sliding_groups() or g.draft_indices())
+        if policy == "never" or not plain or not self._saves or not g.serves:
+            return None
+        return finished_output(request, block_ids, needs_hint=policy == "hinted")
 
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:
@@ -540,19 +535,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters.add("steps_with_transfers")
             self.counters.write(self.settings.stats_dir)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        """Saves are synchronous; whole loads (several KV cache groups) end here."""
-        if self._worker is None:
-            return None, None
-        finished, _ = self._worker.take_transfer_results()
-        return None, finished or None
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests' output saves, done now; whole loads (several KV cache
+        groups) end here."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Whole loads that ended this step, and which of them failed (vLLM recomputes those)."""
+        """Finished requests whose output chunks this step saved (vLLM frees their blocks),
+        whole loads that ended this step, and which of them failed (vLLM recomputes those)."""
         if self._worker is None:
             return KVConnectorTransferResults()
+        sent = self._worker.save_finished(self._plan().finishing)
+        if sent:
+            self.counters.write(self.settings.stats_dir)
         finished, failed = self._worker.take_transfer_results()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=finished, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM blocks whose planned load failed this step; vLLM recomputes them."""

@@ -40,12 +40,13 @@ def test_a_malformed_hint_is_answered_with_why_and_changes_nothing(tmp_path: Pat
     counters = Counters("scheduler")
     config = {"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "8MiB"}]}
     with KVStore(LAYOUT, config) as store:
-        answer = finish_with_hint(planner, request({PARAM: ["retain"]}), store, counters)
+        keep, answer = finish_with_hint(planner, request({PARAM: ["retain"]}), store, counters)
+        assert not keep
         assert store.stats()["hints"]["blocks_retained"] == 0
     assert answer is not None and answer[PARAM]["status"] == "rejected"
     assert "mapping" in answer[PARAM]["reason"]
     assert not planner.step([]).hints
-    assert finish_with_hint(planner, request(None, "other"), None, counters) is None
+    assert finish_with_hint(planner, request(None, "other"), None, counters) == (False, None)
 
 
 def test_a_finished_requests_hint_reaches_the_shared_store_and_the_workers(
@@ -60,7 +61,8 @@ def test_a_finished_requests_hint_reaches_the_shared_store_and_the_workers(
         planner.match("r", list(range(3 * C + 2)), 0)
         counters = Counters("scheduler")
         params = {PARAM: {"retain_s": 30, "priority": 3, "session": "agent"}}
-        answer = finish_with_hint(planner, request(params), store, counters)
+        keep, answer = finish_with_hint(planner, request(params), store, counters)
+        assert not keep  # no output to save: vLLM frees the blocks at once
         assert counters.snapshot()["hints_accepted"] == 1  # the shared tiers retain them
         assert answer is not None  # ... and say so with the request's output
         assert answer[PARAM]["status"] == "accepted" and answer[PARAM]["blocks"] == 3

@@ -34,8 +34,8 @@ from kvstore.connectors.vllm import (
     EngineGeometry,
     KVStoreConnector,
     KVStoreConnectorStats,
-    scheduled_requests,
 )
+from kvstore.connectors.vllm_requests import scheduled_requests
 from kvstore.errors import ConfigError
 
 BLOCKS, HEADS, BLOCK = 5, 2, 128

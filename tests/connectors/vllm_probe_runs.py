@@ -19,6 +19,7 @@ side, then a hit in a process of its own).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -36,6 +37,7 @@ CHUNK = 256
 SEED_TOKENS = 2 * CHUNK
 TARGET_TOKENS = SEED_TOKENS + 100
 MAX_TOKENS = 16
+NAMES = ("reference", "kvstore")  # run_pair's two runs, a core each
 
 
 def prompts(vocab: int = 2048) -> list[list[int]]:
@@ -82,27 +84,8 @@ def read_probes(directory: Path) -> dict[int, dict[str, Any]]:
 def run_pair(work: Path, extra: list[str]) -> dict[str, Any]:
     """The reference and kvstore runs side by side (a core each where there are two);
     a run that failed is its exception, for the tests to report with its log."""
-    cores = sorted(os.sched_getaffinity(0))
-    out: dict[str, Any] = {}
     write_models(work, extra)  # once, before two processes would write them at once
-
-    def one(name: str, core: int) -> None:
-        try:
-            out[name] = drive(work, name, str(core), extra)
-        except Exception as exc:
-            out[name] = exc
-
-    names = ("reference", "kvstore")
-    if len(cores) >= 2:
-        threads = [threading.Thread(target=one, args=(n, cores[i])) for i, n in enumerate(names)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
-        for n in names:
-            one(n, cores[0])
-    return out
+    return side_by_side({name: functools.partial(drive, work, name, extra=extra) for name in NAMES})
 
 
 def probe_run(
@@ -112,19 +95,24 @@ def probe_run(
     prompts: list[list[int]],
     core: str | None = None,
     timeout: float = 900,
+    in_process: bool = True,
 ) -> dict[str, Any]:
     """One driver process ``name`` with the probe (``<work>/<name>-probe``) on ``prompts``,
     one at a time, 16 greedy tokens each with logprobs; ``args``: the model, the store or
     not (without one, the do-nothing probe connector), vLLM's settings. ``core``: the
-    cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). Its JSON
-    result, with ``wall_s``, ``log`` and ``probes`` (:func:`read_probes`)."""
+    cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). ``in_process``:
+    vLLM's engine core in the driver's process (steps only while a ``generate`` call
+    waits), else in a process of its own (its busy loop steps while any request holds
+    blocks, as ``vllm serve``'s does). Its JSON result, with ``wall_s``, ``log`` and
+    ``probes`` (:func:`read_probes`)."""
     out, log, probe = work / f"{name}.json", work / f"{name}.log", work / f"{name}-probe"
     (work / f"{name}-prompts.json").write_text(json.dumps(prompts))
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), *args]
     cmd += ["--prompts-file", str(work / f"{name}-prompts.json"), "--probe-dir", str(probe)]
     cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", "--max-num-seqs", "1"]
     cmd += ["--out", str(out)]
-    env = engine_env(**({"VLLM_CPU_OMP_THREADS_BIND": core} if core is not None else {}))
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": core} if core is not None else {}
+    env = engine_env(in_process, **bind)
     start = time.perf_counter()
     rc = run_engine(cmd, env, log, timeout=timeout)
     if rc != 0:
