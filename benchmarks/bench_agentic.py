@@ -506,10 +506,7 @@ def run_all(w: Workload, rounds: int, scratch: Path) -> dict[str, Any]:
                 for kind, v in sorted(calls.items())
             },
         },
-        "store": {
-            "plain": tier_figures(runs["plain"][-1].stats),
-            "hinted": tier_figures(runs["hinted"][-1].stats),
-        },
+        "store": {mode: tier_figures(runs[mode][-1].stats) for mode in MODES},
         "workload": {
             **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(w).items()},
             "chunk_mib": layout.block_nbytes / 2**20,
