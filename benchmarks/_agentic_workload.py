@@ -200,6 +200,7 @@ class TurnResult:
     settle_s: float  #: the drain of background work before the turn (not in TTFT)
     settle_past_sim_gap: bool  #: that drain took longer than the simulated time since
     #: the previous event: the simulation compressed time past what the store kept up with
+    tail_tokens: int = 0  #: tokens restored from a tail after the restored chunks
 
     @property
     def ttft_s(self) -> float:

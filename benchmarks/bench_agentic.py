@@ -37,8 +37,12 @@ Per turn, time to first token (TTFT) is modelled as
   ``put_ms``, not part of TTFT), as the vLLM connector stores them: the prompt's, and in
   hinted mode, when the answer is done, also those its answer completed (the tokens the
   decode computed: all but the last sampled one), which the connector saves for a
-  request that carries a session hint (``save_outputs: hinted``, its default). A plain
-  turn's answer is stored with the next turn's prompt, after that turn's restore.
+  request that carries a session hint (``save_outputs: hinted``, its default), with the
+  *tail* after them (the first tokens of the last, partial chunk, in quarter chunks of
+  16-token engine blocks: kvstore/connectors/tails.py). A plain turn's answer is stored
+  with the next turn's prompt, after that turn's restore. Where a turn's restore loads
+  every stored chunk, the longest stored tail its prompt continues with is loaded too
+  (timed in the restore), as the connector's lookup does.
 
 Three modes, the same schedule, each on a store and directory of its own:
 
@@ -111,9 +115,13 @@ from _agentic_workload import (
 from _common import base_parser, emit, environment, log
 
 from kvstore import KVStore, StoreConfig
-from kvstore.keys import BlockKey
+from kvstore.connectors.plan import tail_unit
+from kvstore.connectors.tails import find_tail
+from kvstore.keys import BlockKey, tail_key, tokens_to_bytes
 
 NAMESPACE = "agent-model"
+#: The engine's block size (vLLM on a GPU): tails are whole quarter chunks of such blocks.
+ENGINE_BLOCK = 16
 #: plain: no hints; hinted: hints (and their answers saved); answers: answers saved only.
 MODES = ("plain", "hinted", "answers")
 TARGET_P99 = 0.7
@@ -128,7 +136,7 @@ DEFINITIONS = {
     "also the chunks its answer completed (all but the last sampled token), when it ends",
     "fast_tier_hit_rate": "restored chunks the host tier held just before the restore / "
     "restored chunks (hinted: after waiting for the prefetch)",
-    "prefix_hit_rate": "restored tokens / prompt tokens, over every turn",
+    "prefix_hit_rate": "restored tokens (chunks and tails) / prompt tokens, over every turn",
     "prefetch_wait": "hinted: wall-clock from hint(prefetch=True) to the end of the drain "
     "before the turn; counted = max(0, that - lead_s), added to TTFT",
     "settle_ms": "the drain of every store's background work before each restore (not in TTFT)",
@@ -172,6 +180,7 @@ class Mode:
         layout = w.layout
         max_chunks = max(len(t) for t in schedule.tokens) // w.block_tokens + 1
         self.out = Buffer(layout, max_chunks, fill=False)
+        self.tail_out = Buffer(layout, 1, fill=False)
         self.source = Buffer(layout, max_chunks, fill=True)
         config = store_config(w, self.directory, schedule.total_chunks)
         self.store = KVStore(layout, StoreConfig.from_dict(config, environ={}), clock=self.clock)
@@ -195,6 +204,7 @@ class Mode:
         view = self.out.view(len(keys))
         t0 = time.perf_counter()
         n = store.get_prefix(keys, view, prompt_tokens=turn.prompt_tokens)
+        tail = self.tail_after(keys, turn, n, stored)
         restore_s = time.perf_counter() - t0
         shared = min(n, w.system_chunks)
         self.results[(s, turn.index)] = TurnResult(
@@ -208,13 +218,26 @@ class Mode:
             shared,
             sum(held[:shared]),
             restore_s,
-            (turn.prompt_tokens - n * w.block_tokens) / w.prefill_tokens_per_s,
+            (turn.prompt_tokens - n * w.block_tokens - tail) / w.prefill_tokens_per_s,
             wait,
             counted,
             0.0,
             settle_s,
             settle_s > sim_gap,
+            tail,
         )
+
+    def tail_after(self, keys: Sequence[BlockKey], turn: Turn, n: int, stored: int) -> int:
+        """Where the restore loaded every stored chunk, load the longest stored tail after
+        them that the prompt continues with (the connector's lookup); its tokens."""
+        if not self.saves_answers or n < 1 or n != stored:
+            return 0
+        tokens = self.schedule.tokens[turn.session][: turn.prompt_tokens].tolist()
+        sizes = (self.w.block_tokens, ENGINE_BLOCK)
+        tail = find_tail(self.store.contains, {0: list(keys)}, tokens, n, sizes)
+        if tail is None or self.store.get([tail.keys[0]], self.tail_out.view(1)).shape[2] == 0:
+            return 0
+        return tail.tokens
 
     def end(self, turn: Turn) -> None:
         """The answer is done: put the turn's new chunks (hinted: the answer's too, see the
@@ -227,12 +250,24 @@ class Mode:
         t0 = time.perf_counter()
         if new:
             store.put(new, self.source.view(len(new)))
+        if self.saves_answers:
+            self.put_tail(keys, self.schedule.tokens[s][:length])
         result.put_s = time.perf_counter() - t0
         if self.hinted:
             sid = f"session-{s}"
             self.hint("retain", keys, session=sid, retain_s=w.retain_s, priority=w.priority)
             if turn.gap_after_s is not None and turn.gap_after_s >= w.idle_s:
                 self.hint("demote", session=sid, demote=True)
+
+    def put_tail(self, keys: Sequence[BlockKey], tokens: Any) -> None:
+        """The tail after the full chunks of ``tokens`` (the connector's output saves)."""
+        bt = self.w.block_tokens
+        unit = tail_unit(bt, ENGINE_BLOCK)
+        last = len(keys)
+        n = (len(tokens) - last * bt) // unit * unit
+        if last and n > 0:
+            data = tokens_to_bytes(tokens[last * bt : last * bt + n].tolist())
+            self.store.put([tail_key(keys[-1], data)], self.source.view(1))
 
     def prefetch(self, turn: Turn) -> None:
         """Hinted: ``lead_s`` before the session's next turn."""
@@ -262,6 +297,7 @@ class Mode:
         finally:
             self.store.close()
             self.out.close()
+            self.tail_out.close()
             self.source.close()
             shutil.rmtree(self.directory, ignore_errors=True)
         done = ((t.session, t.index) for t in self.schedule.turns)
@@ -340,13 +376,16 @@ def summary(turns: Sequence[TurnResult]) -> dict[str, Any]:
         },
         "restored_chunks": restored,
         "restored_short_of_stored": sum(t.stored_chunks - t.restored for t in turns),
+        "tails_restored": sum(t.tail_tokens > 0 for t in turns),
+        "tail_tokens_restored": sum(t.tail_tokens for t in turns),
     }
 
 
 def prefix_hit_rate(turns: Sequence[TurnResult], bt: int) -> float:
-    """Restored tokens / prompt tokens."""
+    """Restored tokens (chunks and tails) / prompt tokens."""
     prompt = sum(t.prompt_tokens for t in turns)
-    return round(sum(t.restored * bt for t in turns) / prompt, 4) if prompt else math.nan
+    restored = sum(t.restored * bt + t.tail_tokens for t in turns)
+    return round(restored / prompt, 4) if prompt else math.nan
 
 
 def mode_figures(runs: Sequence[ModeRun], bt: int, idle_s: float) -> dict[str, Any]:

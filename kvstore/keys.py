@@ -67,6 +67,7 @@ __all__ = [
     "chain_keys_python",
     "engine_keys",
     "format_key",
+    "tail_key",
     "tokens_to_bytes",
 ]
 
@@ -271,6 +272,18 @@ def chain_keys_python(
     chain: list[bytes] = list(accumulate(digests, xxhash.xxh3_128_digest, initial=parent))
     del chain[0]
     return chain  # type: ignore[return-value]  # BlockKey is bytes at run time
+
+
+def tail_key(parent: BlockKey, token_bytes: bytes | memoryview) -> BlockKey:
+    """The key of a *tail*: the first tokens of a chunk (fewer than a chunk) after the
+    chunk whose key is ``parent``, ``token_bytes`` their int32 bytes.
+
+    ``xxh3_128(b"kvstore-tail|" + parent + tokens)``: a construction no full chunk's
+    key shares, so a tail is never served as a whole chunk, and two tails share a key
+    only if they continue the same prefix with the same tokens.
+    """
+    data = b"kvstore-tail|" + bytes(parent) + bytes(token_bytes)
+    return BlockKey(xxhash.xxh3_128_digest(data))
 
 
 def _opaque_bytes(value: Any) -> bytes:

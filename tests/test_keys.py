@@ -18,7 +18,16 @@ from kvstore import KVStore
 from kvstore import keys as keys_mod
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError
-from kvstore.keys import KEY_BYTES, Namespace, chain_keys, check_keys, engine_keys, format_key
+from kvstore.keys import (
+    KEY_BYTES,
+    Namespace,
+    chain_keys,
+    check_keys,
+    engine_keys,
+    format_key,
+    tail_key,
+    tokens_to_bytes,
+)
 from kvstore.layout import KVLayout
 
 B = 16  # block_tokens of the main test layout
@@ -713,3 +722,20 @@ def test_compiled_chain_rejects_bad_arguments():
     with pytest.raises(TypeError):
         native(b"\0" * 64, 4)
     assert native(b"", 4, b"p" * 16) == []
+
+
+def test_a_tail_key_is_never_a_chunk_key_and_names_its_prefix_and_tokens() -> None:
+    """A tail (the first tokens of a chunk, kvstore.connectors.tails) is keyed by the chunk
+    before it and its tokens: the same in every process, and distinct from every full
+    chunk's key, from another parent's tail and from a tail one token longer or shorter."""
+    seed = bytes(16)
+    tokens = list(range(1000, 1000 + 3 * 16))
+    data = tokens_to_bytes(tokens)
+    chunks = chain_keys(data, 16, seed)
+    tail = tail_key(chunks[0], tokens_to_bytes(tokens[16:24]))
+    assert tail == tail_key(chunks[0], bytes(data)[16 * 4 : 24 * 4])  # bytes or a view
+    assert len(tail) == 16 and tail not in chunks
+    assert tail != tail_key(chunks[1], tokens_to_bytes(tokens[16:24]))
+    assert tail != tail_key(chunks[0], tokens_to_bytes(tokens[16:23]))
+    assert tail != tail_key(chunks[0], tokens_to_bytes(tokens[16:25]))
+    assert tail.hex() == tail_key(chunks[0], tokens_to_bytes(tokens[16:24])).hex()

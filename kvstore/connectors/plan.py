@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 from kvstore.hints import Hint
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, tail_key, tokens_to_bytes
 
 __all__ = [
     "DEFAULT_MIN_CHUNK_TOKENS",
@@ -27,12 +27,14 @@ __all__ = [
     "RequestState",
     "Scheduled",
     "StepPlan",
+    "Tail",
     "TransferSpec",
     "FinishedOutput",
     "Found",
     "HintSpec",
     "chunk_tokens_for",
     "matched_tokens",
+    "tail_unit",
 ]
 
 #: The default chunk is the smallest multiple of the engine block size >= this.
@@ -42,6 +44,8 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 KeyFn = Callable[[Sequence[int], str | None, str | None], dict[int, list[BlockKey]]]
 #: ``lookup(keys_by_rank, prompt_len, num_computed) -> what is stored and worth loading``.
 LookupFn = Callable[[dict[int, list[BlockKey]], int, int], "Found"]
+#: ``(keys, prompt tokens, loaded chunks)`` -> the stored tail after those chunks, if any.
+TailFn = Callable[[dict[int, list[BlockKey]], Sequence[int], int], "Tail | None"]
 #: A request's block ids, one list per KV cache group.
 GroupBlocks = tuple[list[int], ...]
 
@@ -69,6 +73,21 @@ def matched_tokens(hit_chunks: int, chunk_tokens: int, prompt_len: int, num_comp
     """
     hit = min(hit_chunks * chunk_tokens, prompt_len - 1)
     return max(0, hit - num_computed)
+
+
+def tail_unit(chunk_tokens: int, block_size: int) -> int:
+    """Tails are stored and found in multiples of this many tokens: a quarter chunk in
+    whole engine blocks (at most three lengths to look for after a chunk)."""
+    return max(block_size, chunk_tokens // 4 // block_size * block_size)
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A stored *tail* (:func:`kvstore.keys.tail_key`): the first ``tokens`` tokens of
+    the chunk after the loaded ones, and its key per key index."""
+
+    tokens: int
+    keys: dict[int, BlockKey]
 
 
 @dataclass(frozen=True)
@@ -99,7 +118,9 @@ class TransferSpec:
     before them, so the server's KV events carry the tokens. ``planned_s`` (loads):
     the restore plan's expected load seconds, to compare with the actual.
     ``step_end`` (saves): the tokens the request has computed by the end of this
-    step (a recurrent state, kept per step, is that of this position only).
+    step (a recurrent state, kept per step, is that of this position only). ``tail``:
+    the spec's last chunk is a tail block (its key a :func:`~kvstore.keys.tail_key`),
+    whose first ``token_end - its start`` tokens are the KV (the rest are zeros).
     """
 
     req_id: str
@@ -114,6 +135,7 @@ class TransferSpec:
     parents: dict[int, BlockKey | None] | None = None
     planned_s: float | None = None
     step_end: int | None = None
+    tail: bool = False  # the last chunk is a tail: its tokens up to token_end only
 
     def blocks_of(self, start: int, end: int, block_size: int, group: int = 0) -> list[int]:
         """Engine block ids of ``group`` holding any of tokens ``[start, end)``."""
@@ -183,6 +205,7 @@ class RequestState:
     load_failed: bool = False  # a whole load failed: recompute, never offer a hit again
     adapter: str | None = None  # what the keys were hashed with (an output's keys too)
     salt: str | None = None
+    tail: Tail | None = None  # a stored tail after the hit's chunks, loaded with them
 
 
 @dataclass(frozen=True)
@@ -209,10 +232,17 @@ class Planner:
         block_size: the engine's block size (divides ``chunk_tokens``).
         keys_for: computes every rank's keys of a prompt's full chunks.
         lookup: leading chunks of those keys stored for every rank.
+        tails: finds a stored tail after the chunks a hit loads (None: tails are
+            neither looked for nor saved).
     """
 
     def __init__(
-        self, chunk_tokens: int, block_size: int, keys_for: KeyFn, lookup: LookupFn
+        self,
+        chunk_tokens: int,
+        block_size: int,
+        keys_for: KeyFn,
+        lookup: LookupFn,
+        tails: TailFn | None = None,
     ) -> None:
         if chunk_tokens % block_size:
             raise ConfigError(f"chunk size {chunk_tokens} is not a multiple of {block_size}")
@@ -220,6 +250,7 @@ class Planner:
         self.block_size = block_size
         self._keys_for = keys_for
         self._lookup = lookup
+        self._tails = tails
         self.requests: dict[str, RequestState] = {}
         self._whole_loads: list[TransferSpec] = []
         self._hints: list[HintSpec] = []
@@ -257,10 +288,14 @@ class Planner:
         state.hit_chunks, state.stored_chunks = (0 if verify else found.load), found.stored
         state.planned_load_s = found.load_s
         state.local_tokens = num_computed
+        state.tail = None
         if not verify:
             # Chunks found stored need no save; a failed load rolls this back (see step()).
             state.saved_chunks = max(state.saved_chunks, found.stored)
-        return matched_tokens(state.hit_chunks, self.chunk_tokens, state.prompt_len, num_computed)
+            if self._tails is not None and 0 < found.load == found.stored:
+                state.tail = self._tails(state.keys, prompt_token_ids, found.load)
+        hit = state.hit_chunks * self.chunk_tokens + (state.tail.tokens if state.tail else 0)
+        return max(0, min(hit, state.prompt_len - 1) - num_computed)
 
     def allocated(
         self, req_id: str, num_external: int, block_ids: GroupBlocks | None = None
@@ -294,6 +329,7 @@ class Planner:
             return
         state.load_failed = True
         state.hit_chunks = state.stored_chunks = 0
+        state.tail = None
         state.saved_chunks = 0  # what is still stored is skipped when saving
         state.expected_computed = 0
 
@@ -312,10 +348,9 @@ class Planner:
             return False
         queued = False
         if output is not None and (hint is not None or not output.needs_hint):
-            spec = self._output_spec(req_id, state, output)
-            if spec is not None:
-                self._finishing.append(spec)
-                queued = True
+            specs = self._output_specs(req_id, state, output)
+            self._finishing.extend(specs)
+            queued = bool(specs)
         if hint is not None:
             self._hints.append(HintSpec(state.keys, hint[0], hint[1]))
         return queued
@@ -364,9 +399,12 @@ class Planner:
     ) -> TransferSpec | None:
         c = self.chunk_tokens
         first, last = start // c, -(-end // c)
-        if start >= end or last > state.hit_chunks:
+        tail = state.tail
+        hit = state.hit_chunks * c + (tail.tokens if tail else 0)
+        if start >= end or end > hit:
             return None  # nothing, or more than was found: never load what is not there
-        spec = self._spec(req_id, state, first, last, start, end)
+        ends_in_tail = tail is not None and last > state.hit_chunks
+        spec = self._spec(req_id, state, first, last, start, end, tail if ends_in_tail else None)
         if spec is not None:
             spec.planned_s = state.planned_load_s
         return spec
@@ -385,31 +423,60 @@ class Planner:
             spec.step_end = done
         return spec
 
-    def _output_spec(
+    def _output_specs(
         self, req_id: str, state: RequestState, output: FinishedOutput
-    ) -> TransferSpec | None:
-        """The save of the full chunks past the saved ones that ``output``'s tokens fill
-        (the prompt's keys go on as the chain of the longer token list); the hint that
-        follows covers them too."""
+    ) -> list[TransferSpec]:
+        """The saves of the full chunks past the saved ones that ``output``'s tokens fill
+        (the prompt's keys go on as the chain of the longer token list), and, where
+        tails are on, of the tail after them; the hint that follows covers the chunks."""
         keys = self._keys_for(output.tokens, state.adapter, state.salt)
         c = self.chunk_tokens
         last = min(len(output.tokens) // c, len(next(iter(keys.values()), [])))
         first = min(state.saved_chunks, len(next(iter(state.keys.values()))))
-        if last <= first:
-            return None
         state.keys, state.block_ids = keys, [list(ids) for ids in output.block_ids]
-        spec = self._spec(req_id, state, first, last, first * c, last * c)
-        if spec is not None:
-            spec.token_ids = list(output.tokens[first * c : last * c])
-            spec.parents = {r: ks[first - 1] if first else None for r, ks in keys.items()}
-        return spec
+        specs = []
+        if last > first:
+            spec = self._spec(req_id, state, first, last, first * c, last * c)
+            if spec is not None:
+                spec.token_ids = list(output.tokens[first * c : last * c])
+                spec.parents = {r: ks[first - 1] if first else None for r, ks in keys.items()}
+                specs.append(spec)
+        tail = self._output_tail(state, output.tokens, last)
+        if tail is not None:
+            spec = self._spec(req_id, state, last, last + 1, last * c, last * c + tail.tokens, tail)
+            if spec is not None:
+                specs.append(spec)
+        return specs
+
+    def _output_tail(self, state: RequestState, tokens: Sequence[int], last: int) -> Tail | None:
+        """The tail of ``tokens`` after their ``last`` full chunks, in whole tail units."""
+        if self._tails is None or last < 1:
+            return None
+        unit = tail_unit(self.chunk_tokens, self.block_size)
+        start = last * self.chunk_tokens
+        n = (len(tokens) - start) // unit * unit
+        if n <= 0:
+            return None
+        data = tokens_to_bytes(list(tokens[start : start + n]))
+        return Tail(n, {r: tail_key(ks[last - 1], data) for r, ks in state.keys.items()})
 
     def _spec(
-        self, req_id: str, state: RequestState, first: int, last: int, start: int, end: int
+        self,
+        req_id: str,
+        state: RequestState,
+        first: int,
+        last: int,
+        start: int,
+        end: int,
+        tail: Tail | None = None,
     ) -> TransferSpec | None:
+        """Chunks ``first..last-1`` (``tail``: the last one is that tail) moving tokens
+        ``[start, end)`` of the request's blocks."""
         lo, hi = start // self.block_size, -(-end // self.block_size)
         if not state.block_ids or any(hi > len(ids) for ids in state.block_ids):
             return None  # the engine gave fewer blocks than the tokens need: skip, never guess
         keys = {rank: ks[first:last] for rank, ks in state.keys.items()}
+        if tail is not None:
+            keys = {rank: [*ks[: last - 1 - first], tail.keys[rank]] for rank, ks in keys.items()}
         blocks = tuple(ids[lo:hi] for ids in state.block_ids)
-        return TransferSpec(req_id, keys, first, start, end, blocks, lo)
+        return TransferSpec(req_id, keys, first, start, end, blocks, lo, tail=tail is not None)

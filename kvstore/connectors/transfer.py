@@ -507,11 +507,34 @@ class TransferWorker:
         if not specs:
             return set()
         if self.saves and self.paged is not None:
-            stored = sum(self._save_sync(spec) for spec in specs)
-            self.counters.add("output_chunks_stored", stored)
-            if stored:
+            chunks = sum(self._save_sync(spec) for spec in specs if not spec.tail)
+            tails = sum(self._save_tail(spec) for spec in specs if spec.tail)
+            self.counters.add("output_chunks_stored", chunks)
+            self.counters.add("tail_chunks_stored", tails)
+            if chunks or tails:
                 self._persist()
         return {spec.req_id for spec in specs}
+
+    def _save_tail(self, spec: TransferSpec) -> int:
+        """Store a tail block (:attr:`TransferSpec.tail`): its chunk's first tokens, up to
+        ``spec.token_end``, and zeros after them; 1 if stored now."""
+        keys = spec.keys.get(self.rank)
+        if not keys or keys[-1] in self.quarantined or self.store.contains(keys[-1]):
+            return 0
+        assert self.paged is not None
+        n = spec.token_end - spec.token_start
+        staging = self._staging(1)
+        staging.zero_()
+        for layer in range(self.layout.num_layers):
+            slots = self._slots(spec, spec.token_start, spec.token_end, self.groups.group(layer))
+            self.paged.gather(layer, slots, staging[layer, :, :n])
+        try:
+            with self.counters.timed("save_seconds"):
+                return self.store.put(keys[-1:], staging)
+        except Exception:  # a failed save is a future miss, never an engine error
+            log.exception("kvstore: saving the tail of request %s failed", spec.req_id)
+            self.counters.add("save_errors")
+            return 0
 
     def _save_sync(self, spec: TransferSpec) -> int:
         prepared = self._prepare([spec])

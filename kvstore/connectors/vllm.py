@@ -66,17 +66,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.config import EventsConfig, StoreConfig
 from kvstore.connectors.hints import apply_hints, finish_with_hint
-from kvstore.connectors.paged import LayerGroups, PagedKV, PageMap
-from kvstore.connectors.plan import FinishedOutput, Found, Planner, StepPlan, chunk_tokens_for
+from kvstore.connectors.paged import LayerGroups, PagedKV
+from kvstore.connectors.plan import (
+    FinishedOutput,
+    Found,
+    Planner,
+    StepPlan,
+    Tail,
+    chunk_tokens_for,
+)
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
+from kvstore.connectors.tails import find_tail
 from kvstore.connectors.transfer import TransferWorker
 from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
 from kvstore.connectors.vllm_events import ConnectorEvents
 from kvstore.connectors.vllm_geometry import EngineGeometry
 from kvstore.connectors.vllm_hybrid import StateLookup, StateTransfer
 from kvstore.connectors.vllm_requests import finished_output, groups, scheduled_requests
-from kvstore.connectors.vllm_runtime import cache_writer, parallel_ranks
+from kvstore.connectors.vllm_runtime import page_map_of, parallel_ranks
 from kvstore.connectors.vllm_stats import KVStoreConnectorStats
 from kvstore.datapath.contracts import Medium
 from kvstore.errors import ConfigError
@@ -217,8 +225,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._state_lookup = StateLookup(self.geometry.states, shared, self.chunk_tokens)
             if config.events.enabled:
                 self._init_events(config.events, shared)
+        tails = self._find_tail if self._outputs_saved() else None
         self._planner = Planner(
-            self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup
+            self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup, tails
         )
         self._speeds = EngineSpeeds(self._lookup_store)
 
@@ -411,12 +420,25 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """What of a finished request's output to save (``save_outputs``): models whose
         every layer is plain attention (a window's or a state's blocks at the output's
         end, or a draft's, are not this simple)."""
-        policy = self.settings.save_outputs
-        g = self.geometry
-        plain = not (g.states or g.sliding_groups() or g.draft_indices())
-        if policy == "never" or not plain or not self._saves or not g.serves:
+        if not self._outputs_saved():
             return None
-        return finished_output(request, block_ids, needs_hint=policy == "hinted")
+        needs_hint = self.settings.save_outputs == "hinted"
+        return finished_output(request, block_ids, needs_hint=needs_hint)
+
+    def _outputs_saved(self) -> bool:
+        """Whether finished requests' outputs (and their tails) may be saved here."""
+        g = self.geometry
+        return self.settings.save_outputs != "never" and g.plain and self._saves and g.serves
+
+    def _find_tail(
+        self, keys: dict[int, list[BlockKey]], tokens: Sequence[int], loaded: int
+    ) -> Tail | None:
+        """A stored tail after the ``loaded`` chunks of ``tokens`` (tails.py)."""
+        store = self._lookup_store
+        if store is None:
+            return None
+        sizes = (self.chunk_tokens, self.geometry.block_size)
+        return find_tail(lambda key: store.exists([key])[0], keys, tokens, loaded, sizes)
 
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:
@@ -456,7 +478,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         caches = [kv_caches[name] for name in self.geometry.layer_names]
         if self.geometry.replicated:  # MLA: [blocks, block_size, latent] -> one "head"
             caches = [c.unsqueeze(1) if c.dim() == 3 else c for c in caches]
-        page_map = self._page_map(caches[0])
+        page_map = page_map_of(self._vllm_config, self.geometry, caches[0])
         groups = LayerGroups(
             tuple(self.geometry.layer_groups()),
             self.geometry.sliding_groups(),
@@ -471,31 +493,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             tuple(caches[0].shape),
             caches[0].dtype,
         )
-
-    def _page_map(self, cache: torch.Tensor) -> PageMap:
-        """Calibrate with the attention backend's own cache-write kernel; else assume
-        vLLM's standard page (K and V side by side in each token's row)."""
-        name = self.geometry.layer_names[0]
-        layers = self._vllm_config.compilation_config.static_forward_context
-        layer = layers.get(name)
-        impl = getattr(layer, "impl", None)
-        write = cache_writer(layer, impl, self.geometry.replicated)
-        if write is not None:
-            try:
-                return PageMap.calibrate(
-                    write,
-                    cache,
-                    self.geometry.head_dim,
-                    self.geometry.model_dtype,
-                    kv_factor=self.geometry.kv_factor,
-                )
-            except Exception:
-                log.exception("kvstore: cannot calibrate the KV page layout of %s", name)
-        if self.geometry.replicated:
-            log.warning("kvstore: assuming one latent vector per token row of a page")
-            return PageMap.latent(int(cache.shape[2]), self.geometry.head_dim)
-        log.warning("kvstore: assuming K and V side by side in each token's row of a page")
-        return PageMap.joined_last(int(cache.shape[2]), self.geometry.head_dim)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()

@@ -193,6 +193,12 @@ class EngineGeometry:
         return not self.skipped
 
     @property
+    def plain(self) -> bool:
+        """Every layer is plain or MLA attention: no recurrent state, sliding window or
+        speculative draft (whose blocks at a request's end are not the chunk's alone)."""
+        return not (self.states or self.sliding_groups() or self.draft_layers)
+
+    @property
     def per_request_loads(self) -> bool:
         """Several KV cache groups: vLLM takes load failures per request, not per block,
         which only its asynchronous loads can report (see the connector)."""

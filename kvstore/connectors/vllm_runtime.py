@@ -3,11 +3,40 @@ cache-write kernel (to calibrate the page layout) and the worker's parallel rank
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["cache_writer", "parallel_ranks"]
+from kvstore.connectors.paged import PageMap
+
+if TYPE_CHECKING:
+    from kvstore.connectors.vllm_geometry import EngineGeometry
+
+__all__ = ["cache_writer", "page_map_of", "parallel_ranks"]
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+def page_map_of(vllm_config: Any, geometry: EngineGeometry, cache: torch.Tensor) -> PageMap:
+    """How the engine's attention kernel packs a page of ``cache``: calibrated with the
+    backend's own cache-write kernel, else vLLM's standard page (K and V side by side in
+    each token's row, or one latent a row for MLA)."""
+    name = geometry.layer_names[0]
+    layer = vllm_config.compilation_config.static_forward_context.get(name)
+    write = cache_writer(layer, getattr(layer, "impl", None), geometry.replicated)
+    if write is not None:
+        try:
+            return PageMap.calibrate(
+                write, cache, geometry.head_dim, geometry.model_dtype, kv_factor=geometry.kv_factor
+            )
+        except Exception:
+            log.exception("kvstore: cannot calibrate the KV page layout of %s", name)
+    if geometry.replicated:
+        log.warning("kvstore: assuming one latent vector per token row of a page")
+        return PageMap.latent(int(cache.shape[2]), geometry.head_dim)
+    log.warning("kvstore: assuming K and V side by side in each token's row of a page")
+    return PageMap.joined_last(int(cache.shape[2]), geometry.head_dim)
 
 
 def cache_writer(layer: Any, impl: Any, latent: bool) -> Any:

