@@ -225,7 +225,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._state_lookup = StateLookup(self.geometry.states, shared, self.chunk_tokens)
             if config.events.enabled:
                 self._init_events(config.events, shared)
-        tails = self._find_tail if self._outputs_saved() else None
+        # Tails are looked for where asking costs a stat(): shared tiers all local disks.
+        local = shared is not None and all(t.kind == "disk" for t in shared.tiers)
+        tails = self._find_tail if self._outputs_saved() and local else None
         self._planner = Planner(
             self.chunk_tokens, self.geometry.block_size, self._keys_for, self._lookup, tails
         )
@@ -433,7 +435,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _find_tail(
         self, keys: dict[int, list[BlockKey]], tokens: Sequence[int], loaded: int
     ) -> Tail | None:
-        """A stored tail after the ``loaded`` chunks of ``tokens`` (tails.py)."""
+        """A stored tail after the ``loaded`` chunks of ``tokens`` (tails.py), asked of
+        the shared tiers' local disks (each of at most three lengths, a file check)."""
         store = self._lookup_store
         if store is None:
             return None
