@@ -48,27 +48,14 @@ def prompts(vocab: int = 2048) -> list[list[int]]:
 
 
 def drive(work: Path, name: str, core: str, extra: list[str]) -> dict[str, Any]:
-    """One driver process (``reference`` or ``kvstore``); its JSON result, log and probes."""
-    out, log, probe = work / f"{name}.json", work / f"{name}.log", work / f"{name}-probe"
-    (work / "prompts.json").write_text(json.dumps(prompts()))
-    cmd = [str(VLLM_PYTHON), str(DRIVER), "--workdir", str(work), *extra]
-    cmd += ["--prompts-file", str(work / "prompts.json"), "--probe-dir", str(probe)]
-    cmd += ["--max-tokens", str(MAX_TOKENS), "--logprobs", "--max-num-seqs", "1"]
-    cmd += ["--max-num-batched-tokens", str(CHUNK), "--out", str(out)]
+    """One driver process (``reference`` or ``kvstore``) on the seed and the target, in
+    prefill steps of one chunk; its JSON result, log and probes (:func:`probe_run`)."""
+    args = [*extra, "--max-num-batched-tokens", str(CHUNK)]
     if name == "kvstore":
-        cmd += ["--store", str(work / "store"), "--stats-dir", str(work / "stats")]
+        args += ["--store", str(work / "store"), "--stats-dir", str(work / "stats")]
     else:
-        cmd += ["--prefix-caching"]
-    env = engine_env(VLLM_CPU_OMP_THREADS_BIND=core)
-    start = time.perf_counter()
-    rc = run_engine(cmd, env, log, timeout=900)
-    if rc != 0:
-        raise RuntimeError(f"{name}: rc {rc}\n{log.read_text()[-6000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["wall_s"] = time.perf_counter() - start
-    result["log"] = log.read_text()
-    result["probes"] = read_probes(probe)
-    return result
+        args += ["--prefix-caching"]
+    return probe_run(work, name, args, prompts(), core)
 
 
 def read_probes(directory: Path) -> dict[int, dict[str, Any]]:
@@ -100,8 +87,9 @@ def probe_run(
 ) -> dict[str, Any]:
     """One driver process ``name`` with the probe (``<work>/<name>-probe``) on ``prompts``,
     one at a time, ``max_tokens`` greedy tokens each with logprobs; ``args``: the model,
-    the store or not (without one, the do-nothing probe connector), vLLM's settings. ``core``: the
-    cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). ``in_process``:
+    the store or not (without one, the do-nothing probe connector), vLLM's settings.
+    ``core``: the cores its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``).
+    ``in_process``:
     vLLM's engine core in the driver's process (steps only while a ``generate`` call
     waits), else in a process of its own (its busy loop steps while any request holds
     blocks, as ``vllm serve``'s does). Its JSON result, with ``wall_s``, ``log`` and
