@@ -246,3 +246,6 @@ def test_retained_blocks_survive_pressure_on_a_capacity_limited_bucket(
     with KVStore(LAYOUT, {"tiers": [host, s3]}) as store:
         agent, bystander = under_pressure(store, bottom=1)
         survived(store, agent, bystander, bottom=1)
+        bucket = store.stats()["tiers"][1]
+        assert bucket["kind"] == "s3" and bucket["blocks"] <= 8  # the bucket stayed full
+        assert bucket["blocks_put"] > bucket["blocks"]  # ... so others were evicted from it

@@ -137,9 +137,18 @@ class TenantQuotas:
         while not self._closing:
             self._wake.wait(RECLAIM_POLL_S)
             self._wake.clear()
-            # Until the pools fit, or a pass frees nothing (pinned blocks stay).
-            while not self._closing and self.reclaim() > 0:
-                pass
+            self.reclaim_until_fit()
+
+    def reclaim_until_fit(self) -> int:
+        """Reclaim passes until the pools fit, or a pass frees nothing (pinned blocks
+        stay); how many blocks went in all."""
+        total = 0
+        while not self._closing:
+            evicted = self.reclaim()
+            if evicted == 0:
+                break
+            total += evicted
+        return total
 
     def reclaim(self) -> int:
         """One pass: evict what tenants past their shares owe an over-full pool; how
