@@ -115,9 +115,8 @@ from _agentic_workload import (
 from _common import base_parser, emit, environment, log
 
 from kvstore import KVStore, StoreConfig
-from kvstore.connectors.plan import tail_unit
-from kvstore.connectors.tails import find_tail
-from kvstore.keys import BlockKey, tail_key, tokens_to_bytes
+from kvstore.connectors.tails import find_tail, output_tail
+from kvstore.keys import BlockKey
 
 NAMESPACE = "agent-model"
 #: The engine's block size (vLLM on a GPU): tails are whole quarter chunks of such blocks.
@@ -261,13 +260,10 @@ class Mode:
 
     def put_tail(self, keys: Sequence[BlockKey], tokens: Any) -> None:
         """The tail after the full chunks of ``tokens`` (the connector's output saves)."""
-        bt = self.w.block_tokens
-        unit = tail_unit(bt, ENGINE_BLOCK)
-        last = len(keys)
-        n = (len(tokens) - last * bt) // unit * unit
-        if last and n > 0:
-            data = tokens_to_bytes(tokens[last * bt : last * bt + n].tolist())
-            self.store.put([tail_key(keys[-1], data)], self.source.view(1))
+        sizes = (self.w.block_tokens, ENGINE_BLOCK)
+        tail = output_tail({0: list(keys)}, tokens.tolist(), len(keys), sizes)
+        if tail is not None:
+            self.store.put([tail.keys[0]], self.source.view(1))
 
     def prefetch(self, turn: Turn) -> None:
         """Hinted: ``lead_s`` before the session's next turn."""

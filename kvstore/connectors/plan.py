@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvstore.connectors.tails import Tail, output_tail
 from kvstore.errors import ConfigError
 from kvstore.hints import Hint
-from kvstore.keys import BlockKey, tail_key, tokens_to_bytes
+from kvstore.keys import BlockKey
 
 __all__ = [
     "DEFAULT_MIN_CHUNK_TOKENS",
@@ -27,14 +28,12 @@ __all__ = [
     "RequestState",
     "Scheduled",
     "StepPlan",
-    "Tail",
     "TransferSpec",
     "FinishedOutput",
     "Found",
     "HintSpec",
     "chunk_tokens_for",
     "matched_tokens",
-    "tail_unit",
 ]
 
 #: The default chunk is the smallest multiple of the engine block size >= this.
@@ -73,21 +72,6 @@ def matched_tokens(hit_chunks: int, chunk_tokens: int, prompt_len: int, num_comp
     """
     hit = min(hit_chunks * chunk_tokens, prompt_len - 1)
     return max(0, hit - num_computed)
-
-
-def tail_unit(chunk_tokens: int, block_size: int) -> int:
-    """Tails are stored and found in multiples of this many tokens: a quarter chunk in
-    whole engine blocks (at most three lengths to look for after a chunk)."""
-    return max(block_size, chunk_tokens // 4 // block_size * block_size)
-
-
-@dataclass(frozen=True)
-class Tail:
-    """A stored *tail* (:func:`kvstore.keys.tail_key`): the first ``tokens`` tokens of
-    the chunk after the loaded ones, and its key per key index."""
-
-    tokens: int
-    keys: dict[int, BlockKey]
 
 
 @dataclass(frozen=True)
@@ -441,24 +425,13 @@ class Planner:
                 spec.token_ids = list(output.tokens[first * c : last * c])
                 spec.parents = {r: ks[first - 1] if first else None for r, ks in keys.items()}
                 specs.append(spec)
-        tail = self._output_tail(state, output.tokens, last)
+        sizes = (self.chunk_tokens, self.block_size)
+        tail = output_tail(keys, output.tokens, last, sizes) if self._tails else None
         if tail is not None:
             spec = self._spec(req_id, state, last, last + 1, last * c, last * c + tail.tokens, tail)
             if spec is not None:
                 specs.append(spec)
         return specs
-
-    def _output_tail(self, state: RequestState, tokens: Sequence[int], last: int) -> Tail | None:
-        """The tail of ``tokens`` after their ``last`` full chunks, in whole tail units."""
-        if self._tails is None or last < 1:
-            return None
-        unit = tail_unit(self.chunk_tokens, self.block_size)
-        start = last * self.chunk_tokens
-        n = (len(tokens) - start) // unit * unit
-        if n <= 0:
-            return None
-        data = tokens_to_bytes(list(tokens[start : start + n]))
-        return Tail(n, {r: tail_key(ks[last - 1], data) for r, ks in state.keys.items()})
 
     def _spec(
         self,

@@ -72,12 +72,11 @@ from kvstore.connectors.plan import (
     Found,
     Planner,
     StepPlan,
-    Tail,
     chunk_tokens_for,
 )
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
 from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
-from kvstore.connectors.tails import find_tail
+from kvstore.connectors.tails import Tail, find_tail
 from kvstore.connectors.transfer import TransferWorker
 from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
 from kvstore.connectors.vllm_events import ConnectorEvents
