@@ -127,9 +127,11 @@ class QuotaLedger:
             if hook in self._hooks:
                 self._hooks.remove(hook)
 
-    def used(self, kind: str, owner: str | None = None) -> int:
-        """Bytes in tier ``kind`` (of ``owner``'s stores; None: of every store)."""
-        return sum(h.bytes_in(kind) for h in list(self._hooks) if owner in (None, h.owner))
+    def used(self, kind: str, owner: str | None = None, *, leaving: bool = True) -> int:
+        """Bytes in tier ``kind`` (of ``owner``'s stores; None: of every store);
+        ``leaving=False``: less the blocks already on their way out."""
+        hooks = list(self._hooks)
+        return sum(h.bytes_in(kind, leaving) for h in hooks if owner in (None, h.owner))
 
     def overflow(self, hook: QuotaHook, level: Level, n: int) -> int:
         """Blocks ``hook``'s store must free in ``level`` for ``n`` more (lock held).
@@ -145,19 +147,9 @@ class QuotaLedger:
             if pool is not None and mine > quota.share:
                 squeeze = min(total - pool, mine - quota.share)
                 must = max(must, _blocks_for(squeeze, block))
-        if pool is not None and self.staying(level.kind) + (n - must) * block > pool:
+        if pool is not None and self.used(level.kind, leaving=False) + (n - must) * block > pool:
             self._pressure()
         return must
-
-    def staying(self, kind: str, owner: str | None = None) -> int:
-        """Like :meth:`used`, less the blocks already on their way out."""
-        return sum(
-            (lv.resident - lv.leaving) * h.block_nbytes
-            for h in list(self._hooks)
-            if owner in (None, h.owner)
-            for lv in h.levels
-            if lv.kind == kind
-        )
 
     def reclaims(self) -> list[Reclaim]:
         """What owners past their shares must give back so that every pool fits its
@@ -165,12 +157,15 @@ class QuotaLedger:
         share first, never below its share, from its biggest stores first (lock held)."""
         out: list[Reclaim] = []
         for kind, pool in self._pools.items():
-            over = self.staying(kind) - pool
+            over = self.used(kind, leaving=False) - pool
             owners = {h.owner for h in self._hooks}
             past = []
             for owner in owners:
                 quota = self._quotas.get((owner, kind))
-                if quota is not None and (extra := self.staying(kind, owner) - quota.share) > 0:
+                if (
+                    quota is not None
+                    and (extra := self.used(kind, owner, leaving=False) - quota.share) > 0
+                ):
                     past.append((extra, owner))
             for extra, owner in sorted(past, reverse=True):
                 if over <= 0:
@@ -228,9 +223,13 @@ class QuotaHook:
         #: Blocks not stored because the owner's quota left no room for them.
         self.refused = 0
 
-    def bytes_in(self, kind: str) -> int:
-        """This store's bytes (held and reserved) in its tiers of ``kind``."""
-        return sum(lv.resident for lv in self.levels if lv.kind == kind) * self.block_nbytes
+    def bytes_in(self, kind: str, leaving: bool = True) -> int:
+        """This store's bytes (held and reserved) in its tiers of ``kind``; ``leaving``
+        False: less those already on their way out."""
+        blocks = sum(
+            lv.resident - (0 if leaving else lv.leaving) for lv in self.levels if lv.kind == kind
+        )
+        return blocks * self.block_nbytes
 
     def must_evict(self, level: Level, n: int) -> int:
         """Own blocks of ``level`` to free before ``n`` more fit (the ledger's lock held)."""

@@ -65,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.config import EventsConfig, StoreConfig
-from kvstore.connectors.hints import apply_hints, finish_with_hint
+from kvstore.connectors.hints import PARAM, apply_hints, finish_with_hint
 from kvstore.connectors.paged import LayerGroups, PagedKV
 from kvstore.connectors.plan import (
     FinishedOutput,
@@ -421,9 +421,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """What of a finished request's output to save (``save_outputs``): models whose
         every layer is plain attention (a window's or a state's blocks at the output's
         end, or a draft's, are not this simple)."""
-        if not self._outputs_saved():
-            return None
         needs_hint = self.settings.save_outputs == "hinted"
+        params = getattr(request, "kv_transfer_params", None)
+        if not self._outputs_saved() or (needs_hint and not (params and PARAM in params)):
+            return None  # (a request without a hint: nothing to copy on this path)
         return finished_output(request, block_ids, needs_hint=needs_hint)
 
     def _outputs_saved(self) -> bool:
