@@ -20,18 +20,32 @@ The engine's side of the same question -- what recomputing tokens costs -- is
 :class:`PrefillSpeed`: a declared table of prefill times by prompt length
 (attention grows faster than linearly), a declared rate, or a rate learned from
 the engine's own step times.
+
+A read's seconds are its wall time less the time its thread waited to run
+(:func:`runqueue_wait_s`): a reader starved of CPU by other work in its process (an
+engine's OpenMP threads spinning on every core) would otherwise make the medium look
+ten times slower than it reads, and a planner recompute what loads faster.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DecayedFit", "PrefillEstimate", "PrefillSpeed", "ReadSpeed", "SpeedEstimate"]
+__all__ = [
+    "DecayedFit",
+    "PrefillEstimate",
+    "PrefillSpeed",
+    "ReadSpeed",
+    "SpeedEstimate",
+    "runqueue_wait_s",
+]
 
 #: Sizes must spread by this fraction of their mean for the fit to separate latency
 #: from bandwidth (below it the two are indistinguishable from noise).
@@ -40,6 +54,36 @@ _SPREAD = 0.1
 #: A layer-by-layer read takes enough layers a call that the call's latency is at most
 #: 1 / (1 + this) of it (a quarter).
 _LATENCY_SHARE = 3.0
+
+
+class _SchedStat(threading.local):
+    """This thread's ``/proc/thread-self/schedstat``, opened on first use (Linux; None
+    elsewhere) and closed when the thread's ``Thread`` object goes."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+        else:
+            weakref.finalize(threading.current_thread(), os.close, self.fd)
+
+
+_schedstat = _SchedStat()
+
+
+def runqueue_wait_s() -> float:
+    """Seconds the calling thread has spent runnable but not running, so far (its
+    scheduler's run-queue wait; 0.0 where the kernel does not say): the difference over
+    a read is time the read did not spend reading."""
+    fd = _schedstat.fd
+    if fd is None:
+        return 0.0
+    try:
+        fields = os.pread(fd, 64, 0).split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 @dataclass(frozen=True)

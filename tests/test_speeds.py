@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +13,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError
-from kvstore.speeds import ReadSpeed
+from kvstore.speeds import ReadSpeed, runqueue_wait_s
 from kvstore.testing.data import random_blocks, small_layout
 
 
@@ -105,3 +109,36 @@ def test_speed_settings_are_checked() -> None:
         KVStore(layout, {"tiers": [{"kind": "host", "capacity": "1MiB", "read_gbps": 0}]})
     with pytest.raises(ConfigError, match="speed_half_life_s"):
         KVStore(layout, {"restore": {"speed_half_life_s": 0}})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
+def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
+    """Three busy processes on the reading thread's one CPU make its work take about
+    four times as long on the wall clock; less the run-queue wait, the time is the
+    work's own (what a read sample of a tier keeps: kvstore.datapath.tierio)."""
+    cpu = min(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+
+    def work() -> tuple[float, float]:
+        waited, start = runqueue_wait_s(), time.perf_counter()
+        total = 0
+        for i in range(3_000_000):
+            total += i
+        return time.perf_counter() - start, runqueue_wait_s() - waited
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # this thread only
+    try:
+        quiet, _ = work()
+        busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+        try:
+            time.sleep(0.3)
+            wall, waited = work()
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert wall > 2 * quiet  # starved
+    assert wall - waited < 1.6 * quiet  # its own time, the wait taken out

@@ -27,7 +27,7 @@ from kvstore.errors import AccessDeniedError, ProtocolError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.speeds import ReadSpeed, SpeedEstimate
+from kvstore.speeds import ReadSpeed, SpeedEstimate, runqueue_wait_s
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["Health", "TierIO"]
@@ -130,12 +130,17 @@ class TierIO:
         outs: Sequence[torch.Tensor],
         layers: LayerRange = None,
     ) -> list[bool] | None:
-        """Read from tier ``level``; None when the medium is unavailable (it raised)."""
-        start = time.perf_counter()
+        """Read from tier ``level``; None when the medium is unavailable (it raised).
+
+        The read's speed sample is its wall time less the time this thread waited to run
+        (:func:`~kvstore.speeds.runqueue_wait_s`): the medium's speed, not the process's
+        contention; the read totals in the store's stats keep the wall time."""
+        start, waited = time.perf_counter(), runqueue_wait_s()
         ok = self._call(level, "read", len(keys), lambda t: t.get(keys, outs, layers), answers=True)
         if ok is None:
             return None
         elapsed = time.perf_counter() - start
+        reading = max(elapsed - (runqueue_wait_s() - waited), 1e-9)
         nbytes = self.layout.block_nbytes
         if layers is not None:
             nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
@@ -143,11 +148,11 @@ class TierIO:
         if getattr(self._quiet, "on", False):
             return ok  # timed by the caller (unobserved())
         if self.speeds:
-            self.speeds[level].observe(sum(ok) * nbytes, elapsed)
+            self.speeds[level].observe(sum(ok) * nbytes, reading)
         if any(ok):
             with self._lock:
                 b, sec, calls = self._reads[level]
-                self._reads[level] = (b + sum(ok) * nbytes, sec + elapsed, calls + 1)
+                self._reads[level] = (b + sum(ok) * nbytes, sec + reading, calls + 1)
         return ok
 
     @contextlib.contextmanager
