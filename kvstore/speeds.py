@@ -21,31 +21,40 @@ The engine's side of the same question -- what recomputing tokens costs -- is
 (attention grows faster than linearly), a declared rate, or a rate learned from
 the engine's own step times.
 
-A read's seconds are its wall time less the time its thread waited to run
-(:func:`runqueue_wait_s`): a reader starved of CPU by other work in its process (an
-engine's OpenMP threads spinning on every core) would otherwise make the medium look
-ten times slower than it reads, and a planner recompute what loads faster.
+A read's seconds are its wall time less the time its threads waited to run
+(:func:`runqueue_wait_s`; :class:`RunShare` for reads a tier spreads over a pool of
+threads): a reader starved of CPU by other work in its process (an engine's OpenMP
+threads spinning on every core) would otherwise make the medium look ten times slower
+than it reads, and a planner recompute what loads faster.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import math
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "DecayedFit",
     "PrefillEstimate",
     "PrefillSpeed",
     "ReadSpeed",
+    "RunShare",
     "SpeedEstimate",
     "runqueue_wait_s",
+    "timed_work",
 ]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Sizes must spread by this fraction of their mean for the fit to separate latency
 #: from bandwidth (below it the two are indistinguishable from noise).
@@ -84,6 +93,69 @@ def runqueue_wait_s() -> float:
         return int(fields[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+class RunShare:
+    """How much of a timed call's work ran and how much waited to run, over the threads
+    that did it (:func:`timed_work` adds each task of a pool; thread-safe)."""
+
+    _current: contextvars.ContextVar[RunShare | None] = contextvars.ContextVar(
+        "kvstore_run_share", default=None
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.wall_s = 0.0
+        self.waited_s = 0.0
+
+    def add(self, wall_s: float, waited_s: float) -> None:
+        """One task: its wall time, and the part of it its thread waited to run."""
+        with self._lock:
+            self.wall_s += wall_s
+            self.waited_s += min(waited_s, wall_s)
+
+    def running(self, elapsed_s: float, own_wait_s: float) -> float:
+        """The seconds of a call of ``elapsed_s`` (the caller waited ``own_wait_s`` to
+        run) that its work could run: scaled by the share of its pool tasks' time that
+        ran, where pool tasks did it, else less the caller's own wait."""
+        with self._lock:
+            wall, waited = self.wall_s, self.waited_s
+        if wall > 0:
+            return max(elapsed_s * (1.0 - waited / wall), 1e-9)
+        return max(elapsed_s - own_wait_s, 1e-9)
+
+    @classmethod
+    @contextlib.contextmanager
+    def timing(cls) -> Iterator[RunShare]:
+        """A share that the pool tasks this context submits (:func:`timed_work`) feed."""
+        share = cls()
+        token = cls._current.set(share)
+        try:
+            yield share
+        finally:
+            cls._current.reset(token)
+
+    @classmethod
+    def current(cls) -> RunShare | None:
+        """The share this context's pool tasks feed (None: untimed)."""
+        return cls._current.get()
+
+
+def timed_work(fn: Callable[[T], R]) -> Callable[[T], R]:
+    """``fn`` as a pool task that adds its wall time and its thread's run-queue wait to
+    the :class:`RunShare` of the context submitting it (``fn`` itself where none)."""
+    share = RunShare.current()
+    if share is None:
+        return fn
+
+    def task(item: T) -> R:
+        waited, start = runqueue_wait_s(), time.perf_counter()
+        try:
+            return fn(item)
+        finally:
+            share.add(time.perf_counter() - start, runqueue_wait_s() - waited)
+
+    return task
 
 
 @dataclass(frozen=True)

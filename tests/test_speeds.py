@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError
-from kvstore.speeds import ReadSpeed, runqueue_wait_s
+from kvstore.pools import map_or_inline
+from kvstore.speeds import ReadSpeed, RunShare, runqueue_wait_s
 from kvstore.testing.data import random_blocks, small_layout
 
 
@@ -111,13 +115,26 @@ def test_speed_settings_are_checked() -> None:
         KVStore(layout, {"restore": {"speed_half_life_s": 0}})
 
 
+@contextlib.contextmanager
+def starved(cpu: int) -> Iterator[None]:
+    """Three processes spinning on ``cpu`` while the block runs."""
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
 def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
     """Three busy processes on the reading thread's one CPU make its work take about
     four times as long on the wall clock; less the run-queue wait, the time is the
     work's own (what a read sample of a tier keeps: kvstore.datapath.tierio)."""
     cpu = min(os.sched_getaffinity(0))
-    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
 
     def work() -> tuple[float, float]:
         waited, start = runqueue_wait_s(), time.perf_counter()
@@ -130,15 +147,54 @@ def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
     os.sched_setaffinity(0, {cpu})  # this thread only
     try:
         quiet, _ = work()
-        busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
-        try:
-            time.sleep(0.3)
+        with starved(cpu):
             wall, waited = work()
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
     finally:
         os.sched_setaffinity(0, before)
     assert wall > 2 * quiet  # starved
     assert wall - waited < 1.6 * quiet  # its own time, the wait taken out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
+def test_a_read_spread_over_pool_threads_is_timed_by_the_share_of_them_that_ran() -> None:
+    """The disk and S3 tiers read on pools of their own (kvstore.pools.map_or_inline):
+    the caller only waits for them, so its own run-queue wait says nothing. Each task
+    adds its time and its wait to the caller's RunShare, and the call's seconds are
+    scaled by the share of the tasks' time that ran."""
+    cpu = min(os.sched_getaffinity(0))
+
+    def work(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    def timed(pool: ThreadPoolExecutor) -> tuple[float, float]:
+        with RunShare.timing() as share:
+            start = time.perf_counter()
+            map_or_inline(pool, work, [1_000_000] * 3)
+            elapsed = time.perf_counter() - start
+            return elapsed, share.running(elapsed, 0.0)
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # the pool's threads, made by this one, inherit it
+    pool = ThreadPoolExecutor(1)
+    try:
+        quiet, _ = timed(pool)
+        with starved(cpu):
+            wall, running = timed(pool)
+    finally:
+        pool.shutdown()
+        os.sched_setaffinity(0, before)
+    assert wall > 2 * quiet  # the pool's thread was starved
+    assert running < 1.6 * quiet  # what ran, the waits taken out
+    assert RunShare.current() is None  # the share was this call's alone
+
+
+def test_a_run_share_without_pool_tasks_takes_the_callers_own_wait() -> None:
+    share = RunShare()
+    assert share.running(1.0, 0.25) == pytest.approx(0.75)
+    share.add(2.0, 1.5)
+    share.add(2.0, 0.5)  # half of the tasks' time waited: half the call ran
+    assert share.running(1.0, 0.25) == pytest.approx(0.5)
+    assert share.running(1.0, 2.0) == pytest.approx(0.5)

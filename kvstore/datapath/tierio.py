@@ -27,7 +27,7 @@ from kvstore.errors import AccessDeniedError, ProtocolError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.speeds import ReadSpeed, SpeedEstimate, runqueue_wait_s
+from kvstore.speeds import ReadSpeed, RunShare, SpeedEstimate, runqueue_wait_s
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["Health", "TierIO"]
@@ -132,15 +132,22 @@ class TierIO:
     ) -> list[bool] | None:
         """Read from tier ``level``; None when the medium is unavailable (it raised).
 
-        The read's speed sample is its wall time less the time this thread waited to run
-        (:func:`~kvstore.speeds.runqueue_wait_s`): the medium's speed, not the process's
-        contention; the read totals in the store's stats keep the wall time."""
-        start, waited = time.perf_counter(), runqueue_wait_s()
-        ok = self._call(level, "read", len(keys), lambda t: t.get(keys, outs, layers), answers=True)
+        The read's speed sample is its wall time less the time its threads waited to run
+        (:class:`~kvstore.speeds.RunShare`: this thread's wait, or the share of the pool
+        tasks' time that ran where the tier spread the read over its threads): the
+        medium's speed, not the process's contention; the read totals in the store's
+        stats keep the wall time."""
+
+        def read(tier: Tier) -> list[bool]:
+            return tier.get(keys, outs, layers)
+
+        with RunShare.timing() as share:
+            start, waited = time.perf_counter(), runqueue_wait_s()
+            ok = self._call(level, "read", len(keys), read, answers=True)
+            elapsed = time.perf_counter() - start
+            reading = share.running(elapsed, runqueue_wait_s() - waited)
         if ok is None:
             return None
-        elapsed = time.perf_counter() - start
-        reading = max(elapsed - (runqueue_wait_s() - waited), 1e-9)
         nbytes = self.layout.block_nbytes
         if layers is not None:
             nbytes = (layers[1] - layers[0]) * self.layout.layer_nbytes
