@@ -37,7 +37,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -65,17 +64,28 @@ _SPREAD = 0.1
 _LATENCY_SHARE = 3.0
 
 
+class _SchedFd:
+    """An open ``/proc/thread-self/schedstat``, closed when dropped."""
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
 class _SchedStat(threading.local):
-    """This thread's ``/proc/thread-self/schedstat``, opened on first use (Linux; None
-    elsewhere) and closed when the thread's ``Thread`` object goes."""
+    """This thread's :class:`_SchedFd`, opened on first use (None where the kernel has
+    none). A thread-local's values are dropped as the thread ends, so the fd closes then:
+    a finalizer on the ``Thread`` object would wait for the garbage collector wherever a
+    cycle holds a stopped pool's threads, and a store that restarts its pools would
+    collect open fds meanwhile."""
 
     def __init__(self) -> None:
         try:
-            self.fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self.file: _SchedFd | None = _SchedFd()
         except OSError:
-            self.fd = None
-        else:
-            weakref.finalize(threading.current_thread(), os.close, self.fd)
+            self.file = None
 
 
 _schedstat = _SchedStat()
@@ -85,11 +95,11 @@ def runqueue_wait_s() -> float:
     """Seconds the calling thread has spent runnable but not running, so far (its
     scheduler's run-queue wait; 0.0 where the kernel does not say): the difference over
     a read is time the read did not spend reading."""
-    fd = _schedstat.fd
-    if fd is None:
+    file = _schedstat.file
+    if file is None:
         return 0.0
     try:
-        fields = os.pread(fd, 64, 0).split()
+        fields = os.pread(file.fd, 64, 0).split()
         return int(fields[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0

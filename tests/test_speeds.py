@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -198,3 +199,31 @@ def test_a_run_share_without_pool_tasks_takes_the_callers_own_wait() -> None:
     share.add(2.0, 0.5)  # half of the tasks' time waited: half the call ran
     assert share.running(1.0, 0.25) == pytest.approx(0.5)
     assert share.running(1.0, 2.0) == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
+def test_a_stopped_pools_threads_leave_no_open_file_behind() -> None:
+    """The run-queue reading keeps one file open per thread; a pool stopped while a
+    reference cycle holds it (as a restarted store's does) must not keep them open until
+    the garbage collector runs."""
+
+    class Holder:
+        def __init__(self) -> None:
+            self.pool = ThreadPoolExecutor(4)
+            self.me = self  # a cycle: only the collector frees it
+
+    runqueue_wait_s()
+    before = len(os.listdir("/proc/self/fd"))
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(10):
+            holder = Holder()
+            waits = list(holder.pool.map(lambda _: runqueue_wait_s(), range(16)))
+            holder.pool.shutdown(wait=True)
+            assert all(w >= 0.0 for w in waits)
+            del holder
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        if gc_was:
+            gc.enable()
