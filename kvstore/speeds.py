@@ -47,6 +47,7 @@ __all__ = [
     "PrefillSpeed",
     "ReadSpeed",
     "RunShare",
+    "RunTime",
     "SpeedEstimate",
     "runqueue_wait_s",
     "timed_work",
@@ -105,16 +106,28 @@ def runqueue_wait_s() -> float:
         return 0.0
 
 
+@dataclass
+class RunTime:
+    """What :meth:`RunShare.timed` measured: a call's wall seconds, and the seconds of
+    them its work could run (set as the timed block ends)."""
+
+    wall_s: float = 0.0
+    running_s: float = 0.0
+
+
 class RunShare:
     """How much of a timed call's work ran and how much waited to run, over the threads
-    that did it (:func:`timed_work` adds each task of a pool; thread-safe)."""
+    that did it (:func:`timed_work` adds each task of a pool; thread-safe). A share
+    opened inside another passes its tasks on to the outer one too, so that a caller
+    timing several tier reads sees their pools' waits."""
 
     _current: contextvars.ContextVar[RunShare | None] = contextvars.ContextVar(
         "kvstore_run_share", default=None
     )
 
-    def __init__(self) -> None:
+    def __init__(self, outer: RunShare | None = None) -> None:
         self._lock = threading.Lock()
+        self._outer = outer
         self.wall_s = 0.0
         self.waited_s = 0.0
 
@@ -123,6 +136,8 @@ class RunShare:
         with self._lock:
             self.wall_s += wall_s
             self.waited_s += min(waited_s, wall_s)
+        if self._outer is not None:
+            self._outer.add(wall_s, waited_s)
 
     def running(self, elapsed_s: float, own_wait_s: float) -> float:
         """The seconds of a call of ``elapsed_s`` (the caller waited ``own_wait_s`` to
@@ -130,20 +145,38 @@ class RunShare:
         ran, where pool tasks did it, else less the caller's own wait."""
         with self._lock:
             wall, waited = self.wall_s, self.waited_s
+        # The caller's own wait is the time it was runnable and not running: once the
+        # tasks ended (waking to take their results), or doing the work itself. While
+        # the tasks run it sleeps, so that wait never overlaps theirs.
+        span = max(elapsed_s - own_wait_s, 0.0)
         if wall > 0:
-            return max(elapsed_s * (1.0 - waited / wall), 1e-9)
-        return max(elapsed_s - own_wait_s, 1e-9)
+            span *= 1.0 - waited / wall
+        return max(span, 1e-9)
 
     @classmethod
     @contextlib.contextmanager
     def timing(cls) -> Iterator[RunShare]:
         """A share that the pool tasks this context submits (:func:`timed_work`) feed."""
-        share = cls()
+        share = cls(cls._current.get())
         token = cls._current.set(share)
         try:
             yield share
         finally:
             cls._current.reset(token)
+
+    @classmethod
+    @contextlib.contextmanager
+    def timed(cls) -> Iterator[RunTime]:
+        """Time the block: its wall seconds, and those its work could run (see
+        :meth:`running`): a read's speed sample, whether or not a pool did the read."""
+        result = RunTime()
+        with cls.timing() as share:
+            start, waited = time.perf_counter(), runqueue_wait_s()
+            try:
+                yield result
+            finally:
+                result.wall_s = time.perf_counter() - start
+                result.running_s = share.running(result.wall_s, runqueue_wait_s() - waited)
 
     @classmethod
     def current(cls) -> RunShare | None:

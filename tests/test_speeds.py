@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +16,7 @@ from kvstore.errors import ConfigError
 from kvstore.pools import map_or_inline
 from kvstore.speeds import ReadSpeed, RunShare, runqueue_wait_s
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.faults import cpu_starved
 
 
 class Clock:
@@ -116,20 +113,6 @@ def test_speed_settings_are_checked() -> None:
         KVStore(layout, {"restore": {"speed_half_life_s": 0}})
 
 
-@contextlib.contextmanager
-def starved(cpu: int) -> Iterator[None]:
-    """Three processes spinning on ``cpu`` while the block runs."""
-    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
-    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
-    try:
-        time.sleep(0.3)
-        yield
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
 def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
     """Three busy processes on the reading thread's one CPU make its work take about
@@ -148,7 +131,7 @@ def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
     os.sched_setaffinity(0, {cpu})  # this thread only
     try:
         quiet, _ = work()
-        with starved(cpu):
+        with cpu_starved(cpu):
             wall, waited = work()
     finally:
         os.sched_setaffinity(0, before)
@@ -182,7 +165,7 @@ def test_a_read_spread_over_pool_threads_is_timed_by_the_share_of_them_that_ran(
     pool = ThreadPoolExecutor(1)
     try:
         quiet, _ = timed(pool)
-        with starved(cpu):
+        with cpu_starved(cpu):
             wall, running = timed(pool)
     finally:
         pool.shutdown()
@@ -192,13 +175,16 @@ def test_a_read_spread_over_pool_threads_is_timed_by_the_share_of_them_that_ran(
     assert RunShare.current() is None  # the share was this call's alone
 
 
-def test_a_run_share_without_pool_tasks_takes_the_callers_own_wait() -> None:
+def test_a_run_share_takes_the_callers_own_wait_then_scales_by_its_tasks_share() -> None:
     share = RunShare()
-    assert share.running(1.0, 0.25) == pytest.approx(0.75)
+    assert share.running(1.0, 0.25) == pytest.approx(0.75)  # no pool tasks
     share.add(2.0, 1.5)
-    share.add(2.0, 0.5)  # half of the tasks' time waited: half the call ran
-    assert share.running(1.0, 0.25) == pytest.approx(0.5)
-    assert share.running(1.0, 2.0) == pytest.approx(0.5)
+    share.add(2.0, 0.5)  # half of the tasks' time waited
+    assert share.running(1.0, 0.0) == pytest.approx(0.5)
+    # The caller waited 0.25 s to run once the tasks ended (it sleeps while they run):
+    # of the other 0.75 s, half ran.
+    assert share.running(1.0, 0.25) == pytest.approx(0.375)
+    assert share.running(1.0, 2.0) == pytest.approx(1e-9)  # never 0 or less
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
@@ -227,3 +213,11 @@ def test_a_stopped_pools_threads_leave_no_open_file_behind() -> None:
     finally:
         if gc_was:
             gc.enable()
+
+
+def test_a_share_inside_another_passes_its_tasks_on() -> None:
+    """A caller timing several tier reads (a speed probe) sees their pools' waits."""
+    with RunShare.timed() as took, RunShare.timing() as inner:
+        inner.add(2.0, 1.5)  # a pool task of a read inside: three quarters waited
+    assert took.running_s == pytest.approx(took.wall_s * 0.25)
+    assert RunShare.current() is None

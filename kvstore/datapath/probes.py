@@ -17,11 +17,13 @@ from kvstore.datapath.reader import Reader
 from kvstore.datapath.tierio import TierIO
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.speeds import RunShare, runqueue_wait_s
 
 __all__ = [
     "BUSY_HANDOVER_S",
     "PROBE_LAYER_CALLS",
     "SpeedProbes",
+    "waits_to_run",
     "declares_speed",
     "process_busy",
 ]
@@ -43,32 +45,59 @@ def declares_speed(config: object) -> bool:
 #: A hand-over of the GIL (``time.sleep(0)``) this slow means other threads of this
 #: process keep it busy (a serving engine starting up): a read timed then measures them.
 BUSY_HANDOVER_S = 0.001
+#: Seconds of work :func:`process_busy` times, and the share of them it may wait to run:
+#: a vLLM engine's OpenMP threads hold no GIL, yet on a small machine they keep the CPUs,
+#: and a probe's read then waits its turn (a local disk at 0.2-0.6 GB/s against 5-11
+#: quiet, with three spinning processes on the reader's CPU). Several scheduler ticks of
+#: work: a CPU shared with three spinners gives 5 ms of work its 4 ms tick unbroken one
+#: time in three, while 30 ms wait 0.5-0.75 of their time (0 on a free CPU).
+STARVED_WORK_S, STARVED_SHARE = 0.03, 0.2
 #: Seconds between tries of a probe its process was too busy for, and how many tries.
-PROBE_RETRY_S, PROBE_TRIES = 2.0, 15
+PROBE_RETRY_S, PROBE_TRIES = 0.5, 40
 
 
-def process_busy(tries: int = 5) -> bool:
-    """Whether other threads of this process hold the GIL now: the median of ``tries``
-    hand-overs took longer than :data:`BUSY_HANDOVER_S` (some 10 ms with two busy
-    Python threads, tens of microseconds with none). The median, not the fastest: a busy
-    thread the OS has not woken yet lets a hand-over come straight back now and then
-    (seen in 2 of 6 runs of ``tests/datapath/test_probes.py``, whose probe then kept reads
-    slowed 20-fold)."""
-    return statistics.median(_handover() for _ in range(tries)) > BUSY_HANDOVER_S
+def process_busy(starved_ok: bool = False, tries: int = 5) -> bool:
+    """Whether this process could not read at its medium's speed now: other threads of
+    it hold the GIL (the median of ``tries`` hand-overs took longer than
+    :data:`BUSY_HANDOVER_S`: some 10 ms with two busy Python threads, tens of
+    microseconds with none), or, unless ``starved_ok``, its threads wait to run
+    (:func:`waits_to_run`). The
+    median, not the fastest: a busy thread the OS has not woken yet lets a hand-over
+    come straight back now and then (seen in 2 of 6 runs of
+    ``tests/datapath/test_probes.py``, whose probe then kept reads slowed 20-fold)."""
+    if statistics.median(_handover() for _ in range(tries)) > BUSY_HANDOVER_S:
+        return True
+    return not starved_ok and waits_to_run()
+
+
+def waits_to_run(work_s: float = STARVED_WORK_S) -> bool:
+    """Whether ``work_s`` of work on this thread waited more than :data:`STARVED_SHARE` of
+    its time to run (other processes, or native threads of this one, keep the CPUs).
+    Work, not a sleep: a thread waking from a short sleep is run first whatever the load,
+    so only a thread that keeps running shows the queue."""
+    waited, start = runqueue_wait_s(), time.perf_counter()
+    while time.perf_counter() - start < work_s:
+        pass
+    elapsed = time.perf_counter() - start
+    return runqueue_wait_s() - waited > STARVED_SHARE * elapsed
 
 
 def _handover() -> float:
-    """Seconds to give the GIL up and get it back (``time.sleep(0)``)."""
-    start = time.perf_counter()
+    """Seconds to give the GIL up and get it back (``time.sleep(0)``), less those this
+    thread waited for a CPU meanwhile: waiting for the GIL it sleeps, so the rest is the
+    GIL's, whatever other processes do."""
+    start, waited = time.perf_counter(), runqueue_wait_s()
     time.sleep(0)
-    return time.perf_counter() - start
+    return time.perf_counter() - start - (runqueue_wait_s() - waited)
 
 
 class SpeedProbes:
     """Queues probes on the manager's mover; each reads through its reader, timing its
-    own calls, and feeds the tier's speed only what it read while the process was quiet
-    (two busy threads made a local disk that reads 1.7 GB/s look like 36 MB/s: every
-    restore planned after it recomputed)."""
+    own calls (less what their threads waited to run), and feeds the tier's speed only
+    what it read while the process was quiet (:func:`process_busy`: two busy threads
+    made a local disk that reads 1.7 GB/s look like 36 MB/s, and a vLLM engine's OpenMP
+    threads starting up one that reads 2-11 GB/s look like 0.1: every restore planned
+    after it recomputed)."""
 
     def __init__(
         self, layout: KVLayout, reader: Reader, mover: Mover, restore: RestoreConfig
@@ -93,8 +122,11 @@ class SpeedProbes:
         where = self.books.queries.where(key)
         if not where:
             return  # gone meanwhile
-        samples = None if process_busy() else self._timed_reads(key)
-        if samples is not None and not process_busy():
+        # The last try measures a machine that stays starved of CPU (its calls timed
+        # less their threads' waits), rather than leave the tier at its kind's guess.
+        starved_ok = tries <= 1
+        samples = None if process_busy(starved_ok) else self._timed_reads(key)
+        if samples is not None and not process_busy(starved_ok):
             if self.books.queries.where(key)[:1] == where[:1]:  # read from that tier
                 for nbytes, seconds in samples:
                     self.io.observe(where[0], nbytes, seconds)
@@ -118,10 +150,11 @@ class SpeedProbes:
         samples: list[tuple[int, float]] = []
         with self.io.unobserved():
             for span, target, nbytes in calls:
-                start = time.perf_counter()
-                if not self.reader.load([key], [target], span, True).count:
+                with RunShare.timed() as took:
+                    loaded = self.reader.load([key], [target], span, True).count
+                if not loaded:
                     return None
-                samples.append((nbytes, time.perf_counter() - start))
+                samples.append((nbytes, took.running_s))
         return samples
 
     def probe_at_open(self) -> int:

@@ -27,7 +27,7 @@ from kvstore.errors import AccessDeniedError, ProtocolError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.speeds import ReadSpeed, RunShare, SpeedEstimate, runqueue_wait_s
+from kvstore.speeds import ReadSpeed, RunShare, SpeedEstimate
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["Health", "TierIO"]
@@ -141,11 +141,9 @@ class TierIO:
         def read(tier: Tier) -> list[bool]:
             return tier.get(keys, outs, layers)
 
-        with RunShare.timing() as share:
-            start, waited = time.perf_counter(), runqueue_wait_s()
+        with RunShare.timed() as took:
             ok = self._call(level, "read", len(keys), read, answers=True)
-            elapsed = time.perf_counter() - start
-            reading = share.running(elapsed, runqueue_wait_s() - waited)
+        elapsed, reading = took.wall_s, took.running_s
         if ok is None:
             return None
         nbytes = self.layout.block_nbytes
