@@ -141,10 +141,16 @@ class EventView:
             return
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a DEALER left with no peer blocks its send
         self._sign(sock)
         sock.connect(self.replay_endpoint)
         try:
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            try:
+                sock.send_multipart([b"", start.to_bytes(8, "big")])
+            except zmq.Again:  # refused, or nobody there: the gap stays
+                with self._lock:
+                    self._counts["gaps_unfilled"] += 1
+                return
             with self._lock:
                 self._counts["replays"] += 1
             while sock.poll(5000):

@@ -146,8 +146,15 @@ def replayed(ctx: Any, endpoint: str, user: str | None, password: str | None) ->
     if user is not None and password is not None:
         sock.setsockopt(zmq.PLAIN_USERNAME, user.encode())
         sock.setsockopt(zmq.PLAIN_PASSWORD, password.encode())
+    # A DEALER with no peer blocks its send: a refused handshake that tore the
+    # connection down before the send left it none (seen once under load: a hang).
+    sock.setsockopt(zmq.SNDTIMEO, 1500)
     sock.connect(endpoint)
-    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    except zmq.Again:
+        sock.close(0)
+        return 0
     batches = 0
     while sock.poll(1500):
         frames = sock.recv_multipart()
