@@ -27,7 +27,9 @@ from _common import log
 
 from kvstore import BlockKey, KVLayout, KVStore, StoreConfig
 
-REEXEC_ENV = "KVSTORE_BENCH_LMCACHE_REEXEC"
+#: Set in the re-run under LMCache's venv; not a ``KVSTORE_*`` name, which the store it opens
+#: would read as a setting (and refuse).
+REEXEC_ENV = "BENCH_LMCACHE_REEXEC"
 SETUP = "run bash benchmarks/peers/setup_lmcache.sh"
 GIB = 1024**3
 

@@ -39,6 +39,9 @@ TARGETS = {
     "slow_planned_vs_nocache": "<= 1.05",
     "fast_planned_vs_unplanned": "<= 1.02",
     "slow_unplanned_vs_nocache": "> 1 (expected: the slow load must cost more than the prefill)",
+    "contended_planned_vs_nocache": "<= 1.05 (slow_planned with busy processes throughout)",
+    "drift_planned_vs_best": "<= 1.10 (the worst phase of the drift)",
+    "drift_follow_requests": "<= 10 (requests after a change before every plan follows it)",
 }
 DEFINITIONS = {
     "ttft_nocache_ms": "median over prompts of each prompt's median TTFT, no connector",
@@ -55,6 +58,20 @@ DEFINITIONS = {
     ),
     "slow_planned_undeclared_vs_nocache": "planning on, S3 at its default prior (optimistic)",
     "fast_planned_vs_unplanned": "host + disk holding the chunks: planning on / off",
+    "contended_planned_vs_nocache": (
+        "slow_planned_vs_nocache measured again in paired rounds with --busy processes "
+        "spinning on the CPUs throughout (both engines under the same contention)"
+    ),
+    "drift_planned_vs_best": (
+        "per drift phase (the link's speed changed): the planned engine's median TTFT over "
+        "the lesser of the unplanned and the no-cache engines' on the same prompts; the "
+        "worst phase"
+    ),
+    "drift_follow_requests": (
+        "per drift phase after the first: how many requests of the planned engine came "
+        "before every later one loaded (or recomputed) as the faster of the other two "
+        "engines did; the most over the phases"
+    ),
     "fast_planned_vs_nocache": "host + disk holding the chunks, planning on",
     "estimate_error_median": (
         "the connector's workers: restore_planned_s / restore_actual_s - 1 of slow_unplanned's "

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from _common import log, median
+from _common import base_parser, log, median
 from _gpu_llama import (
     LLAMA_8B,
     TINY,
@@ -484,16 +484,25 @@ def verdict(rows: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
 # -- the command line -----------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="4096,16384,32768", help="prompt tokens, commas")
-    parser.add_argument("--repeats", type=int, default=3, help="timed reps (medians reported)")
+    # --json, --quick and --rounds, as every benchmark (run_all.py passes --json): the output
+    # is the one JSON line either way; --quick is 4096 tokens, once; --rounds N is --repeats N.
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--lengths", help="prompt tokens, commas (default: 4096,16384,32768; --quick: 4096)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, help="timed reps, medians reported (default: 3; --quick: 1)"
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU smoke test)")
     parser.add_argument("--out", help="also write the JSON line to this file")
     parser.add_argument("--disk-dir", help="where the disk tier's files go (default: $TMPDIR)")
     parser.add_argument("--no-drop-cache", dest="drop_cache", action="store_false")
     args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    lengths = args.lengths or ("4096" if args.quick else "4096,16384,32768")
+    args.lengths = [int(x) for x in lengths.split(",") if x.strip()]
+    if args.repeats is None:
+        args.repeats = args.rounds if args.rounds is not None else 1 if args.quick else 3
     if args.repeats < 1 or not args.lengths or min(args.lengths) < 2:
         parser.error("--repeats must be >= 1 and --lengths token counts >= 2")
     return args

@@ -52,6 +52,19 @@ The runs, in order (a vLLM process each):
    (the first time from the disk, the second from host memory);
    ``fast_planned_vs_unplanned`` is the median over both repetitions' pairs.
 
+7. ``slow_planned_contended`` (``--no-contended`` skips it): the paired slow rounds of 4
+   again (``--contended-rounds``, 2), each round's two engines and their new disk
+   directories fresh, with ``--busy`` (2) processes spinning on the CPUs for the whole
+   round: ``contended_planned_vs_nocache`` (the planned engine over the no-cache one
+   under the same contention, paired; target <= 1.05).
+8. ``drift`` (``--no-drift`` skips it; ``_restore_drift.py`` says how): a no-cache, an
+   unplanned and a planned engine in lockstep over the bucket alone while the link
+   changes speed, ``--drift-gbps`` (0.02,0.2,0.02 GB/s) for ``--drift-requests`` (12)
+   requests each: ``drift_planned_vs_best`` (the worst phase's median TTFT of the planned
+   engine over the better of the other two; target <= 1.10) and
+   ``drift_follow_requests`` (the most requests after a change before every plan chose
+   as the faster engine did; target <= 10).
+
 Figures. A configuration's TTFT for a prompt is the median over its repetitions; a ratio
 is the median over the prompts of that prompt's TTFT / its nocache TTFT. The headline
 ``slow_planned_vs_nocache`` and ``slow_second_request_vs_nocache`` are paired instead: the
@@ -88,8 +101,9 @@ Run (from the main venv; vLLM runs in ``.venv-vllm``)::
     python benchmarks/bench_restore.py [--quick] [--out PATH] [--workdir DIR]
 
 One JSON line on stdout (``--out`` also writes it); progress and the headline figures on
-stderr. ``--quick`` (one 512-token prefix; the nocache and store processes and one paired round
-only; one repetition) checks that it all runs, in ~3 minutes: its ratios mean nothing.
+stderr. ``--quick`` (one 512-token prefix; the nocache and store processes, one paired round,
+one contended round and a drift of 3 requests a phase; one repetition) checks that it all
+runs, in ~8 minutes: its ratios mean nothing.
 Without ``.venv-vllm``: ``{"skipped": true, ...}``.
 """
 
@@ -108,6 +122,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from _common import environment, log
+from _restore_drift import busy_processes, run_drift
 from _restore_figures import (
     estimate_errors,
     kv_bytes_per_token,
@@ -230,7 +245,36 @@ def run_phases(bench: Bench) -> list[list[float]] | None:
     proxy.set(gbps=None, latency_ms=0.0)
     if bench.wanted("fast_planned"):
         _fast_phases(bench, table, warmed)
+    if args.contended:
+        _contended_phase(bench, table)
+    if args.drift:
+        run_drift(bench, table, restore_section, s3_tier)
+    proxy.set(gbps=None, latency_ms=0.0)
     return table
+
+
+def _contended_phase(bench: Bench, table: list[list[float]]) -> None:
+    """The paired slow rounds again with ``--busy`` processes spinning throughout."""
+    args, work, proxy = bench.args, bench.work, bench.proxy
+    declared = (args.slow_gbps, args.slow_latency_ms)
+    proxy.set(gbps=args.slow_gbps, latency_ms=args.slow_latency_ms)
+
+    def config(name: str, r: int) -> dict[str, Any] | None:
+        if name != "slow_planned_contended":
+            return None
+        tiers = [disk_tier(work / f"disk-{name}.{r}"), s3_tier(proxy.url, declared)]
+        return {"tiers": tiers, **_restore(table)}
+
+    pair = Pair(
+        "nocache_contended",
+        "slow_planned_contended",
+        config,
+        "slow",
+        lambda r: work / f"disk-slow_planned_contended.{r}",
+    )
+    with busy_processes(args.busy) as pids:
+        log(f"bench_restore: contended rounds, {len(pids)} busy processes")
+        bench.paired(pair, args.contended_rounds)
 
 
 def _slow_phases(bench: Bench, table: list[list[float]]) -> Path:
@@ -326,7 +370,9 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
             continue
         # The slow pair's results hold each round's two repetitions in turn.
         first = list(range(0, len(r["repetitions"]), 2))
-        conf[name] = summarize(r, first if name in ("slow_planned", "nocache_paired") else None)
+        paired_names = ("slow_planned", "nocache_paired")
+        paired_names += ("slow_planned_contended", "nocache_contended")
+        conf[name] = summarize(r, first if name in paired_names else None)
     if "slow_planned" in res:
         second = list(range(1, len(res["slow_planned"]["repetitions"]), 2))
         conf["slow_second_request"] = summarize(res["slow_planned"], second)
@@ -359,10 +405,19 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
         "fast_unplanned_vs_nocache": vs("fast_unplanned"),
     }
     unplanned = ratios["slow_unplanned_vs_nocache"]
+    contended = paired.get("slow_planned_contended", {}).get("figures", {})
+    drift = bench.extra.get("drift") or {}
+    ratios["contended_planned_vs_nocache"] = contended.get("first")
+    ratios["contended_planned_vs_nocache_ci90"] = contended.get("first_ci90")
+    ratios["drift_planned_vs_best"] = drift.get("planned_vs_best_worst_phase")
+    ratios["drift_follow_requests"] = drift.get("follow_requests_worst")
     passes = {
         "slow_planned_vs_nocache": _at_most(ratios["slow_planned_vs_nocache"], 1.05),
         "fast_planned_vs_unplanned": _at_most(ratios["fast_planned_vs_unplanned"], 1.02),
         "slow_unplanned_vs_nocache": None if unplanned is None else unplanned > 1,
+        "contended_planned_vs_nocache": _at_most(ratios["contended_planned_vs_nocache"], 1.05),
+        "drift_planned_vs_best": _at_most(ratios["drift_planned_vs_best"], 1.10),
+        "drift_follow_requests": _at_most(ratios["drift_follow_requests"], 10),
     }
     declared = (args.slow_gbps, args.slow_latency_ms)
     get_prefix = bench.extra.get("get_prefix", {})
@@ -381,6 +436,10 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
     not_run = {n: "--quick" for n in QUICK_SKIPS if args.quick}
     if not args.undeclared and not args.quick:
         not_run["slow_planned_undeclared"] = "--no-undeclared"
+    if not args.contended:
+        not_run["slow_planned_contended"] = "--no-contended"
+    if not args.drift:
+        not_run["drift"] = "--no-drift"
     notes = [
         "estimate_error_median: the connector's workers' restore_planned_s / restore_actual_s "
         "over slow_unplanned's loads, per logged one-second interval; null where the "
@@ -413,6 +472,7 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
             for name, run in paired.items()
         },
         "warming": bench.extra.get("warming"),
+        "drift": drift or None,
         "estimate_error": {
             "connector_slow_unplanned": connector,
             "ttft": est,
@@ -437,7 +497,11 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
                 "slow_second_request": f"1 in each of {args.paired_rounds} paired rounds",
                 "slow_planned_undeclared": 1,
                 "fast": f"2 in each of {args.fast_rounds} paired rounds",
+                "slow_planned_contended": f"1 in each of {args.contended_rounds} paired rounds",
+                "drift": f"{args.drift_requests} a phase",
             },
+            "busy_processes": args.busy,
+            "drift_gbps": args.drift_gbps,
             "slow_link": {"gbps": args.slow_gbps, "latency_ms": args.slow_latency_ms},
             "gap_before_second_request_s": args.gap_s,
             "model": "examples/vllm_offline.py --model llama (12 layers, fp32)",
@@ -508,14 +572,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=3,
         help="rounds of a fast_unplanned and a fast_planned engine taking turns",
     )
+    parser.add_argument(
+        "--no-contended", dest="contended", action="store_false", help="skip the contended rounds"
+    )
+    parser.add_argument("--contended-rounds", type=int, default=None, help="(2; --quick: 1)")
+    parser.add_argument("--busy", type=int, default=2, help="busy processes while contended")
+    parser.add_argument("--no-drift", dest="drift", action="store_false", help="skip the drift")
+    parser.add_argument(
+        "--drift-gbps",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.02, 0.2, 0.02],
+        help="the link's speed in each drift phase, GB/s (0.02,0.2,0.02)",
+    )
+    parser.add_argument("--drift-requests", type=int, default=None, help="a phase (12; quick 3)")
+    parser.add_argument(
+        "--drift-stale-s",
+        type=float,
+        default=5.0,
+        help="the drift's planned engine: restore.speed_stale_s (how soon a tier priced "
+        "out is probed again)",
+    )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per vLLM process")
     args = parser.parse_args(argv)
     quick = {"prefix_tokens": [512], "suffix_tokens": 32, "warmup_tokens": 300}
     quick.update(nocache_reps=1, slow_reps=1, paired_rounds=1, timeout=150.0)
+    quick.update(contended_rounds=1, drift_requests=3)
     full = {"prefix_tokens": [1536, 1792, 2048, 2304], "suffix_tokens": 64}
     full.update(warmup_tokens=1056, nocache_reps=args.rounds or 4, slow_reps=2)
-    full.update(paired_rounds=4)
+    full.update(paired_rounds=4, contended_rounds=2, drift_requests=12)
     full.update(timeout=600.0)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -526,6 +611,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--prefix-tokens: whole chunks of {CHUNK} tokens")
     if not 0 < args.suffix_tokens < CHUNK:
         parser.error(f"--suffix-tokens: 1..{CHUNK - 1} (the stored chunks are the prefix's)")
+    if len(args.drift_gbps) < 2 or any(g <= 0 for g in args.drift_gbps):
+        parser.error("--drift-gbps: at least two speeds > 0, comma-separated")
     return args
 
 

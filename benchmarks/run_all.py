@@ -24,7 +24,8 @@ anything; ``--only NAME --merge`` re-runs one benchmark into an existing
 same arguments.
 
 Run: ``python benchmarks/run_all.py [--quick] [--only hash,codec] [--out DIR]``
-(``kvstore bench`` runs it under that name: :data:`PROG_ENV`).
+(``kvstore bench`` runs it under that name, given as ``--prog``: an argument, not a
+``KVSTORE_*`` variable, which every script's store would read as a setting).
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Where the outputs go by default: not the checkout's tracked docs/benchmarks/.
 DEFAULT_OUT = Path("kvstore-bench")
-#: The command's name in its usage line (``kvstore bench`` sets it; else ``run_all.py``).
-PROG_ENV = "KVSTORE_BENCH_PROG"
 #: A script that stopped on a module it could not import.
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 #: ... or on a server binary it could not find (kvstore.testing.servers.require_binary).
@@ -394,7 +393,6 @@ REGISTRY: tuple[Bench, ...] = (
             Figure("lengths.16384.hit_speedup_disk", "full prefill (TTFT)", ">= 1.5", "x"),
             Figure("lengths.16384.save_overhead", "full prefill without saves", "<= 1.05", "x"),
         ),
-        quick_args=("--lengths", "4096", "--repeats", "1"),
         timeout_s=900,
         note="needs a CUDA GPU and transformers (skipped without); figures from an H100: "
         "docs/benchmarks/gpu-model-h100.json",
@@ -609,7 +607,8 @@ class Progress:
                 self._thread = None
             clear = "\r\033[K" if self.tty else ""
             took = time.monotonic() - began
-            msg = f"{clear}[{i}/{self.total}] {name}: {outcome['status']} in {took:.0f} s"
+            why = f" ({outcome['why']})" if outcome.get("why") else ""
+            msg = f"{clear}[{i}/{self.total}] {name}: {outcome['status']}{why} in {took:.0f} s"
             print(msg, file=self.stream, flush=True)
 
     def _redraw(self, i: int, name: str, began: float) -> None:
@@ -639,7 +638,7 @@ def run_all(benches: Sequence[Bench], quick: bool) -> dict[str, Any]:
         for i, bench in enumerate(todo, 1):
             with progress.step(i, bench.name) as outcome:
                 entry = run_bench(bench, quick, Path(tmp))
-                outcome["status"] = entry["status"]
+                outcome.update(status=entry["status"], why=entry.get("reason"))
             doc["benchmarks"][bench.name] = entry
     doc["seconds"] = round(time.perf_counter() - start, 1)
     return doc
@@ -660,9 +659,12 @@ def select(only: str | None) -> list[Bench]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
-    parser = argparse.ArgumentParser(
-        prog=os.environ.get(PROG_ENV) or None, description=__doc__.splitlines()[0]
-    )
+    # The command's name in the usage line: ``kvstore bench`` passes ``--prog`` (hidden).
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--prog")
+    prog = first.parse_known_args(argv)[0].prog
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--prog", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="every script's --quick run")
     parser.add_argument("--only", help="comma-separated benchmarks (e.g. hash,disk_tier)")
     parser.add_argument(
@@ -699,6 +701,17 @@ def merge(doc: dict[str, Any], into: Path) -> dict[str, Any]:
     return old
 
 
+def say_skipped(doc: dict[str, Any]) -> None:
+    """One stderr line per benchmark that was skipped or not run, and why (no GPU, no vLLM,
+    not part of --quick): a run that exits 0 still says what it did not measure."""
+    skipped = {
+        n: e.get("reason", "") for n, e in doc["benchmarks"].items() if e["status"] == "skipped"
+    }
+    for name, why in {**skipped, **doc.get("not_run", {})}.items():
+        verb = "skipped" if name in skipped else "not run"
+        print(f"run_all: {verb}: {name}: {why}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or re-render), write the outputs; 1 if a script failed or timed out."""
     args = parse_args(argv)
@@ -718,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plots = render(doc, args.out, REGISTRY)
     drawn = sum(p["drawn"] for p in plots)
     print(f"run_all: wrote {out}/README.md, results.json and {drawn} plots", file=sys.stderr)
+    say_skipped(doc)
     bad = [n for n, e in doc["benchmarks"].items() if e["status"] in ("failed", "timeout")]
     if bad:
         print(f"run_all: failed: {', '.join(bad)} (see results.json)", file=sys.stderr)

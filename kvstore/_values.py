@@ -26,6 +26,7 @@ __all__ = [
     "parse_int",
     "parse_optional_bool",
     "parse_optional_float",
+    "parse_optional_secret",
     "parse_optional_str",
     "parse_size",
     "parse_str",
@@ -117,6 +118,21 @@ def parse_str(value: Any, key: str) -> str:
 
 def parse_optional_str(value: Any, key: str) -> str | None:
     return None if value is None else parse_str(value, key)
+
+
+def parse_optional_secret(value: Any, key: str) -> str | None:
+    """A token or password given inline (None: not given). Unlike :func:`parse_str` its
+    error never quotes the value: a secret stays out of the message."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        name = type(value).__name__
+        kind = "an empty string" if value == "" else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+        raise ConfigError(
+            f"{key}: expected a non-empty string, got {kind} (its value is not shown: it "
+            "is a secret); quote a token that YAML reads as a number or a flag"
+        )
+    return value
 
 
 def parse_int(value: Any, key: str) -> int:

@@ -1,5 +1,5 @@
 """The ``kvstore`` command: ``demo``, ``server``, ``route``, ``stats``, ``config``,
-``calibrate-prefill`` and ``bench``."""
+``calibrate-prefill``, ``calibrate-tiers`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -121,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         "--server", metavar="ADDRESS", help="a running server's HOST:PORT or unix:/path"
     )
     stats.add_argument(
-        "--namespace", default="default", help="with --server: the namespace to connect as"
+        "--namespace",
+        help="with --server: a namespace the token must open (if not: exit 2, naming the "
+        "ones it does); the report is what the token sees",
     )
     stats.add_argument(
         "--token-file", help="with --server: a file holding the token (the operator's: all)"
@@ -153,6 +154,21 @@ def _parser() -> argparse.ArgumentParser:
         help="more vllm.LLM arguments as JSON, e.g. '{\"tensor_parallel_size\": 2}' "
         "(default: none)",
     )
+
+    tiers = sub.add_parser(
+        "calibrate-tiers",
+        help="measure each tier's read speed; print restore.tier_speeds",
+        description="Writes a scratch chunk of the layout to each tier of the store's config, "
+        "reads it back a few times at a few sizes (one layer, a few, the whole chunk), keeps "
+        "the fastest of each size, deletes it, and prints the restore section whose "
+        "tier_speeds a store starts its estimates from (docs/restore.md).",
+    )
+    tiers.add_argument("--config", help="store config YAML (default: $KVSTORE_CONFIG, built-in)")
+    tiers.add_argument(
+        "--reads", type=int, default=3, help="reads of each size (default: %(default)s)"
+    )
+    tiers.add_argument("--out", help="also write the restore section to this file")
+    _layout_args(tiers, "on disk (kvstore stats lists them)")
 
     config = sub.add_parser("config", help="print the resolved configuration (secrets hidden)")
     config.add_argument("--config", help="store config YAML to check")
@@ -188,8 +204,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_demo(report: dict[str, Any]) -> None:
-    from kvstore.config import format_size
-
     lines = [
         "",
         f"kvstore demo: {report['sessions']} sessions x {report['turns']} turns, "
@@ -205,7 +219,18 @@ def _print_demo(report: dict[str, Any]) -> None:
         f"evictions: {report['evictions']:,}",
         f"  throughput           : put {report['put_gbps']:.1f} GB/s, "
         f"get {report['get_gbps']:.1f} GB/s",
+        *_demo_storage_lines(report),
     ]
+    print("\n".join(lines))
+
+
+def _demo_storage_lines(report: dict[str, Any]) -> list[str]:
+    """The demo report's lines on where the chunks are: the tiers (their counts added up),
+    close(), the restart, the disk tier."""
+    from kvstore.config import format_size
+    from kvstore.demo import copies_summary, disk_summary
+
+    lines = [f"  held at the end      : {copies_summary(report)}"]
     for tier in report["tiers"]:
         lines.append(
             f"  tier {tier['kind']:<7}: {tier['blocks']:>5} blocks, "
@@ -214,10 +239,12 @@ def _print_demo(report: dict[str, Any]) -> None:
             f"{tier['writebacks']} written back ahead of eviction"
         )
     lines.append(f"  serving wall time    : {report['seconds']:.1f} s")
+    left = report["close_flush_left_bytes"]
     lines.append(
         f"  close()              : {report['close_seconds']:.1f} s, of which writing "
         f"{format_size(report['close_flush_bytes'])} only memory held to disk "
         f"{report['close_flush_seconds']:.1f} s ({report['close_flush_gbps']:.2f} GB/s)"
+        + (f"; {format_size(left)} did not fit" if left else "")
     )
     restart = report["after_restart"]
     lines.append(
@@ -227,13 +254,14 @@ def _print_demo(report: dict[str, Any]) -> None:
         f"{restart['sessions_verified_from_disk']} sessions verified from disk"
     )
     if report["disk_path"]:
-        from kvstore.demo import disk_summary
-
         lines.append(f"  disk tier            : {disk_summary(report)}")
-    print("\n".join(lines))
+    return lines
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """The demo and its report; 1 when the disk tier could not keep the cache (it says what
+    did not fit and why)."""
+    from kvstore.config import format_size
     from kvstore.demo import DemoSettings, ProgressBar, run_demo
 
     # What close() waits for is logged at INFO when stderr is not a terminal (a bar otherwise).
@@ -254,7 +282,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_demo(report)
-    return 0
+    short = report["disk_shortfall"]
+    if short is None:
+        return 0
+    print(
+        f"kvstore: error: the disk tier ({report['disk_path']}) could not keep the cache: "
+        f"{short['chunks_missing']} of the {short['chunks_held']} chunks did not fit, it kept "
+        f"{format_size(short['bytes_on_disk'])} ({short['why']}), and the sessions' last "
+        f"prompts miss {short['last_prompt_chunks_missing']} chunks after a restart; give it "
+        f"{format_size(short['bytes_needed'])} of room (--cache-dir DIR on a disk with that free)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -302,6 +341,25 @@ def _cmd_calibrate_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate_tiers(args: argparse.Namespace) -> int:
+    from kvstore.config import StoreConfig
+    from kvstore.connectors.calibrate import calibrate_tiers, format_tier_speeds
+    from kvstore.errors import ConfigError
+
+    if args.reads < 1:
+        raise ConfigError(f"--reads: at least 1, got {args.reads}")
+    speeds = calibrate_tiers(StoreConfig.load(args.config), _layout(args), args.reads)
+    text = format_tier_speeds(speeds, args.reads)
+    print(text)
+    if args.out:
+        try:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--out: {exc}") from None
+    return 0 if any(not isinstance(v, str) for v in speeds.values()) else 1
+
+
 def _server_stats(args: argparse.Namespace) -> int:
     from kvstore.client import ClientOptions
     from kvstore.client.admin import AdminClient
@@ -315,8 +373,8 @@ def _server_stats(args: argparse.Namespace) -> int:
                 token = f.read().strip().encode()
         except OSError as exc:
             raise ConfigError(f"--token-file: {exc}") from None
-    options = ClientOptions(args.server, args.namespace, token)
-    stats = AdminClient(options).stats()
+    options = ClientOptions(args.server, args.namespace or "default", token)
+    stats = AdminClient(options).stats(args.namespace)
     print(json.dumps(stats, indent=2) if args.json else format_server_stats(stats, args.server))
     return 0
 
@@ -350,23 +408,14 @@ def _tier_troubles(tiers: list[dict[str, Any]]) -> int:
     return status
 
 
-def _redact(value: Any) -> Any:
-    """``value`` with every ``token`` given inline replaced by ``***``."""
-    if isinstance(value, dict):
-        return {
-            k: "***" if k == "token" and v is not None else _redact(v) for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [_redact(v) for v in value]
-    return value
-
-
 def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     from kvstore.config import StoreConfig
+    from kvstore.masking import mask_config
 
-    data = _redact(StoreConfig.load(args.config).to_dict())
+    # Tokens, and passwords in URLs (redis_url, a tier's url), as ***.
+    data = mask_config(StoreConfig.load(args.config).to_dict())
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
@@ -514,9 +563,9 @@ def _cmd_bench(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    # In the caller's directory (a relative --out is theirs), under this command's name.
-    env = {**os.environ, "KVSTORE_BENCH_PROG": "kvstore bench"}
-    return subprocess.call([sys.executable, str(script), *argv], env=env)
+    # In the caller's directory (a relative --out is theirs), under this command's name:
+    # an argument, not a KVSTORE_* variable, which the scripts' stores would read as a setting.
+    return subprocess.call([sys.executable, str(script), "--prog", "kvstore bench", *argv])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -536,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "route": _cmd_route,
         "local-cluster": _cmd_local_cluster,
         "calibrate-prefill": _cmd_calibrate_prefill,
+        "calibrate-tiers": _cmd_calibrate_tiers,
     }
     try:
         check_counts(args, _AT_LEAST)
@@ -543,6 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as exc:
         print(f"kvstore: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (what was cleaned up), not a traceback
+        print(f"\nkvstore: {exc or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -45,7 +47,20 @@ from kvstore.keys import BlockKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ConfigSource, KVStore
 
-__all__ = ["DemoSettings", "ProgressBar", "disk_summary", "run_demo"]
+__all__ = [
+    "DemoInterrupted",
+    "DemoSettings",
+    "ProgressBar",
+    "copies_summary",
+    "disk_shortfall",
+    "disk_summary",
+    "run_demo",
+]
+
+
+class DemoInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the demo; the store is closed, the scratch directory removed, and the
+    message says what was left where (``kvstore demo`` prints it as its one line)."""
 
 
 @dataclass(frozen=True)
@@ -228,26 +243,113 @@ def run_demo(
     """Run the workload, then reopen the store as a restarted server would; return the report.
 
     ``disk_path`` is the disk tier's directory; ``disk_kept`` says whether it is still
-    there (false for the scratch directory, removed before this returns).
+    there (false for the scratch directory, removed before this returns);
+    ``disk_shortfall``, what it could not keep (:func:`disk_shortfall`). Ctrl-C closes the
+    store, removes the scratch directory and raises :class:`DemoInterrupted`.
     """
-    with _scratch_dir() as scratch:
-        config = _demo_config(settings, scratch)
-        report = _serve(settings, config, progress)
-        report["after_restart"] = _restart(settings, config)
-        disk = next((t.path for t in config.tiers if isinstance(t, DiskTierConfig)), None)
-        report["disk_path"] = disk
+    disk = scratch = None
+    try:
+        with _scratch_dir() as scratch:
+            config = _demo_config(settings, scratch)
+            disk = next((t.path for t in config.tiers if isinstance(t, DiskTierConfig)), None)
+            free = _free_bytes(disk)
+            report = _serve(settings, config, progress)
+            report["after_restart"] = _restart(settings, config)
+            report["disk_path"] = disk
+    except KeyboardInterrupt:
+        kept = disk is not None and disk != scratch
+        where = f"what was stored stays in {disk}" if kept else "its scratch directory is removed"
+        raise DemoInterrupted(
+            f"demo interrupted (Ctrl-C): the store is closed and {where}"
+        ) from None
     report["disk_kept"] = disk is not None and disk != scratch
+    report["disk_free_at_start"] = free
+    report["disk_shortfall"] = disk_shortfall(report)
     return report
+
+
+def _free_bytes(path: str | None) -> int | None:
+    """Free bytes on the filesystem of ``path`` (its nearest existing parent: the demo makes
+    it), or None without a path."""
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+@contextlib.contextmanager
+def _quiet_close() -> Iterator[None]:
+    """The close's progress lines held back (its warnings still say what did not fit)."""
+    logger = logging.getLogger("kvstore.close")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def disk_summary(report: dict[str, Any]) -> str:
     """What the disk tier held after the run, and where it is -- or that it was a
     scratch directory, already removed (never a path that is gone as if it were there)."""
     size = format_size(report["after_restart"]["bytes_on_disk"])
+    short = report.get("disk_shortfall")
+    missing = (
+        f"; {short['chunks_missing']} of {short['chunks_held']} chunks did not fit" if short else ""
+    )
     if report["disk_kept"]:
-        return f"{size} in {report['disk_path']} (kept: run again to hit from disk)"
+        return f"{size} in {report['disk_path']} (kept: run again to hit from disk){missing}"
     parent = os.path.dirname(report["disk_path"])
-    return f"{size} in a scratch directory under {parent}, now removed (--cache-dir DIR keeps it)"
+    return (
+        f"{size} in a scratch directory under {parent}, now removed (--cache-dir DIR keeps "
+        f"it){missing}"
+    )
+
+
+def copies_summary(report: dict[str, Any]) -> str:
+    """What the tiers' block counts add up to: copies of the chunks held at the end (a
+    chunk written to disk ahead of its eviction from memory has a copy in each)."""
+    tiers = report["tiers"]
+    copies = sum(t["blocks"] for t in tiers)
+    held = report["chunks_held"]
+    line = " + ".join(f"{t['kind']} {t['blocks']}" for t in tiers)
+    line += f" = {copies:,} copies of {held:,} chunks"
+    if copies > held and len(tiers) == 2:
+        line += f" ({copies - held:,} chunks are in both)"
+    elif copies > held:
+        line += f" ({copies - held:,} extra copies of chunks in more than one tier)"
+    return line
+
+
+def disk_shortfall(report: dict[str, Any]) -> dict[str, Any] | None:
+    """What the disk tier could not keep, and why: None when the restart found every chunk
+    of every session's last prompt (or there is no disk tier)."""
+    restart = report["after_restart"]
+    missing = report["chunks_held"] - restart["blocks_on_disk"]
+    unfound = restart["last_prompt_chunks"] - restart["last_prompt_chunks_found"]
+    if not report.get("disk_path") or (missing <= 0 and unfound <= 0):
+        return None
+    block = report["block_mib"] * 2**20
+    needed = int(report["chunks_held"] * block)
+    free = report.get("disk_free_at_start")
+    disk = next((t for t in report["tiers"] if t["kind"] == "disk"), None)
+    if free is not None and free < needed:
+        why = f"its filesystem had {format_size(free)} free, the cache needs {format_size(needed)}"
+    elif disk is not None:
+        why = f"its capacity is {format_size(disk['capacity_bytes'])}"
+        why += f", the cache needs {format_size(needed)}"
+    else:
+        why = f"the cache needs {format_size(needed)}"
+    return {
+        "chunks_missing": max(0, missing),
+        "chunks_held": report["chunks_held"],
+        "bytes_needed": needed,
+        "bytes_on_disk": restart["bytes_on_disk"],
+        "last_prompt_chunks_missing": unfound,
+        "why": why,
+    }
 
 
 def _histories(settings: DemoSettings) -> list[tuple[list[int], list[list[int]]]]:
@@ -287,14 +389,19 @@ def _serve(
             layout.tensor_shape(max(1, longest // layout.block_tokens)), dtype=layout.dtype
         )
         start = time.perf_counter()
-        for turn in range(settings.turns):
-            order = list(range(settings.sessions))
-            rng.shuffle(order)  # sessions interleave, as on a real server
-            for s in order:
-                hit = _request(store, pool, namespace, sessions[s][1][turn], buffer, tally)
-                tally.per_turn_hits.setdefault(turn, []).append(hit)
-                if bar:
-                    bar.advance(f"hit {hit} chunks")
+        try:
+            for turn in range(settings.turns):
+                order = list(range(settings.sessions))
+                rng.shuffle(order)  # sessions interleave, as on a real server
+                for s in order:
+                    hit = _request(store, pool, namespace, sessions[s][1][turn], buffer, tally)
+                    tally.per_turn_hits.setdefault(turn, []).append(hit)
+                    if bar:
+                        bar.advance(f"hit {hit} chunks")
+        except KeyboardInterrupt:  # the same close, without its progress lines
+            with _quiet_close():
+                store.close()
+            raise
         tally.seconds = time.perf_counter() - start
         stats = store.stats()
         flush_start = time.perf_counter()
@@ -302,6 +409,7 @@ def _serve(
     report["close_seconds"] = time.perf_counter() - flush_start
     flush = store.datapath.close_flush or {}
     report["close_flush_bytes"] = flush.get("bytes_written", 0)
+    report["close_flush_left_bytes"] = flush.get("bytes", 0) - report["close_flush_bytes"]
     report["close_flush_seconds"] = flush.get("seconds") or 0.0
     seconds = report["close_flush_seconds"]
     report["close_flush_gbps"] = report["close_flush_bytes"] / seconds / 1e9 if seconds else 0.0
@@ -356,6 +464,7 @@ def _report(
         },
         "chunks_loaded_and_verified": tally.verified_chunks,
         "chunks_stored": tally.stored_chunks,
+        "chunks_held": stats["blocks"],  # distinct chunks in the store at the end
         "seconds": tally.seconds,
         # As the engine sees them: bytes over the seconds spent inside put / get_prefix.
         "put_gbps": tally.put_bytes / tally.put_seconds / 1e9 if tally.put_seconds else 0.0,

@@ -18,6 +18,9 @@ parsing messages:
   encryption is on): a miss that is counted, and that deletes nothing.
 - :class:`TierError` -- a storage medium failed (I/O error, full disk,
   unreachable server). The store turns these into misses for the caller.
+  :class:`StoreLimitError` is the special case of a ``kvstore-server`` that
+  answers but will not open one more store (its ``server.max_stores``): a
+  setting to change there, not an outage.
 - :class:`CapacityError` -- no tier could make room (every candidate block
   is pinned).
 - :class:`ClosedError` -- the store was used after :meth:`KVStore.close`.
@@ -47,6 +50,7 @@ __all__ = [
     "LayoutMismatchError",
     "ProtocolError",
     "ScopeError",
+    "StoreLimitError",
     "TierError",
 ]
 
@@ -85,6 +89,12 @@ class DecryptError(CorruptBlockError):
 
 class TierError(KVStoreError):
     """A storage medium failed; callers see this as a miss, not as data."""
+
+
+class StoreLimitError(TierError):
+    """A kvstore-server refused to open one more store (namespace and layout): it hosts
+    ``server.max_stores`` already. Not an outage -- the server answers -- but a setting
+    to raise on the server; like any TierError, a store turns it into misses."""
 
 
 class CapacityError(KVStoreError):

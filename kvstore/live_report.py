@@ -4,8 +4,9 @@ The offline ``kvstore stats`` (:mod:`kvstore.survey`) reads disk tiers without
 opening a store, so it knows no live figure. This formats a server's ``STATS``
 reply instead (as the token sees it: a tenant's token its own stores and figures,
 the operator's every one): per store, each tier's blocks and the read speed the
-restore planner uses now (measured, probed or configured), the restore plans'
-tokens and the planned against the actual load time; per tenant, its bytes per
+restore planner uses now (measured, probed or configured; the correction its restores
+keep and their median error), the restore plans' tokens and the planned against the
+actual load time; per tenant, its bytes per
 tier against its share and limit, hits, misses, evictions, refusals and reclaims.
 """
 
@@ -51,12 +52,19 @@ def _tier_line(tier: dict[str, Any]) -> str:
     latency = tier.get("read_latency_ms_estimate")
     reads = (
         f"reads {speed:.3g} GB/s + {latency:.3g} ms a call ({tier.get('read_speed_source', '?')}, "
-        f"{tier.get('read_speed_samples', 0):.0f} samples)"
+        f"{tier.get('read_speed_samples', 0):.0f} samples{_loop(tier)})"
         if speed is not None and latency is not None
         else "reads: no estimate"
     )
     held = f"{tier.get('blocks', 0):,} blocks ({human_bytes(int(tier.get('bytes', 0)))})"
     return f"{tier.get('kind', '?'):<8} {held}, {reads}, {tier.get('evictions', 0):,} evictions"
+
+
+def _loop(tier: dict[str, Any]) -> str:
+    """The closed loop's figures: the correction the price carries, the plans' error."""
+    k, error = tier.get("read_correction"), tier.get("read_estimate_error")
+    out = f", priced x{k:.3g}" if isinstance(k, (int, float)) else ""
+    return out + (f", restores {error:+.0%} off" if isinstance(error, (int, float)) else "")
 
 
 def _restore_line(restore: dict[str, Any]) -> str:

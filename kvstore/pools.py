@@ -1,6 +1,4 @@
-"""Thread-pool calls that still work while the interpreter exits, and time their tasks
-for a read's speed sample (:func:`kvstore.speeds.timed_work`: what each task waited to
-run, where the caller times one).
+"""Thread-pool calls that still work while the interpreter exits.
 
 ``concurrent.futures`` refuses new work once the interpreter starts to exit, before
 ``atexit`` handlers run. A store closed from such a handler (its own exit hook, or a
@@ -15,8 +13,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
-
-from kvstore.speeds import timed_work
 
 __all__ = ["map_or_inline", "call_or_inline"]
 
@@ -48,7 +44,6 @@ def map_or_inline(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> l
     """``list(pool.map(fn, items))``, or the calls in this thread while the interpreter
     exits."""
     futures: list[Future[R]] = []
-    fn = timed_work(fn)
     for i, item in enumerate(items):
         try:
             futures.append(pool.submit(fn, item))

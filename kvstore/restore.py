@@ -29,6 +29,7 @@ asked in the background instead, and what it holds is warmed (``lookups_deferred
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -38,17 +39,19 @@ from typing import Any
 
 from kvstore.errors import InvalidInputError
 from kvstore.keys import BlockKey
-from kvstore.restore_stats import LoadMark, RestoreStats
+from kvstore.restore_stats import LoadMark, LoadSample, PlannedLoad, RestoreStats
 from kvstore.speeds import PrefillSpeed, SpeedEstimate
 from kvstore.tiers.base import Tier
 
 __all__ = [
     "LoadMark",
+    "PlannedLoad",
     "RestoreCosts",
     "RestorePlan",
     "RestoreRequest",
     "RestoreStats",
     "Restorer",
+    "TIE",
     "RestorerParts",
     "Warming",
     "medium_of",
@@ -57,7 +60,7 @@ __all__ = [
 ]
 
 #: Relative slack within which a longer load counts as no slower (ties go to loading).
-_TIE = 1e-6
+TIE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class RestorePlan:
     ``warm``: indexes of stored chunks left on slow tiers.
     ``reason``: ``pays`` (planned), ``all`` (every stored chunk pays), ``off``
     (planning off), ``unknown`` (no prefill speed yet), ``none`` (nothing stored).
+    The pipeline the engine waits in (:class:`~kvstore.restore_stats.PlannedLoad`): read
+    ``tier_calls`` per level; ``compute_s``, the prefill after the load (None: unknown),
+    in ``groups`` of layers (1: after the load) behind ``staged_s`` read up front.
     """
 
     stored: int
@@ -119,6 +125,10 @@ class RestorePlan:
     tier_chunks: dict[int, int] = field(default_factory=dict)
     warm: tuple[int, ...] = ()
     tier_load_s: dict[int, float] = field(default_factory=dict)
+    tier_calls: dict[int, int] = field(default_factory=dict)
+    compute_s: float | None = None
+    groups: int = 1
+    staged_s: float = 0.0
 
     @property
     def skipped(self) -> int:
@@ -234,6 +244,10 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
             return staged + max(load + compute / g, compute + load / g)
         return load + compute
 
+    def pipeline(n: int) -> tuple[float | None, int, float]:  # compute, groups, staged
+        piped = (groups[n - first], before[n - first]) if request.overlap else (1, 0.0)
+        return prefill.seconds(n * ct, total), *piped
+
     nocache = ready(first)
     if stored == first:
         reason = "none"
@@ -245,46 +259,40 @@ def plan_restore(request: RestoreRequest, costs: RestoreCosts) -> RestorePlan:
         for n in range(first + 1, stored + 1):
             t = ready(n)
             assert t is not None
-            if t <= best_s * (1 + _TIE):
+            if t <= best_s * (1 + TIE):
                 best, best_s = n, min(t, best_s)
         best = max(best, floor)
         reason = "all" if best == stored else "pays"
-    return _plan(request, costs, first, best, floor, reason, loads, ready(best), nocache)
+    load_s = loads[best - first]
+    plan = RestorePlan(stored, first, best, load_s, None, ready(best), nocache, floor, reason)
+    return _filled(plan, request, costs, pipeline(best))
 
 
-def _plan(
+def _filled(
+    plan: RestorePlan,
     request: RestoreRequest,
     costs: RestoreCosts,
-    first: int,
-    best: int,
-    floor: int,
-    reason: str,
-    loads: list[float],
-    ready_s: float | None,
-    nocache_s: float | None,
+    pipeline: tuple[float | None, int, float],
 ) -> RestorePlan:
-    ct, stored = costs.chunk_tokens, len(request.levels)
-    tier_chunks: dict[int, int] = {}
-    for level in request.levels[first:best]:
-        tier_chunks[level] = tier_chunks.get(level, 0) + 1
-    warm = tuple(i for i in range(best, stored) if request.levels[i] not in costs.fast)
+    """``plan`` with what follows from its load: recompute, per-tier figures, warming."""
+    ct, first, best = costs.chunk_tokens, plan.first, plan.load
+    tier_chunks = dict(collections.Counter(request.levels[first:best]))
+    warm = tuple(i for i in range(best, plan.stored) if request.levels[i] not in costs.fast)
     # load_s is a sum over levels (_load_seconds): each level's own share of it.
     tier_load_s = {
         level: _load_seconds({level: n}, costs, request.overlap) for level, n in tier_chunks.items()
     }
-    return RestorePlan(
-        stored=stored,
-        first=first,
-        load=best,
-        load_s=loads[best - first],
+    tier_calls = {level: _calls(level, costs, request.overlap) for level in tier_chunks}
+    return dataclasses.replace(
+        plan,
         recompute_s=costs.prefill.seconds(first * ct, best * ct),
-        ready_s=ready_s,
-        nocache_s=nocache_s,
-        floor=floor,
-        reason=reason,
         tier_chunks=tier_chunks,
         warm=warm,
         tier_load_s=tier_load_s,
+        tier_calls=tier_calls,
+        compute_s=pipeline[0],
+        groups=pipeline[1],
+        staged_s=pipeline[2],
     )
 
 
@@ -307,7 +315,7 @@ class RestorerParts:
     warm: Callable[[Sequence[BlockKey]], int]
     #: Per tier level, the medium routers tell apart: memory, disk, shared (None: other).
     media: tuple[str | None, ...] = ()
-    #: Read one block in the background (refreshes a stale estimate of its tier).
+    #: Read one block in the background (refreshes a stale or unread estimate of its tier).
     probe: Callable[[BlockKey], bool] = lambda key: False
     #: ``find(keys, levels)``: ask the tiers in the bit mask ``levels`` which of ``keys``
     #: they hold (on the caller's thread); how many leading ``keys`` are stored after.
@@ -327,6 +335,8 @@ class RestorerParts:
     #: (:meth:`ReadSpeed.thread_seconds <kvstore.speeds.ReadSpeed.thread_seconds>`): a
     #: restore's actual load time per tier. Empty: not kept.
     thread_reads: Callable[[], Sequence[float]] = lambda: ()
+    #: Correct the tiers' prices by what a restore's reads of each level cost.
+    observe_loads: Callable[[dict[int, LoadSample]], None] = lambda loads: None
 
 
 @dataclass(frozen=True)
@@ -425,13 +435,25 @@ class Restorer:
     def loaded(self, plan: RestorePlan, mark: LoadMark) -> None:
         """The restore timed from ``mark`` on this thread loaded ``plan`` whole: count its
         planned against its actual load seconds, in all and per tier (the tiers' reads
-        on this thread since the mark)."""
+        on this thread since the mark), and correct the tiers' prices by them."""
         actual_s, reads = mark.since(self.parts.thread_reads())
         tiers = {
             level: (plan.tier_load_s.get(level, 0.0), reads.get(level, 0.0))
             for level in plan.tier_load_s.keys() | reads.keys()
         }
         self.stats.loaded(plan.load_s, actual_s, tiers)
+        self.parts.observe_loads(PlannedLoad.of(plan, self.chunk_bytes).samples(reads))
+
+    def waited(self, plan: RestorePlan, waited_s: float) -> None:
+        """The engine waited ``waited_s`` for a load of ``plan`` under compute: counted as
+        :meth:`loaded`, at the seconds the plan's model needs for that wait."""
+        load = PlannedLoad.of(plan, self.chunk_bytes)
+        scale = load.scale(waited_s)
+        if scale is None:
+            return
+        tiers = {level: (t, scale * t) for level, t in plan.tier_load_s.items()}
+        self.stats.loaded(plan.load_s, scale * plan.load_s, tiers)
+        self.parts.observe_loads(load.samples(scale))
 
     def _loaded_slow(
         self, levels: Sequence[int], plan: RestorePlan, costs: RestoreCosts
@@ -556,7 +578,7 @@ class Restorer:
         speeds = self.parts.speeds()
         if not 0 <= level < len(speeds) or level in self.parts.fast:
             return True
-        pays = speeds[level].seconds_for(nbytes) <= compute * (1 + _TIE)
+        pays = speeds[level].seconds_for(nbytes) <= compute * (1 + TIE)
         self.stats.add("chunks_checked")
         if not pays:
             self.stats.add("chunks_planned_recompute")

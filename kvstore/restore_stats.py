@@ -1,10 +1,12 @@
 """Counters of restore planning, and how its estimates held up (``stats()["restore"]``).
 
 Each plan counts its tokens to load (per tier) and to recompute; each timed restore (a
-``get_prefix`` that loaded its whole plan) adds its planned and its actual load seconds,
-in all and per tier level (``load_planned_s_tier<i>`` / ``load_actual_s_tier<i>``: what
-the plan expected of tier ``i`` and what that tier's reads took), so a wrong estimate of
-one tier shows as that tier's gap. :class:`LoadMark` is where a restore's timing starts.
+``get_prefix`` that loaded its whole plan, or a load under compute whose wait the engine
+reported) adds its planned and its actual load seconds, in all and per tier level
+(``load_planned_s_tier<i>`` / ``load_actual_s_tier<i>``), so a wrong estimate of one tier
+shows as that tier's gap, and the same per tier :class:`LoadSample` is what corrects
+the tier's price. :class:`LoadMark` is where a restore's timing starts;
+:class:`PlannedLoad` is what a plan expects of its load, for the process that loads it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["LoadMark", "PlanCounts", "RestoreStats"]
+__all__ = ["LoadMark", "LoadSample", "PlanCounts", "PlannedLoad", "RestoreStats"]
+
+K = TypeVar("K")
 
 
 class PlanCounts(Protocol):
@@ -43,6 +47,104 @@ class PlanCounts(Protocol):
     @property
     def tier_chunks(self) -> dict[int, int]:
         """Chunks it loads per tier level."""
+
+    @property
+    def tier_load_s(self) -> dict[int, float]:
+        """The seconds its load of each tier level is priced at."""
+
+    @property
+    def tier_calls(self) -> dict[int, int]:
+        """Read calls per tier level."""
+
+    @property
+    def load_s(self) -> float:
+        """The seconds its whole load is priced at."""
+
+    @property
+    def compute_s(self) -> float | None:
+        """The prefill after the load (None: unknown)."""
+
+    @property
+    def groups(self) -> int:
+        """Groups of layers its load runs in under compute (1: before compute)."""
+
+    @property
+    def staged_s(self) -> float:
+        """Seconds of its load read before the pipeline starts."""
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """A restore's reads of one tier: the seconds they cost the engine, their bytes and
+    calls (priced again by the fit as it is after them), and the seconds its plan priced
+    them at; what corrects the tier's price (:meth:`ReadSpeed.correct
+    <kvstore.speeds.ReadSpeed.correct>`). Samples add up (several loads, workers)."""
+
+    actual_s: float
+    nbytes: float
+    calls: float
+    planned_s: float
+
+    def __add__(self, other: LoadSample) -> LoadSample:
+        return LoadSample(
+            self.actual_s + other.actual_s,
+            self.nbytes + other.nbytes,
+            self.calls + other.calls,
+            self.planned_s + other.planned_s,
+        )
+
+
+@dataclass(frozen=True)
+class PlannedLoad(Generic[K]):
+    """What a plan expects of its load: per tier (a level, or a tier id where another
+    process loads it) ``(priced seconds, bytes, calls)``, and the pipeline the load runs
+    in: all its seconds, the compute after it (None: unknown), its groups of layers (1:
+    before compute) and the seconds read before the pipeline starts."""
+
+    tiers: dict[K, tuple[float, float, float]]
+    load_s: float
+    compute_s: float | None
+    groups: int = 1
+    staged_s: float = 0.0
+
+    @classmethod
+    def of(cls, plan: PlanCounts, chunk_bytes: int) -> PlannedLoad[int]:
+        """A plan's load, per tier level."""
+        tiers: dict[int, tuple[float, float, float]] = {}
+        for level, n in plan.tier_chunks.items():
+            calls = plan.tier_calls.get(level, 1)
+            tiers[level] = (plan.tier_load_s.get(level, 0.0), n * chunk_bytes, calls)
+        return PlannedLoad(tiers, plan.load_s, plan.compute_s, plan.groups, plan.staged_s)
+
+    def named(self: PlannedLoad[int], names: Sequence[str]) -> PlannedLoad[str]:
+        """The same load, its tier levels named by ``names`` (tier ids)."""
+        tiers = {names[level]: t for level, t in self.tiers.items()}
+        return PlannedLoad(tiers, self.load_s, self.compute_s, self.groups, self.staged_s)
+
+    def scale(self, waited_s: float) -> float | None:
+        """How many times its priced seconds the load took, judged by the engine's wait:
+        the ``x`` at which the plan's model, every read ``x`` times as long, waits
+        ``waited_s``: ``staged*x + max(piped*x - compute*(1 - 1/g), piped*x/g)``, read
+        from the smaller root of its two rising branches. None without a compute estimate
+        or a load."""
+        if self.compute_s is None or self.load_s <= 0 or waited_s <= 0:
+            return None
+        g = max(1, self.groups)
+        piped = self.load_s - self.staged_s
+        roots = [(waited_s + self.compute_s * (1 - 1 / g)) / self.load_s]
+        if self.staged_s + piped / g > 0:
+            roots.append(waited_s / (self.staged_s + piped / g))
+        return min(roots)
+
+    def samples(self, actual: float | dict[K, float]) -> dict[K, LoadSample]:
+        """Per tier, a :class:`LoadSample`: ``actual`` seconds per tier, or one scale of
+        the priced seconds for every tier (:meth:`scale`); tiers not read are left out."""
+        out = {}
+        for tier, (planned, nbytes, calls) in self.tiers.items():
+            took = actual.get(tier, 0.0) if isinstance(actual, dict) else actual * planned
+            if took > 0:
+                out[tier] = LoadSample(took, nbytes, calls, planned)
+        return out
 
 
 @dataclass(frozen=True)

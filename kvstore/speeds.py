@@ -1,234 +1,104 @@
-"""Live read speeds of the tiers: what a load from each one costs right now.
+"""What restore planning weighs: each tier's read speed, priced by what restores cost,
+and the engine's prefill speed.
 
-Every tier read goes through :class:`~kvstore.datapath.tierio.TierIO`, timed, and each
-call is one observation ``(bytes read, seconds)`` of its tier's
-:class:`ReadSpeed`. The estimate is a least-squares fit of
-
-    seconds = latency + bytes / bandwidth
-
-over recent calls, each weighted by how recent it is (weights halve every
-``half_life_s``), so a medium that slows down -- a disk under other load, a
-throttled bucket, a peer behind a congested link -- shows within a few half-lives
-and one that recovers shows as fast. Calls of one size cannot tell latency from
-bandwidth; then the configured latency stands (at most half the mean call) and
-the bandwidth is what is left. Before a tier is read the estimate is its
-configured prior (``read_gbps`` / ``read_latency_ms`` of the tier's config); a
-measured estimate with no read for ``stale_s`` is reported as ``stale`` (still
-the last figures: whoever plans with it may want to probe first).
-
-The engine's side of the same question -- what recomputing tokens costs -- is
-:class:`PrefillSpeed`: a declared table of prefill times by prompt length
-(attention grows faster than linearly), a declared rate, or a rate learned from
-the engine's own step times.
-
-A read's seconds are its wall time less the time its threads waited to run
-(:func:`runqueue_wait_s`; :class:`RunShare` for reads a tier spreads over a pool of
-threads): a reader starved of CPU by other work in its process (an engine's OpenMP
-threads spinning on every core) would otherwise make the medium look ten times slower
-than it reads, and a planner recompute what loads faster.
+A tier's :class:`ReadSpeed` fits ``seconds = latency + bytes / bandwidth`` to the plain
+wall time of its recent read calls (weights halve every ``half_life_s``; the configured
+prior until a read; ``stale`` after ``stale_s`` without one), and prices it at ``k`` times
+that fit: after each restore, ``k`` moves halfway (in log space) towards the seconds the
+restore's reads of the tier cost the engine over what the fit says now, within
+:data:`CORRECTION_BOUNDS`. So whatever slows a restore and not the fit's reads (other
+processes on the cores, the GIL, a link shared with the engine's own copies) prices the
+tier right within a few restores, the same on any machine. :class:`PrefillSpeed` is the
+engine's side: a declared table or rate, or one learned from the engine's steps.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import contextvars
 import math
-import os
+import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = [
+    "CORRECTION_BOUNDS",
     "DecayedFit",
+    "PROBE_LAYERS",
+    "PROBE_READS",
     "PrefillEstimate",
     "PrefillSpeed",
     "ReadSpeed",
-    "RunShare",
-    "RunTime",
     "SpeedEstimate",
-    "runqueue_wait_s",
-    "timed_work",
+    "fastest_reads",
 ]
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-#: Sizes must spread by this fraction of their mean for the fit to separate latency
-#: from bandwidth (below it the two are indistinguishable from noise).
+#: Sizes must spread by this fraction of their mean for a fit to tell latency from
+#: bandwidth (below it the two are indistinguishable from noise).
 _SPREAD = 0.1
-
 #: A layer-by-layer read takes enough layers a call that the call's latency is at most
 #: 1 / (1 + this) of it (a quarter).
 _LATENCY_SHARE = 3.0
+#: The correction's range: up to 20x (a 2-core host's engine threads made reads 10-50x
+#: slower than quiet; slower still is priced out anyway), down to 0.5x (a few lucky
+#: restores never price a tier above twice what its reads do).
+CORRECTION_BOUNDS = (0.5, 20.0)
+#: How far each restore moves ``log k`` towards its own ratio: 3x is priced within 10%
+#: after 4 restores; one restore's noise moves the price by its square root.
+_CORRECTION_STEP = 0.5
+#: A probe's reads of each size, and its sizes: one layer and this many (two sizes let
+#: the fit tell a call's latency from the bandwidth).
+PROBE_READS, PROBE_LAYERS = 3, 4
 
 
-class _SchedFd:
-    """An open ``/proc/thread-self/schedstat``, closed when dropped."""
-
-    def __init__(self) -> None:
-        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-class _SchedStat(threading.local):
-    """This thread's :class:`_SchedFd`, opened on first use (None where the kernel has
-    none). A thread-local's values are dropped as the thread ends, so the fd closes then:
-    a finalizer on the ``Thread`` object would wait for the garbage collector wherever a
-    cycle holds a stopped pool's threads, and a store that restarts its pools would
-    collect open fds meanwhile."""
-
-    def __init__(self) -> None:
-        try:
-            self.file: _SchedFd | None = _SchedFd()
-        except OSError:
-            self.file = None
-
-
-_schedstat = _SchedStat()
-
-
-def runqueue_wait_s() -> float:
-    """Seconds the calling thread has spent runnable but not running, so far (its
-    scheduler's run-queue wait; 0.0 where the kernel does not say): the difference over
-    a read is time the read did not spend reading."""
-    file = _schedstat.file
-    if file is None:
-        return 0.0
-    try:
-        fields = os.pread(file.fd, 64, 0).split()
-        return int(fields[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-@dataclass
-class RunTime:
-    """What :meth:`RunShare.timed` measured: a call's wall seconds, and the seconds of
-    them its work could run (set as the timed block ends)."""
-
-    wall_s: float = 0.0
-    running_s: float = 0.0
-
-
-class RunShare:
-    """How much of a timed call's work ran and how much waited to run, over the threads
-    that did it (:func:`timed_work` adds each task of a pool; thread-safe). A share
-    opened inside another passes its tasks on to the outer one too, so that a caller
-    timing several tier reads sees their pools' waits."""
-
-    _current: contextvars.ContextVar[RunShare | None] = contextvars.ContextVar(
-        "kvstore_run_share", default=None
-    )
-
-    def __init__(self, outer: RunShare | None = None) -> None:
-        self._lock = threading.Lock()
-        self._outer = outer
-        self.wall_s = 0.0
-        self.waited_s = 0.0
-
-    def add(self, wall_s: float, waited_s: float) -> None:
-        """One task: its wall time, and the part of it its thread waited to run."""
-        with self._lock:
-            self.wall_s += wall_s
-            self.waited_s += min(waited_s, wall_s)
-        if self._outer is not None:
-            self._outer.add(wall_s, waited_s)
-
-    def running(self, elapsed_s: float, own_wait_s: float) -> float:
-        """The seconds of a call of ``elapsed_s`` (the caller waited ``own_wait_s`` to
-        run) that its work could run: scaled by the share of its pool tasks' time that
-        ran, where pool tasks did it, else less the caller's own wait."""
-        with self._lock:
-            wall, waited = self.wall_s, self.waited_s
-        # The caller's own wait is the time it was runnable and not running: once the
-        # tasks ended (waking to take their results), or doing the work itself. While
-        # the tasks run it sleeps, so that wait never overlaps theirs.
-        span = max(elapsed_s - own_wait_s, 0.0)
-        if wall > 0:
-            span *= 1.0 - waited / wall
-        return max(span, 1e-9)
-
-    @classmethod
-    @contextlib.contextmanager
-    def timing(cls) -> Iterator[RunShare]:
-        """A share that the pool tasks this context submits (:func:`timed_work`) feed."""
-        share = cls(cls._current.get())
-        token = cls._current.set(share)
-        try:
-            yield share
-        finally:
-            cls._current.reset(token)
-
-    @classmethod
-    @contextlib.contextmanager
-    def timed(cls) -> Iterator[RunTime]:
-        """Time the block: its wall seconds, and those its work could run (see
-        :meth:`running`): a read's speed sample, whether or not a pool did the read."""
-        result = RunTime()
-        with cls.timing() as share:
-            start, waited = time.perf_counter(), runqueue_wait_s()
-            try:
-                yield result
-            finally:
-                result.wall_s = time.perf_counter() - start
-                result.running_s = share.running(result.wall_s, runqueue_wait_s() - waited)
-
-    @classmethod
-    def current(cls) -> RunShare | None:
-        """The share this context's pool tasks feed (None: untimed)."""
-        return cls._current.get()
-
-
-def timed_work(fn: Callable[[T], R]) -> Callable[[T], R]:
-    """``fn`` as a pool task that adds its wall time and its thread's run-queue wait to
-    the :class:`RunShare` of the context submitting it (``fn`` itself where none)."""
-    share = RunShare.current()
-    if share is None:
-        return fn
-
-    def task(item: T) -> R:
-        waited, start = runqueue_wait_s(), time.perf_counter()
-        try:
-            return fn(item)
-        finally:
-            share.add(time.perf_counter() - start, runqueue_wait_s() - waited)
-
-    return task
+def fastest_reads(
+    read: Callable[[int], bool], sizes: Sequence[int], layer_nbytes: int, reads: int = PROBE_READS
+) -> list[tuple[float, float]] | None:
+    """``(bytes, fastest wall seconds)`` of ``reads`` calls of ``read(layers)`` for each
+    size in layers (noise only adds time); None if a read failed (returned False)."""
+    samples = []
+    for layers in sizes:
+        took = []
+        for _ in range(reads):
+            start = time.perf_counter()
+            if not read(layers):
+                return None
+            took.append(time.perf_counter() - start)
+        samples.append((float(layers * layer_nbytes), min(took)))
+    return samples
 
 
 @dataclass(frozen=True)
 class SpeedEstimate:
-    """A tier's read speed: ``gbps`` (1e9 bytes a second), ``latency_ms`` a call, where it
-    comes from (``configured``, ``measured``, ``stale``), the decayed weight of the reads
-    behind it, and seconds since the last read (None: never read)."""
+    """A tier's read speed: ``gbps`` (1e9 bytes a second) and ``latency_ms`` a call, as
+    priced (the fit times ``correction``); where it comes from (``configured``,
+    ``measured``, ``stale``); the decayed weight of the reads behind it; seconds since
+    the last one (None: never read)."""
 
     gbps: float
     latency_ms: float
     source: str
     samples: float
     age_s: float | None
+    correction: float = 1.0
 
-    def seconds_for(self, nbytes: float, calls: int = 1) -> float:
+    def seconds_for(self, nbytes: float, calls: float = 1) -> float:
         """Expected seconds to read ``nbytes`` in ``calls`` calls."""
         return calls * self.latency_ms / 1e3 + nbytes / (self.gbps * 1e9)
 
     def layers_per_call(self, layer_bytes: int, num_layers: int, least: int = 1) -> int:
-        """Layers of a block that a layer-by-layer load reads from this tier in one call:
-        enough that the call's latency is at most a quarter of it (``least`` at least,
-        the whole block at most). A bucket behind 50 ms of latency that moves a layer in
-        13 ms is read a whole block a call: twelve calls a block would cost 0.6 s of
-        latency alone. A local disk or memory moves a layer a call, so that the engine
-        computes layer ``i`` while ``i + 1`` is read."""
+        """Layers a layer-by-layer load reads from this tier a call: enough that the call's
+        latency is at most a quarter of it (``least`` at least, the block at most). A
+        bucket behind 50 ms that moves a layer in 13 ms is read a block a call; a disk
+        or memory a layer a call, so the engine computes layer ``i`` while ``i + 1`` is
+        read."""
         per_layer_s = layer_bytes / (self.gbps * 1e9)
-        latency_s = self.latency_ms / 1e3
         if per_layer_s <= 0:
             return max(1, num_layers)
-        wanted = math.ceil(_LATENCY_SHARE * latency_s / per_layer_s - 1e-9)  # 3.0000001 is 3
+        wanted = math.ceil(_LATENCY_SHARE * self.latency_ms / 1e3 / per_layer_s - 1e-9)
         return max(1, min(num_layers, max(least, wanted)))
 
     def as_stats(self) -> dict[str, Any]:
@@ -238,64 +108,51 @@ class SpeedEstimate:
             "read_latency_ms_estimate": self.latency_ms,
             "read_speed_source": self.source,
             "read_speed_samples": self.samples,
+            "read_correction": self.correction,
         }
 
 
 class DecayedFit:
     """A least-squares line ``y = intercept + slope * x`` over observations whose weights
-    halve every ``half_life_s`` (the fit behind :class:`ReadSpeed` and
-    :class:`PrefillSpeed`).
-
-    Locking: ``_lock`` guards the decayed sums; each observer takes it once per call,
-    for a few float operations.
-    """
+    halve every ``half_life_s``. ``_lock`` guards the sums (a few float operations)."""
 
     def __init__(self, half_life_s: float, clock: Callable[[], float]) -> None:
         self.half_life_s = half_life_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._last: float | None = None  # when the last observation came
-        # Decayed sums of weight, x, y, x*x and x*y.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every observation."""
+        with self._lock:
+            self._last: float | None = None
+            self._sums = [0.0] * 5  # decayed weight, x, y, x*x, x*y
 
     def observe(self, x: float, y: float, weight: float = 1.0) -> None:
         """One observation (``weight`` of them alike)."""
         with self._lock:
             now = self._clock()
+            keep = 1.0
             if self._last is not None:
                 keep = 0.5 ** (max(0.0, now - self._last) / self.half_life_s)
-                self._w *= keep
-                self._x *= keep
-                self._y *= keep
-                self._xx *= keep
-                self._xy *= keep
             self._last = now
-            self._w += weight
-            self._x += weight * x
-            self._y += weight * y
-            self._xx += weight * x * x
-            self._xy += weight * x * y
+            new = (weight, weight * x, weight * y, weight * x * x, weight * x * y)
+            self._sums = [s * keep + n for s, n in zip(self._sums, new, strict=True)]
 
     def moments(self) -> tuple[float, float, float, float, float, float] | None:
-        """``(weight, mean x, mean y, var x, cov xy, age seconds)``; None before any
-        observation."""
+        """``(weight, mean x, mean y, var x, cov xy, age seconds)``; None before any."""
         with self._lock:
-            if self._last is None or self._w <= 0:
+            w, x, y, xx, xy = self._sums
+            if self._last is None or w <= 0:
                 return None
-            weight = self._w
-            mx, my = self._x / weight, self._y / weight
-            vxx = self._xx / weight - mx * mx
-            vxy = self._xy / weight - mx * my
             age = max(0.0, self._clock() - self._last)
-        return weight, mx, my, vxx, vxy, age
+        mx, my = x / w, y / w
+        return w, mx, my, xx / w - mx * mx, xy / w - mx * my, age
 
 
 class ReadSpeed:
-    """One tier's read-speed estimate (see the module docstring).
-
-    Thread-safe: the fit takes its own lock; each thread's own read seconds
-    (:meth:`thread_seconds`) are kept apart, in a thread-local.
-    """
+    """One tier's read speed (see the module docstring). Thread-safe: the fit and the
+    correction take their own locks; each thread's read seconds are its own."""
 
     def __init__(
         self,
@@ -306,43 +163,82 @@ class ReadSpeed:
         clock: Callable[[], float],
     ) -> None:
         self.prior = SpeedEstimate(prior_gbps, prior_latency_ms, "configured", 0.0, None)
-        self.half_life_s = half_life_s
         self.stale_s = stale_s
-        self._fit_line = DecayedFit(half_life_s, clock)
-        self._mine = threading.local()  # .seconds: this thread's observed read seconds
+        self._clock = clock
+        self._born = clock()
+        self._fit = DecayedFit(half_life_s, clock)
+        self._mine = threading.local()  # .seconds: this thread's read seconds
+        self._lock = threading.Lock()  # guards _log_k and _errors
+        self._log_k = 0.0
+        self._errors: deque[float] = deque(maxlen=64)  # planned / actual - 1, per restore
 
     def observe(self, nbytes: float, seconds: float, calls: int = 1) -> None:
-        """Read calls: ``calls`` of them, ``nbytes`` in ``seconds`` together (calls that
-        read nothing are not observations)."""
+        """``calls`` read calls of ``nbytes`` in ``seconds`` together (wall time)."""
         if nbytes <= 0 or seconds <= 0 or calls <= 0:
             return
-        self._mine.seconds = getattr(self._mine, "seconds", 0.0) + seconds
-        self._fit_line.observe(nbytes / calls, seconds / calls, float(calls))
+        self._mine.seconds = self.thread_seconds() + seconds
+        self._fit.observe(nbytes / calls, seconds / calls, float(calls))
 
     def thread_seconds(self) -> float:
-        """Seconds of every read observed so far on the calling thread: what a restore's
-        own reads of this tier took, apart from other threads' (warming, probes)."""
+        """Seconds of every read observed on the calling thread so far: a restore's own
+        reads of the tier, apart from other threads' (warming, probes)."""
         return float(getattr(self._mine, "seconds", 0.0))
 
-    def estimate(self) -> SpeedEstimate:
-        """The current estimate (the prior until a read was observed)."""
-        moments = self._fit_line.moments()
+    def fitted(self) -> SpeedEstimate:
+        """The fit alone (the prior until a read was observed, ``stale`` after
+        ``stale_s`` of none: a tier no plan reads is probed on the same timer)."""
+        moments = self._fit.moments()
         if moments is None:
-            return self.prior
+            unread = self._clock() - self._born > self.stale_s
+            return replace(self.prior, source="stale") if unread else self.prior
         weight, mx, my, vxx, vxy, age = moments
-        latency_s, per_byte = self._fit(mx, my, vxx, vxy)
+        per_byte = vxy / vxx if vxx > (_SPREAD * mx) ** 2 and vxy > 0 else 0.0
+        latency = my - per_byte * mx
+        if per_byte <= 0 or latency < 0:  # sizes alike: keep the prior's latency
+            latency = min(self.prior.latency_ms / 1e3, my / 2)
+            per_byte = (my - latency) / mx
         source = "stale" if age > self.stale_s else "measured"
-        return SpeedEstimate(1.0 / per_byte / 1e9, latency_s * 1e3, source, weight, age)
+        return SpeedEstimate(1e-9 / per_byte, latency * 1e3, source, weight, age)
 
-    def _fit(self, mx: float, my: float, vxx: float, vxy: float) -> tuple[float, float]:
-        """``(latency seconds, seconds per byte)`` from the weighted moments."""
-        if vxx > (_SPREAD * mx) ** 2 and vxy > 0:
-            per_byte = vxy / vxx
-            latency = my - per_byte * mx
-            if latency >= 0:
-                return latency, per_byte
-        latency = min(self.prior.latency_ms / 1e3, my / 2)  # sizes alike: keep the prior's
-        return latency, (my - latency) / mx
+    def estimate(self) -> SpeedEstimate:
+        """The price: the fit times the correction."""
+        with self._lock:
+            k = math.exp(self._log_k)
+        fit = self.fitted()
+        return replace(fit, gbps=fit.gbps / k, latency_ms=fit.latency_ms * k, correction=k)
+
+    def correct(self, actual_s: float, nbytes: float, calls: float, planned_s: float) -> None:
+        """A restore's reads of the tier (``nbytes`` in ``calls``, priced at ``planned_s``)
+        cost it ``actual_s``: move the correction towards that over what the fit prices
+        them at now (after the restore's own reads)."""
+        fit_s = self.fitted().seconds_for(nbytes, calls)
+        if actual_s <= 0 or fit_s <= 0:
+            return
+        low, high = CORRECTION_BOUNDS
+        target = math.log(min(max(actual_s / fit_s, low), high))
+        with self._lock:
+            self._log_k += _CORRECTION_STEP * (target - self._log_k)
+            if planned_s > 0:
+                self._errors.append(planned_s / actual_s - 1)
+
+    def probed(self, samples: Sequence[tuple[float, float]]) -> None:
+        """A probe's fastest ``(bytes, seconds)``: they join a fresh fit; a stale or
+        unread one starts over from them, and the correction from 1 (both described a
+        medium nobody read for a while)."""
+        if self.fitted().source != "measured":
+            self._fit.reset()
+            with self._lock:
+                self._log_k = 0.0
+        for nbytes, seconds in samples:
+            self._fit.observe(nbytes, seconds)
+
+    def stats(self) -> dict[str, Any]:
+        """The price as ``stats()`` shows it, with the median of planned / actual - 1 over
+        recent restores (None: none yet)."""
+        with self._lock:
+            errors = list(self._errors)
+        error = statistics.median(errors) if errors else None
+        return {**self.estimate().as_stats(), "read_estimate_error": error}
 
 
 #: Learned prefill rates need this much (decayed) weight of steps before they count.
@@ -352,8 +248,8 @@ _MIN_STEPS = 3.0
 @dataclass(frozen=True)
 class PrefillEstimate:
     """Where the engine's prefill speed comes from (``table``, ``configured``,
-    ``learned``, ``unknown``), its mean rate in tokens a second (None: unknown) and the
-    decayed weight of the steps behind a learned one."""
+    ``learned``, ``unknown``), its mean tokens a second (None: unknown) and the decayed
+    weight of the steps behind a learned one."""
 
     source: str
     tokens_per_s: float | None
@@ -371,14 +267,11 @@ class PrefillEstimate:
 class PrefillSpeed:
     """Seconds the engine takes to prefill a span of a prompt.
 
-    ``table``: ``(prompt tokens, seconds to prefill that whole prompt)`` points; the
-    time of tokens ``[a, b)`` is ``F(b) - F(a)`` on the line through ``(0, 0)`` and
-    the points (past the last one, its last segment's slope). Else ``tokens_per_s``,
-    a flat rate. Else, with ``learn``, a rate fitted to the engine's steps
-    (:meth:`observe_step`: tokens scheduled, seconds taken) over recent ones; until
-    enough were seen the speed is unknown and :meth:`seconds` is None.
-
-    Thread-safe: the learned fit takes its own lock; the rest is read-only.
+    ``table``: ``(prompt tokens, seconds to prefill that prompt)`` points; tokens
+    ``[a, b)`` take ``F(b) - F(a)`` on the line through ``(0, 0)`` and the points (past
+    the last, its last slope). Else ``tokens_per_s``, a flat rate. Else, with ``learn``,
+    a rate fitted to the engine's steps (:meth:`observe_step`); until enough were seen
+    :meth:`seconds` is None. Thread-safe (the learned fit takes its own lock).
     """
 
     def __init__(
@@ -402,7 +295,7 @@ class PrefillSpeed:
             self._steps.observe(float(tokens), seconds)
 
     def seconds(self, start: int, end: int) -> float | None:
-        """Seconds to prefill prompt tokens ``[start, end)`` (None: the speed is unknown)."""
+        """Seconds to prefill prompt tokens ``[start, end)`` (None: unknown)."""
         if end <= start:
             return 0.0
         if len(self._tokens) > 1:
@@ -424,14 +317,11 @@ class PrefillSpeed:
         return PrefillEstimate("learned", 1.0 / per_token, samples)
 
     def _curve(self, tokens: int) -> float:
-        """Seconds to prefill a whole prompt of ``tokens`` (piecewise linear)."""
         xs, ys = self._tokens, self._seconds
         i = min(max(bisect.bisect_right(xs, tokens), 1), len(xs) - 1)
-        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + (tokens - xs[i - 1]) * slope
+        return ys[i - 1] + (tokens - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
 
     def _per_token(self) -> float | None:
-        """Seconds a token: declared, else learned (None: neither)."""
         if self.tokens_per_s is not None:
             return 1.0 / self.tokens_per_s
         moments = self._steps.moments() if self.learn else None

@@ -38,7 +38,8 @@ from kvstore.layout import KVLayout
 from kvstore.lifetimes import close_at_exit, forget
 from kvstore.memory import cuda_available, trim_heap
 from kvstore.opening import open_tiers
-from kvstore.restore import RestorePlan, restore_request
+from kvstore.restore import PlannedLoad, RestorePlan, restore_request
+from kvstore.restore_stats import LoadSample
 from kvstore.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -326,6 +327,22 @@ class KVStore:
     def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
         """Feed another process's :meth:`read_totals` into this store's tier speeds."""
         self._manager.io.observe_reads(dict(reads))
+
+    def planned_load(self, plan: RestorePlan) -> PlannedLoad[str]:
+        """What ``plan`` expects of its load, per tier id: for a process that loads it
+        (vLLM's workers), whose :class:`~kvstore.speeds.LoadSample` come back here."""
+        load = PlannedLoad.of(plan, self.layout.block_nbytes)
+        return load.named(self._manager.io.tier_ids())
+
+    def observe_loads(self, loads: Mapping[str, LoadSample]) -> None:
+        """Restores another process loaded (``{tier id: LoadSample}``): the matching tiers'
+        prices follow what they cost (:mod:`kvstore.speeds`)."""
+        self._manager.io.observe_loads(self._manager.io.levels_of(dict(loads)))
+
+    def waited(self, plan: RestorePlan, waited_s: float) -> None:
+        """The engine waited ``waited_s`` for a load of ``plan`` under compute (its
+        prefetch's ``handle.waited_s``): the tiers' prices follow what it cost."""
+        self._manager.restorer.waited(plan, waited_s)
 
     def restore_speeds(self) -> dict[str, Any]:
         """What a cluster node publishes for routers: per kind of medium (``memory``,

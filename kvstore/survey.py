@@ -293,7 +293,9 @@ def _label(store: StoreSurvey) -> str:
 
 
 def _store_report(store: StoreSurvey, config: StoreConfig) -> dict[str, Any]:
-    tiers = [_tier_report(t, store, config) for t in config.tiers]
+    kinds = [t.kind for t in config.tiers]
+    ids = [f"{kind}:{kinds[:i].count(kind)}" for i, kind in enumerate(kinds)]  # as TierIO
+    tiers = [_tier_report(t, store, config, i) for t, i in zip(config.tiers, ids, strict=True)]
     if config.cluster.enabled:
         at = next(
             (i for i, t in enumerate(config.tiers) if t.kind not in ("host", "device", "disk")),
@@ -312,11 +314,14 @@ def _store_report(store: StoreSurvey, config: StoreConfig) -> dict[str, Any]:
     }
 
 
-def _tier_report(tier: TierConfig, store: StoreSurvey, config: StoreConfig) -> dict[str, Any]:
+def _tier_report(
+    tier: TierConfig, store: StoreSurvey, config: StoreConfig, tier_id: str
+) -> dict[str, Any]:
     restore = config.restore
+    gbps, ms = restore.declared_speed(tier_id) or (tier.read_gbps, tier.read_latency_ms)
     speed = ReadSpeed(
-        tier.read_gbps,
-        tier.read_latency_ms,
+        gbps,
+        ms,
         restore.speed_half_life_s,
         restore.speed_stale_s,
         lambda: 0.0,

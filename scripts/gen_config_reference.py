@@ -48,6 +48,7 @@ from kvstore.codecs import codec_names  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig, tier_config_class  # noqa: E402
 from kvstore.config import server as server_mod  # noqa: E402
 from kvstore.config.kinds import tier_kinds  # noqa: E402
+from kvstore.config.restore import parse_tier_speeds  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config-reference.md"
 SCRIPT = "scripts/gen_config_reference.py"
@@ -65,6 +66,7 @@ KIND_ORDER = ("device", "host", "disk", "remote", "redis", "s3")
 #: Defaults that depend on the machine, or that a value cannot say by itself.
 DEFAULT_TEXT: dict[tuple[str, str], str] = {
     ("StoreConfig", "tiers"): "a `host` tier over a `disk` tier",
+    ("RestoreConfig", "tier_speeds"): "`{}` (each tier's own figures)",
     ("DiskTierConfig", "path"): "`$XDG_CACHE_HOME/kvstore`, else `~/.cache/kvstore`",
     ("DiskTierConfig", "page_cache"): "`keep` (`bypass` when `o_direct: true`)",
     ("DeviceTierConfig", "capacity"): "required",
@@ -96,6 +98,8 @@ _TYPE_OF_PARSER: dict[Callable[..., Any], str] = {
     _values.parse_str: "string",
     _values.parse_optional_str: "string or null",
     _values.parse_codec: "codec",
+    # A tuple of tuples inside, written (and read from the environment) as a mapping.
+    parse_tier_speeds: "mapping of tier id to [GB/s, ms]",
 }
 
 
@@ -356,7 +360,10 @@ def field_rows(
         elif sub is not None:
             description += f" Its keys: [`{f.name}`](#{_anchor(f.name)})."
         scalar = sub is None and _list_item_class(annotation) is None
-        if typing.get_origin(annotation) is tuple:
+        if (
+            typing.get_origin(annotation) is tuple
+            and f.metadata.get("parse") not in _TYPE_OF_PARSER
+        ):
             scalar = False
         env = _env((*env_path, f.name), scalar) if env_path is not None else ""
         if f.name in flags:

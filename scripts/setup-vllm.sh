@@ -39,7 +39,9 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > 
 # kvstore itself, editable, with its S3 tier (boto3: the offloading tier's tests and
 # benchmark use it), and the test runner; torch stays pinned.
 "${pip[@]}" uninstall -y kvstore >/dev/null 2>&1 || true  # its old distribution name
-"${pip[@]}" install -e ".[s3]" "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
+# Without setuptools' "Editable installation" banner (information only: see setup.sh).
+PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" \
+  "${pip[@]}" install -e ".[s3]" "torch==$torch_version" "pytest>=8" "pytest-timeout>=2.3" \
   "pytest-asyncio>=0.23" >&2
 # SGLang's full install wants CUDA wheels (torch 2.14.1, flashinfer cu13, cuda-python, ...)
 # that cannot run here. Its wheel alone, plus the two modules its storage layer imports that

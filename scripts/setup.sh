@@ -33,5 +33,9 @@ rm -rf "$tmp"
 # or two distributions would own `kvstore`.
 "${pip[@]}" uninstall -y kvstore >/dev/null 2>&1 || true
 rm -rf kvstore.egg-info
-"${pip[@]}" install -e ".[$extras]" >&2
+# setuptools' build backend says "Editable installation" in a 10-line banner (a warning,
+# pypa/packaging-problems#558) that recent pip shows: information, not a problem. Only that
+# warning is filtered, in the backend's process (it inherits the variable).
+PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" \
+  "${pip[@]}" install -e ".[$extras]" >&2
 echo "$want" > "$stamp"

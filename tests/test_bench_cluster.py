@@ -95,6 +95,17 @@ def check_index(result: dict[str, Any]) -> None:
     assert result["redis_bytes_per_block"] == points[-1]["redis_bytes_per_block"]
 
 
+def check_ranks(result: dict[str, Any]) -> None:
+    """Router.rank over simulated clusters: every size ranked, the memory holder first."""
+    points = result["rank_scaling"]
+    assert [p["nodes"] for p in points] == [10, 100]  # --quick; 1000 too in a full run
+    for point in points:
+        assert 0 < number(point["rank_ms_p50"]) <= number(point["rank_ms_p99"])
+        assert point["best"][0] == "n0" and number(point["best"][1]) > 0
+    assert result["rank_ms_p50_at_100_nodes"] == points[1]["rank_ms_p50"]
+    assert result["rank_ms_per_node_growth"] is None  # no size past 100 in --quick
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_bench_cluster_quick() -> None:
@@ -124,6 +135,7 @@ def test_bench_cluster_quick() -> None:
     check_peer_fetch(result["peer_fetch"])
     check_routing(result)
     check_index(result)
+    check_ranks(result)
     assert set(result["targets"]) == set(result["meets_target"])
     assert all(isinstance(v, bool) for v in result["meets_target"].values())
     assert result["environment"]["cpus"] > 0 and "hiredis" in result["environment"]

@@ -58,7 +58,7 @@ def test_bench_lmcache_skips_without_lmcache(tmp_path: Path, how: str) -> None:
     missing = tmp_path / "no-venv"
     args = ["--quick", "--lmcache-venv", str(missing)] if how == "flag" else ["--quick"]
     env = {"KVSTORE_LMCACHE_VENV": str(missing)} if how == "env" else {}
-    env["KVSTORE_BENCH_LMCACHE_REEXEC"] = ""  # a re-run (set by a parent) would skip too
+    env["BENCH_LMCACHE_REEXEC"] = ""  # a re-run (set by a parent) would skip too
     result = run_script("bench_lmcache.py", *args, timeout=60, env=env)
     assert result["benchmark"] == "lmcache"
     assert result["skipped"] is True

@@ -81,7 +81,7 @@ def test_a_disk_tier_stores_with_a_registered_codec_named_in_yaml(tmp_path: Path
         assert store.put(keys, kv) == 2
     with KVStore(LAYOUT, path) as store:  # read back from the files
         assert torch.equal(store.get(keys), kv)
-    files = [p for p in (tmp_path / "blocks").rglob("*") if p.is_file() and p.stat().st_size]
+    files = [p for p in (tmp_path / "blocks").rglob("*.kvb") if p.stat().st_size]
     assert any(read_header(f.read_bytes()).codec == 200 for f in files if f.stat().st_size > 64)
     with pytest.raises(ConfigError, match=r"unknown codec 'zstd'; use one of raw, lz4.*zlib"):
         StoreConfig.from_dict({"tiers": [{"kind": "disk", "codec": "zstd"}]}, environ={})

@@ -128,6 +128,58 @@ def test_yaml_blocks_parse(block: Block) -> None:
     assert isinstance(data, dict) and data, f"{block.where}: not a mapping: {data!r}"
 
 
+#: A host that binds every interface: ZMQ's ``tcp://*``, and the IPv4 / IPv6 wildcards.
+_WILDCARD = r"(?:\*|0\.0\.0\.0|\[::\]|::)"
+#: A ZMQ endpoint bound on every interface (a KV-event publisher's, vLLM's or kvstore's).
+_ZMQ_WILDCARD = re.compile(rf"tcp://{_WILDCARD}:\d+")
+#: A kvstore-server listening on every interface (``listen:`` in YAML, ``--listen``), not
+#: ``metrics_listen`` (counters only: the server lets that be scraped from outside).
+_LISTEN_WILDCARD = re.compile(rf"(?<![\w-])(?:listen\s*:|--listen[ =])\s*[\"']?{_WILDCARD}:\d+")
+#: What authenticates the clients of such a socket, in the same block.
+_SERVER_AUTH = re.compile(r"token_file|\btoken\s*:|\btokens\s*:|--token-file|KVSTORE_SERVER_TOKEN")
+_EVENTS_AUTH = re.compile(r"events_auth\s*:\s*true")
+
+
+def exposed(text: str) -> list[str]:
+    """What in ``text`` binds every interface with nothing authenticating who connects."""
+    found = []
+    if not _SERVER_AUTH.search(text):
+        found += [m.group(0) for m in _LISTEN_WILDCARD.finditer(text)]
+    if not _EVENTS_AUTH.search(text):
+        found += [m.group(0) for m in _ZMQ_WILDCARD.finditer(text)]
+    return found
+
+
+def test_the_exposure_check_finds_what_it_must() -> None:
+    assert exposed('endpoint: tcp://*:5557\n"replay_endpoint": "tcp://0.0.0.0:5558"') == [
+        "tcp://*:5557",
+        "tcp://0.0.0.0:5558",
+    ]
+    assert exposed("server: {listen: 0.0.0.0:7070}") == ["listen: 0.0.0.0:7070"]
+    assert exposed("kvstore-server --listen [::]:7070") == ["--listen [::]:7070"]
+    assert exposed("listen: 0.0.0.0:7070\ntoken_file: /etc/kvstore/token") == []
+    assert exposed("metrics_listen: 0.0.0.0:9090") == []
+    assert exposed("endpoint: tcp://127.0.0.1:5557\nendpoint: ipc:///tmp/e") == []
+    assert exposed("events_endpoint: tcp://*:6000\nevents_auth: true") == []
+
+
+@pytest.mark.parametrize("block", ALL, ids=lambda b: b.where)
+def test_no_block_binds_every_interface_unauthenticated(block: Block) -> None:
+    """A block a user copies binds loopback (or ``ipc://``), or authenticates whoever
+    connects: a kvstore-server refuses to listen beyond loopback without a token, and KV
+    events carry the prompts' token ids (issue 50). Prose may still name ``tcp://*``."""
+    assert exposed(block.text) == [], f"{block.where} binds every interface unauthenticated"
+
+
+@pytest.mark.parametrize("block", ALL, ids=lambda b: b.where)
+def test_dynamo_is_installed_in_a_virtualenv_of_its_own(block: Block) -> None:
+    """``pip install ai-dynamo-runtime`` into kvstore's environment swapped its pydantic
+    (issue 50): every block installs Dynamo with a virtualenv's own pip, by its path."""
+    for line in block.text.splitlines():
+        if re.search(r"pip3? install .*ai-dynamo", line):
+            assert re.match(r"^\s*\S+/bin/pip3? install ", line), f"{block.where}: {line.strip()}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

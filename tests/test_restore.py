@@ -663,9 +663,8 @@ def test_a_restart_probes_the_disk_it_finds_blocks_on(tmp_path: Path, declared: 
         store.flush()
     with KVStore(layout, config) as store:
         if declared:
-            # The probe waits for a free CPU (other tests may take both) for up to its
-            # tries' 20 s, then measures anyway.
-            deadline = time.monotonic() + 30
+            # The probe reads at once, in the background (no wait for a quiet machine).
+            deadline = time.monotonic() + 10
             while _disk_speed(store)["read_speed_source"] == "configured":
                 assert time.monotonic() < deadline, _disk_speed(store)
                 time.sleep(0.02)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,10 +9,8 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError
-from kvstore.pools import map_or_inline
-from kvstore.speeds import ReadSpeed, RunShare, runqueue_wait_s
+from kvstore.speeds import ReadSpeed
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.faults import cpu_starved
 
 
 class Clock:
@@ -111,113 +105,3 @@ def test_speed_settings_are_checked() -> None:
         KVStore(layout, {"tiers": [{"kind": "host", "capacity": "1MiB", "read_gbps": 0}]})
     with pytest.raises(ConfigError, match="speed_half_life_s"):
         KVStore(layout, {"restore": {"speed_half_life_s": 0}})
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
-def test_a_read_starved_of_cpu_is_timed_without_its_wait_to_run() -> None:
-    """Three busy processes on the reading thread's one CPU make its work take about
-    four times as long on the wall clock; less the run-queue wait, the time is the
-    work's own (what a read sample of a tier keeps: kvstore.datapath.tierio)."""
-    cpu = min(os.sched_getaffinity(0))
-
-    def work() -> tuple[float, float]:
-        waited, start = runqueue_wait_s(), time.perf_counter()
-        total = 0
-        for i in range(3_000_000):
-            total += i
-        return time.perf_counter() - start, runqueue_wait_s() - waited
-
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})  # this thread only
-    try:
-        quiet, _ = work()
-        with cpu_starved(cpu):
-            wall, waited = work()
-    finally:
-        os.sched_setaffinity(0, before)
-    assert wall > 2 * quiet  # starved
-    assert wall - waited < 1.6 * quiet  # its own time, the wait taken out
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
-def test_a_read_spread_over_pool_threads_is_timed_by_the_share_of_them_that_ran() -> None:
-    """The disk and S3 tiers read on pools of their own (kvstore.pools.map_or_inline):
-    the caller only waits for them, so its own run-queue wait says nothing. Each task
-    adds its time and its wait to the caller's RunShare, and the call's seconds are
-    scaled by the share of the tasks' time that ran."""
-    cpu = min(os.sched_getaffinity(0))
-
-    def work(n: int) -> int:
-        total = 0
-        for i in range(n):
-            total += i
-        return total
-
-    def timed(pool: ThreadPoolExecutor) -> tuple[float, float]:
-        with RunShare.timing() as share:
-            start = time.perf_counter()
-            map_or_inline(pool, work, [1_000_000] * 3)
-            elapsed = time.perf_counter() - start
-            return elapsed, share.running(elapsed, 0.0)
-
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})  # the pool's threads, made by this one, inherit it
-    pool = ThreadPoolExecutor(1)
-    try:
-        quiet, _ = timed(pool)
-        with cpu_starved(cpu):
-            wall, running = timed(pool)
-    finally:
-        pool.shutdown()
-        os.sched_setaffinity(0, before)
-    assert wall > 2 * quiet  # the pool's thread was starved
-    assert running < 1.6 * quiet  # what ran, the waits taken out
-    assert RunShare.current() is None  # the share was this call's alone
-
-
-def test_a_run_share_takes_the_callers_own_wait_then_scales_by_its_tasks_share() -> None:
-    share = RunShare()
-    assert share.running(1.0, 0.25) == pytest.approx(0.75)  # no pool tasks
-    share.add(2.0, 1.5)
-    share.add(2.0, 0.5)  # half of the tasks' time waited
-    assert share.running(1.0, 0.0) == pytest.approx(0.5)
-    # The caller waited 0.25 s to run once the tasks ended (it sleeps while they run):
-    # of the other 0.75 s, half ran.
-    assert share.running(1.0, 0.25) == pytest.approx(0.375)
-    assert share.running(1.0, 2.0) == pytest.approx(1e-9)  # never 0 or less
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
-def test_a_stopped_pools_threads_leave_no_open_file_behind() -> None:
-    """The run-queue reading keeps one file open per thread; a pool stopped while a
-    reference cycle holds it (as a restarted store's does) must not keep them open until
-    the garbage collector runs."""
-
-    class Holder:
-        def __init__(self) -> None:
-            self.pool = ThreadPoolExecutor(4)
-            self.me = self  # a cycle: only the collector frees it
-
-    runqueue_wait_s()
-    before = len(os.listdir("/proc/self/fd"))
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(10):
-            holder = Holder()
-            waits = list(holder.pool.map(lambda _: runqueue_wait_s(), range(16)))
-            holder.pool.shutdown(wait=True)
-            assert all(w >= 0.0 for w in waits)
-            del holder
-        assert len(os.listdir("/proc/self/fd")) == before
-    finally:
-        if gc_was:
-            gc.enable()
-
-
-def test_a_share_inside_another_passes_its_tasks_on() -> None:
-    """A caller timing several tier reads (a speed probe) sees their pools' waits."""
-    with RunShare.timed() as took, RunShare.timing() as inner:
-        inner.add(2.0, 1.5)  # a pool task of a read inside: three quarters waited
-    assert took.running_s == pytest.approx(took.wall_s * 0.25)
-    assert RunShare.current() is None

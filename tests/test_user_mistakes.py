@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -203,6 +204,65 @@ CLI_ROWS: dict[str, Cli] = {
         ("demo", "--layers", "1", "--sessions", "1", "--cache-dir", "{tmp}/hostname/kv"),
         ("disk tier path {tmp}/hostname/kv: {tmp}/hostname is a file",),
         files={"hostname": "box\n"},
+    ),
+    # -- a key given twice in a YAML file or variable (issue 50, item 15)
+    "config-duplicate-key": Cli(
+        ("config", "--config", "{tmp}/store.yaml"),
+        (
+            "config file '{tmp}/store.yaml': line 4: duplicate key 'capacity' (first on line 3)",
+            "give each key once",
+        ),
+        files={"store.yaml": "tiers:\n  - kind: host\n    capacity: 1GiB\n    capacity: 64GiB\n"},
+    ),
+    "config-duplicate-section": Cli(
+        ("stats", "--config", "{tmp}/store.yaml", "--layers", "2"),
+        ("store.yaml': line 4: duplicate key 'tiers' (first on line 1)",),
+        files={"store.yaml": "tiers:\n  - kind: host\nlease_s: 5\ntiers:\n  - kind: disk\n"},
+    ),
+    "env-tiers-duplicate-key": Cli(
+        ("config",),
+        ("KVSTORE_TIERS: line 1: duplicate key 'capacity' (first on line 1)",),
+        env={"KVSTORE_TIERS": "[{kind: host, capacity: 1GiB, capacity: 2GiB}]"},
+    ),
+    # -- two disk tiers on one directory (issue 50, item 2): they delete each other's blocks
+    "two-disk-tiers-one-path": Cli(
+        ("stats", "--config", "{tmp}/store.yaml", "--layers", "2"),
+        ("tiers[2].path: ", "is also the directory of tiers[1]", "a directory of its own"),
+        files={
+            "store.yaml": "tiers:\n  - kind: host\n  - kind: disk\n    path: {tmp}/kv\n"
+            "  - kind: disk\n    path: {tmp}/kv\n"
+        },
+    ),
+    "two-disk-tiers-one-path-spelled-twice": Cli(
+        ("config", "--config", "{tmp}/store.yaml"),
+        ("tiers[1].path: ", "of tiers[0] (kv and {tmp}/work/./kv/ both lead there)"),
+        files={
+            "store.yaml": "tiers:\n  - kind: disk\n    path: kv\n"
+            "  - kind: disk\n    path: {tmp}/work/./kv/\n"
+        },
+    ),
+    "disk-tier-inside-another": Cli(
+        ("stats", "--config", "{tmp}/store.yaml", "--layers", "2"),
+        ("tiers[1].path: ", "are one inside the other", "a directory of its own"),
+        files={
+            "store.yaml": "tiers:\n  - kind: disk\n    path: kv\n  - kind: disk\n    path: kv/big\n"
+        },
+    ),
+    # -- a remote tier's address that is no address (issue 50, item 4)
+    "remote-http-url": Cli(
+        ("config", "--config", "{tmp}/store.yaml"),
+        ("tiers[0].address: http://127.0.0.1:7070 is an HTTP URL", "not HTTP", "HOST:PORT"),
+        files={"store.yaml": "tiers:\n  - kind: remote\n    address: http://127.0.0.1:7070\n"},
+    ),
+    "remote-redis-url": Cli(
+        ("config", "--config", "{tmp}/store.yaml"),
+        ("tiers[0].address: a Redis URL is not a kvstore-server address", "kind: redis"),
+        files={"store.yaml": "tiers:\n  - kind: remote\n    address: redis://h:6379/0\n"},
+    ),
+    "remote-tcp-url-without-a-port": Cli(
+        ("config", "--config", "{tmp}/store.yaml"),
+        ("tiers[0].address: expected tcp://HOST:PORT, got 'tcp://kvstore-host'",),
+        files={"store.yaml": "tiers:\n  - kind: remote\n    address: tcp://kvstore-host\n"},
     ),
     "route-without-a-cluster": Cli(
         ("route", "--keys", "-"), ("cluster.redis_url: not set", "needs a cluster config")
@@ -451,10 +511,38 @@ LIBRARY_ROWS: dict[str, Call] = {
         ConfigError,
         ("config file '/nonexistent/kvstore.yaml': No such file",),
     ),
+    "store-second-disk-tier-on-the-same-directory": Call(
+        lambda s, k, kv: KVStore(LAYOUT, with_disk(s, os.path.join(disk_of(s), "..", "disk"))),
+        ConfigError,
+        ("tiers[2].path: ", "is also the directory of tiers[1]", "delete each other's blocks"),
+    ),
+    "store-second-disk-tier-through-a-symlink": Call(
+        lambda s, k, kv: KVStore(LAYOUT, with_disk(s, str(Path(disk_of(s)).parent / "link"))),
+        ConfigError,
+        ("tiers[2].path: ", "is also the directory of tiers[1]", "/link both lead there)"),
+        setup=lambda s: (Path(disk_of(s)).parent / "link").symlink_to(disk_of(s)),
+    ),
+    "store-disk-tier-inside-the-other": Call(
+        lambda s, k, kv: KVStore(LAYOUT, with_disk(s, os.path.join(disk_of(s), "kvstore-v1"))),
+        ConfigError,
+        ("tiers[2].path: ", "are one inside the other"),
+    ),
     "used-after-close": Call(
         lambda s, k, kv: s.get(k), ClosedError, ("the store is closed",), setup=KVStore.close
     ),
 }
+
+
+def disk_of(store: KVStore) -> str:
+    """The directory of the stocked store's disk tier."""
+    return str(store.config.tiers[1].path)  # type: ignore[attr-defined]
+
+
+def with_disk(store: KVStore, path: str) -> dict[str, Any]:
+    """The stocked store's config with one more disk tier, in ``path``."""
+    config = store_config(Path(disk_of(store)))
+    config["tiers"].append({"kind": "disk", "path": path, "capacity": "1MiB"})
+    return config
 
 
 def store_config(disk: Path) -> dict[str, Any]:
@@ -548,6 +636,11 @@ OPENING_ROWS: dict[str, Opening] = {
         lambda w: {"kind": "remote", "address": "localhost"},
         ConfigError,
         lambda w: ("address", "'localhost'"),
+    ),
+    "remote-http-url": Opening(
+        lambda w: {"kind": "remote", "address": "http://127.0.0.1:7070"},
+        ConfigError,
+        lambda w: ("tiers[1].address: http://127.0.0.1:7070 is an HTTP URL", "not HTTP"),
     ),
     "disk-path-under-a-file": Opening(
         lambda w: {"kind": "disk", "path": str(w["tmp"] / "hostname" / "kv"), "capacity": "1MiB"},
@@ -852,3 +945,66 @@ def test_a_read_only_disk_serves_what_it_holds_and_says_so_once(
     assert len(lines) == 1, lines  # at open; not again for each put, nor at close
     assert str(small_disk) in lines[0] and "storing none" in lines[0], lines
     assert files_under(small_disk) == before
+
+
+# -- the URL forms people write for a server's address (issue 50, item 4) -----------------------
+def test_a_remote_tier_takes_tcp_and_unix_urls(kv_server: Callable[..., Any]) -> None:
+    """``tcp://HOST:PORT`` and ``unix:///path`` reach the server (before, the first was
+    looked up as a host named ``tcp``: "Name or service not known", every lookup 0)."""
+    server = kv_server()
+    unix_path = server.server.addresses["unix"]
+    kv = random_blocks(LAYOUT, 2)
+    for address, spelled in (
+        (f"tcp://{server.address}", server.address),
+        (f"unix://{unix_path}", f"unix:{unix_path}"),
+    ):
+        remote = {"kind": "remote", "address": address, "retry_interval": 60}
+        config = {"tiers": [{"kind": "host", "capacity": 4 * LAYOUT.block_nbytes}, remote]}
+        with KVStore(LAYOUT, config) as store:
+            assert store.config.tiers[1].address == spelled  # type: ignore[attr-defined]
+            keys = store.hash_tokens(list(range(2 * LAYOUT.block_tokens)), address)
+            assert store.put(keys, kv) == 2
+            assert store.flush() == 2
+            store.evict(2, tier=0)  # only the server holds them now
+            assert store.lookup(keys) == 2
+            assert torch.equal(store.get(keys), kv)
+
+
+# -- a disk of another layout (issue 50, item 8) ---------------------------------------------------
+def test_a_store_of_another_layout_on_a_shared_disk_names_both_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A float16 writer, then a bfloat16 reader of the same model on the same directory:
+    the reader finds nothing (it reads only its own layout's blocks), and says why once
+    per other layout, naming what differs; the writer's layout opened again finds all."""
+    disk = {"kind": "disk", "path": str(tmp_path / "shared"), "capacity": "1MiB"}
+    tokens = list(range(4 * LAYOUT.block_tokens))
+    writers = [small_layout(dtype=torch.float16), small_layout(block_tokens=4)]
+    for layout in writers:
+        with KVStore(layout, {"tiers": [disk]}) as writer:
+            keys = writer.hash_tokens(tokens[: 4 * layout.block_tokens], "shared")
+            assert writer.put(keys, random_blocks(layout, 4)) == 4
+    caplog.clear()  # (the second writer found the first one's blocks: said as well)
+    caplog.set_level(logging.WARNING, logger="kvstore")
+    host = {"kind": "host", "capacity": 8 * LAYOUT.block_nbytes}
+    with KVStore(LAYOUT, {"tiers": [host, disk]}) as reader:
+        keys = reader.hash_tokens(tokens, "shared")
+        assert reader.lookup(keys) == 0
+        assert reader.get_prefix(keys, torch.empty(LAYOUT.tensor_shape(4), dtype=LAYOUT.dtype)) == 0
+        assert reader.lookup(keys) == 0
+    lines = warnings_from_the_store(caplog)
+    assert len(lines) == 2, lines  # one per other layout, not one per lookup
+    fp16, chunks4 = sorted(lines, key=lambda line: "dtype float16 there" not in line)
+    shape = "3 layers x 2 KV heads x 16 head_dim"
+    here = f"bfloat16, {shape}, 8-token chunks (layout {LAYOUT.fingerprint_hex})"
+    for line in lines:
+        assert f"disk tier {tmp_path / 'shared'}: holds blocks of another layout" in line
+        assert f"none of this store's, {here}" in line and "open the store with the layout" in line
+    assert f"float16, {shape}, 8-token chunks (layout {writers[0].fingerprint_hex})" in fp16
+    assert "they differ in dtype float16 there, bfloat16 here" in fp16
+    assert "they differ in block_tokens 4 there, 8 here" in chunks4
+    caplog.clear()
+    with KVStore(writers[0], {"tiers": [disk]}) as again:  # the writer's layout: every block
+        keys = again.hash_tokens(tokens, "shared")
+        assert again.lookup(keys) == 4
+    assert warnings_from_the_store(caplog) == []

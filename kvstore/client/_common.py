@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config import RemoteTierConfig
-from kvstore.config.tiers import check_address, check_namespace
+from kvstore.config.tiers import check_namespace, normalize_address
 from kvstore.errors import (
     AccessDeniedError,
     ConfigError,
@@ -18,6 +18,7 @@ from kvstore.errors import (
     KVStoreError,
     ProtocolError,
     ScopeError,
+    StoreLimitError,
     TierError,
 )
 from kvstore.hints import Hint, HintAnswer, checked_hint
@@ -68,7 +69,8 @@ _KNOWN_STATUSES = frozenset(Status)
 class ClientOptions:
     """How to reach and use a kvstore-server.
 
-    ``address``: ``HOST:PORT`` or ``unix:/path``. ``namespace``: the server-side
+    ``address``: ``HOST:PORT`` or ``unix:/path`` (``tcp://HOST:PORT`` and
+    ``unix:///path`` are taken and kept in those spellings). ``namespace``: the server-side
     partition (a tenant). ``token``: the secret, if the server wants one.
     ``tls``: encrypt (``tls_ca``: CA bundle to trust, None for the system's;
     ``tls_server_name``: the name to check, default the host). ``shared_memory``:
@@ -91,7 +93,7 @@ class ClientOptions:
     durable: bool = False
 
     def __post_init__(self) -> None:
-        check_address(self.address, "address")
+        object.__setattr__(self, "address", normalize_address(self.address, "address"))
         check_namespace(self.namespace, "namespace")
         if self.pool_size < 1 or self.connect_timeout <= 0 or self.timeout <= 0:
             raise ConfigError("pool_size, connect_timeout and timeout must be > 0")
@@ -170,6 +172,17 @@ def refused(options: ClientOptions, exc: AccessDeniedError) -> AccessDeniedError
     )
 
 
+def over_store_limit(options: ClientOptions, exc: StoreLimitError) -> StoreLimitError:
+    """A server that will not open this client's store (it hosts ``server.max_stores``
+    already) as one line naming the server, what happened and the setting to change:
+    the server answers, so this is no outage, and retrying alone cannot help."""
+    detail = str(exc).removeprefix("kvstore-server: ")
+    return StoreLimitError(
+        f"kvstore-server at {options.address} will not open this store: {detail}; raise "
+        "server.max_stores in that server's config and restart it"
+    )
+
+
 def not_understood(options: ClientOptions, exc: ProtocolError) -> ProtocolError:
     """A handshake answered in another protocol -- another wire version, or not a
     kvstore-server at all -- as one line naming the address and what to check. Not an
@@ -194,6 +207,9 @@ def handshake(options: ClientOptions, close: Callable[[], None]) -> Iterator[Non
     except ProtocolError as exc:
         close()
         raise not_understood(options, exc) from None
+    except StoreLimitError as exc:
+        close()
+        raise over_store_limit(options, exc) from None
     except BaseException:
         close()
         raise
@@ -223,6 +239,8 @@ def check_reply(frame: Frame, request_id: int, op: int, meta: bytes) -> None:
     if frame.status == Status.OK:
         return
     message = meta.decode("utf-8", "replace")
+    if frame.status == Status.BUSY and op == Op.OPEN:  # not in flight: max_stores
+        raise StoreLimitError(f"kvstore-server: {message} (BUSY)")
     raise error_for(frame.status, message)
 
 

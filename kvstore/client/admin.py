@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from kvstore.client._common import ClientOptions
+from kvstore.client._common import ClientOptions, refused
 from kvstore.client.aio import open_connection
 from kvstore.client.connection import Connection
-from kvstore.errors import TierError
+from kvstore.errors import AccessDeniedError, TierError
 from kvstore.wire.protocol import Op, encode_json
 
 __all__ = ["AdminClient", "AsyncAdminClient"]
@@ -62,12 +63,21 @@ class AdminClient:
         finally:
             conn.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
         """The server's ``STATS`` as this token sees them (a tenant's: its own stores
-        and figures; the operator's: every one), over a connection that opens no store."""
+        and figures; the operator's: every one), over a connection that opens no store.
+
+        ``namespace``: the namespace the caller means to see; a token that does not
+        open it is refused (AccessDeniedError naming the server, that namespace and the
+        ones the token opens) rather than shown a server with no store of its own."""
+        meta = b"" if namespace is None else encode_json({"namespace": namespace})
         conn = Connection(self.options, None)
         try:
-            return conn.call_json(Op.STATS)
+            return conn.call_json(Op.STATS, meta)
+        except AccessDeniedError as exc:
+            if namespace is None:
+                raise
+            raise refused(replace(self.options, namespace=namespace), exc) from None
         finally:
             conn.close()
 

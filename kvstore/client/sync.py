@@ -52,6 +52,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     ProtocolError,
     ScopeError,
+    StoreLimitError,
     TierError,
 )
 from kvstore.hints import Hint, HintAnswer
@@ -107,9 +108,9 @@ class Client:
         # server restart brings a new segment; connections to it use the new mapping.
         self._mappings: dict[str, shm.Mapping | None] = {}
         self._limits: dict[str, Any] = {}
-        # The server's latest refusal of this client's token (None: it accepted it, or
-        # it was not reached): what calls raise while the breaker holds them back.
-        self._refusal: AccessDeniedError | None = None
+        # The server's latest refusal of this client's token or store (None: it accepted
+        # them, or it was not reached): what calls raise while the breaker holds them back.
+        self._refusal: AccessDeniedError | StoreLimitError | None = None
         self._closed = False
         self.stats: dict[str, int] = {
             "reconnects": 0,
@@ -169,7 +170,7 @@ class Client:
             with self._lock:
                 refusal, outage = self._refusal, self._outage
             if refusal is not None:  # still refused, as far as this client knows
-                raise AccessDeniedError(str(refusal))
+                raise type(refusal)(str(refusal))
             why = f" (last try: {outage})" if outage else ""
             raise TierError(f"kvstore-server at {self.options.address} is unavailable{why}")
 
@@ -183,10 +184,11 @@ class Client:
             )
         except ScopeError:
             raise  # this op only: the token is good for the others
-        except AccessDeniedError as exc:
-            # A refused token is not retried on every call (each try is an AUTH the
-            # server logs): one probe per retry_interval, like an outage. Whoever
-            # called says so (the store's tier I/O logs it once).
+        except (AccessDeniedError, StoreLimitError) as exc:
+            # A refused token, or a store the server will not open (max_stores), is not
+            # retried on every call (each try is a handshake the server logs): one probe
+            # per retry_interval, like an outage. Whoever called says so (the store's
+            # tier I/O logs it once), as what it is, not as an outage.
             with self._lock:
                 self._refusal = exc
             self._breaker.failed()

@@ -22,8 +22,12 @@ is a configuration mistake: the tier asks the server when it opens and raises
 :class:`~kvstore.errors.AccessDeniedError` (one line naming the server); a
 store opened while the server is down opens (nothing answered yet). A token
 refused later (the server restarted with other tokens) makes calls raise
-``AccessDeniedError``, which the store turns into misses, logged once, and
-names in the error of a get that needed the blocks. An address that answers in
+``AccessDeniedError``, which the store turns into misses, logged once: its
+lookups stop counting what only the server holds, and a get into a buffer
+that needed the blocks names the refusal. A server that will not open the
+store (it hosts ``server.max_stores`` already) makes calls raise
+:class:`~kvstore.errors.StoreLimitError`, a TierError the store treats the
+same way (misses, logged once, naming the setting). An address that answers in
 another protocol -- a kvstore-server of another wire version, or no
 kvstore-server at all -- is a mistake of the same kind: the tier raises
 :class:`~kvstore.errors.ProtocolError` when it opens, one line naming the address.

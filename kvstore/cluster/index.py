@@ -6,7 +6,8 @@ Keys (``P`` is the cluster ``name``; ``ns`` a namespace, ``fp`` a layout fingerp
     P:nodes                  ZSET    node id -> last heartbeat (for enumeration)
     P:<ns>:<fp>:held:<id>    HASH    raw 16-byte key -> medium ("m" memory, "d" disk)
                                                                          PEXPIRE lease
-    P:<ns>:<fp>:shared       SET     keys some node found in shared storage (S3)
+    P:<ns>:<fp>:shared       SET     keys some node wrote to, or found in, shared storage
+                                     (S3): a block enters it when it lands in the bucket
     P:<ns>:<fp>:changes      STREAM  every change of the two above, in order (trimmed)
     P:<ns>:<fp>:heat         ZSET    key -> fetches by other nodes (halved periodically)
     P:<ns>:<fp>:layout       STRING  the layout's description (``KVLayout.describe()``, JSON)
@@ -57,6 +58,7 @@ from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
+from kvstore.masking import mask_text
 
 __all__ = ["Change", "ClusterIndex", "IndexedStore", "NodeInfo", "Snapshot", "decode_change"]
 
@@ -196,12 +198,14 @@ class ClusterIndex:
             self.close()
             parts = urllib.parse.urlsplit(self.config.redis_url or "")
             why = "wants a password and the url has none" if parts.password is None else exc
+            why = mask_text(str(why))
             raise TierError(
                 f"cluster.redis_url: Redis at {parts.hostname}:{parts.port or 6379} refused "
                 f"the credentials ({why}); put the right user / password in the url"
             ) from None
         except (redis.exceptions.RedisError, OSError) as exc:
-            log.info("cluster: Redis unavailable at open (%s); serving from this node", exc)
+            why = mask_text(str(exc))
+            log.info("cluster: Redis unavailable at open (%s); serving from this node", why)
 
     def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``commands`` in one pipeline (TierError when Redis is unreachable)."""
@@ -215,7 +219,7 @@ class ClusterIndex:
             replies: list[Any] = pipe.execute(raise_on_error=True)
             return replies
         except (redis.exceptions.RedisError, OSError) as exc:
-            raise TierError(f"cluster index (Redis) unavailable: {exc}") from None
+            raise TierError(f"cluster index (Redis) unavailable: {mask_text(str(exc))}") from None
 
     # -- a node's own entries ---------------------------------------------------------
     def heartbeat(self, node: NodeInfo) -> None:
@@ -241,14 +245,22 @@ class ClusterIndex:
         fp: str,
         node: str,
         changes: Mapping[BlockKey, tuple[Medium, Medium]],
+        shared: Mapping[BlockKey, int] | None = None,
     ) -> None:
         """Record that the nearest copy of each key on ``node`` went from one
         :class:`~kvstore.datapath.contracts.Medium` to another (the node's change feed), in the
-        node's hash, the shared set and the change stream, in one pipeline."""
+        node's hash, the shared set and the change stream, in one pipeline.
+
+        ``shared``: keys of ``changes`` that gained (+1) or lost (-1) their copy in the
+        shared tier whatever their nearest copy (``ChangeFeed.drain_shared``): a block
+        written through to S3 enters the shared set when it lands there, not only once
+        the node drops its own copy. Without it, a key enters the set when its nearest
+        copy becomes ``SHARED`` and leaves it when it goes from ``SHARED`` to none."""
         items = list(changes.items())
         commands: list[tuple[Any, ...]] = []
         for start in range(0, len(items), _BATCH):
-            commands += self._publish_chunk(namespace, fp, node, items[start : start + _BATCH])
+            chunk = items[start : start + _BATCH]
+            commands += self._publish_chunk(namespace, fp, node, chunk, shared or {})
         commands.append(("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms))
         self._pipeline(commands)
 
@@ -258,6 +270,7 @@ class ClusterIndex:
         fp: str,
         node: str,
         items: Sequence[tuple[BlockKey, tuple[Medium, Medium]]],
+        copies: Mapping[BlockKey, int],
     ) -> list[tuple[Any, ...]]:
         held, shared = self._held_key(namespace, fp, node), self._shared_key(namespace, fp)
         sets: list[bytes] = []
@@ -269,11 +282,12 @@ class ClusterIndex:
                 sets += [key, _HELD_CODE[now]]
             elif before in _HELD_CODE:
                 dels.append(key)
-            if now == Medium.SHARED and before != Medium.SHARED:
+            moved = copies.get(key, _shared_move(before, now))
+            if moved > 0:
                 adds.append(key)
                 code |= _SHARED_ADD
-            elif now == Medium.NONE and before == Medium.SHARED:
-                gone.append(key)  # the block itself is gone (deleted), not just moved
+            elif moved < 0:
+                gone.append(key)  # the block itself left the bucket (deleted)
                 code |= _SHARED_DEL
             codes.append(code)
         commands: list[tuple[Any, ...]] = []
@@ -316,11 +330,13 @@ class ClusterIndex:
         node: str,
         keys: Sequence[BlockKey] | Sequence[tuple[BlockKey, Medium]],
         layout: Mapping[str, Any] | None = None,
+        shared: Sequence[BlockKey] = (),
     ) -> None:
         """``node`` holds exactly ``keys`` (each a key, held in memory, or a ``(key,
         medium)`` pair): written again after Redis came back or lost the node's hash.
         ``layout``: the layout's description, written beside them (for readers that
-        find layouts in the index)."""
+        find layouts in the index). ``shared``: keys the node knows the shared tier
+        holds (added to the shared set, whatever their nearest copy)."""
         media = [k if isinstance(k, tuple) else (k, Medium.MEMORY) for k in keys]
         commands: list[tuple[Any, ...]] = [
             ("DEL", self._held_key(namespace, fp, node)),
@@ -329,8 +345,10 @@ class ClusterIndex:
         if layout is not None:
             commands.append(("SET", self._layout_key(namespace, fp), json.dumps(dict(layout))))
         changes = [(BlockKey(k), (Medium.NONE, m)) for k, m in media]
+        copies = dict.fromkeys(shared, 1)
         for start in range(0, len(changes), _BATCH):
-            commands += self._publish_chunk(namespace, fp, node, changes[start : start + _BATCH])
+            chunk = changes[start : start + _BATCH]
+            commands += self._publish_chunk(namespace, fp, node, chunk, copies)
         commands.append(("PEXPIRE", self._held_key(namespace, fp, node), self._lease_ms))
         self._pipeline(commands)
 
@@ -383,7 +401,7 @@ class ClusterIndex:
         try:
             names = list(self._connection().scan_iter(match=pattern, count=_BATCH))
         except (redis.exceptions.RedisError, OSError) as exc:
-            raise TierError(f"cluster index (Redis) unavailable: {exc}") from None
+            raise TierError(f"cluster index (Redis) unavailable: {mask_text(str(exc))}") from None
         held: dict[tuple[str, str], list[tuple[str, str]]] = {}
         for raw in names:
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -453,7 +471,7 @@ class ClusterIndex:
         try:
             reply = self._connection().xread({stream: after}, count=count, block=block_ms)
         except (redis.exceptions.RedisError, OSError) as exc:
-            raise TierError(f"cluster index (Redis) unavailable: {exc}") from None
+            raise TierError(f"cluster index (Redis) unavailable: {mask_text(str(exc))}") from None
         out: list[tuple[str, Change]] = []
         for _, entries in _stream_rows(reply):
             for entry_id, fields in entries:
@@ -543,6 +561,15 @@ class ClusterIndex:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _shared_move(before: Medium, now: Medium) -> int:
+    """Whether a key entered (+1) or left (-1) the shared set by its nearest copy alone
+    (a change published without shared copies): it is ``SHARED`` now and was not, or
+    was ``SHARED`` and has no copy left."""
+    if now == Medium.SHARED and before != Medium.SHARED:
+        return 1
+    return -1 if now == Medium.NONE and before == Medium.SHARED else 0
 
 
 def _glob_escape(text: str) -> str:

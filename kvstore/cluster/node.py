@@ -5,7 +5,9 @@ One thread, once per ``heartbeat_s``:
 1. **Heartbeat**: the node's address and load, under a lease.
 2. **Registration**: for each store the server hosts, the keys whose nearest copy
    changed medium since the last beat (the manager's change feed: gained a copy in
-   the node's memory or disk, moved between them, lost them, reached S3) are
+   the node's memory or disk, moved between them, lost them), and those that
+   reached S3 or left it (whatever the node itself still holds: a block written
+   through to the bucket is in the shared set a beat after it lands there) are
    published to the node's hash in Redis, the shared set and the change stream,
    and the lease is extended. Right after start -- and after Redis was unreachable
    -- the whole hash is written again: entries lost while Redis was down come back
@@ -94,7 +96,7 @@ class ClusterNode:
 
     def track(self, namespace: str, store: KVStore) -> None:
         """Publish ``store``'s blocks (all of them at the next beat, then changes)."""
-        tracked = _Tracked(namespace, store, store.datapath.watch())
+        tracked = _Tracked(namespace, store, store.datapath.watch(shared_copies=True))
         with self._lock:
             self._tracked.append(tracked)
 
@@ -138,15 +140,17 @@ class ClusterNode:
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
             media = t.store.datapath.stored_media()
-            self.index.replace(t.namespace, t.fp, node, media, t.store.layout.describe())
+            in_bucket = t.store.datapath.shared_keys()
+            layout = t.store.layout.describe()
+            self.index.replace(t.namespace, t.fp, node, media, layout, in_bucket)
             t.full_sync = False
             t.registered = sum(1 for _, m in media if m in _HELD)
             return
-        changes = t.feed.drain()
+        changes, shared = t.feed.drain_shared()
         if not changes:
             return
         try:
-            self.index.publish(t.namespace, t.fp, node, changes)
+            self.index.publish(t.namespace, t.fp, node, changes, shared)
         except TierError:
             t.full_sync = True  # the drained changes are lost: write everything next time
             raise

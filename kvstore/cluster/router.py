@@ -91,6 +91,12 @@ class Router:
         self.namespace = namespace or cluster.namespace
         self.index = index if index is not None else ClusterIndex(cluster)
         self.load_weight = load_weight
+        self._weights = (
+            cluster.route_memory_weight,
+            cluster.route_disk_weight,
+            cluster.route_shared_weight,
+        )
+        self._chunk = (layout.block_nbytes, layout.block_tokens)
         self._owns_index = index is None
         self._view: IndexView | None = None
 
@@ -109,38 +115,34 @@ class Router:
         nodes, live = view.live()
         bits = _checked_bits(view, keys)
         counts = _prefix_counts(bits, live, len(keys))
-        ranks = [
-            self._standing(info, counts.get(slot, _Counts(len(keys))), len(keys))
-            for slot, info in nodes.items()
-        ]
+        standing, none = self._standing, _Counts(len(keys))
+        ranks = [standing(info, counts.get(slot, none), len(keys)) for slot, info in nodes.items()]
         if ranks and all(r.ready_ms is not None for r in ranks):
             return sorted(ranks, key=lambda r: (r.ready_ms or 0.0, r.load, r.node_id))
         weight = self.load_weight
         return sorted(ranks, key=lambda r: (-(r.merit - weight * r.load), r.load, r.node_id))
 
     def _standing(self, info: NodeInfo, counts: _Counts, total: int) -> NodeRank:
-        c = self.cluster
-        shared = counts.prefix - counts.memory - counts.disk
-        merit = (
-            c.route_memory_weight * counts.memory
-            + c.route_disk_weight * counts.disk
-            + c.route_shared_weight * shared
-        )
-        chunks = {"memory": counts.memory, "disk": counts.disk, "shared": shared}
-        nbytes, tokens = self.layout.block_nbytes, self.layout.block_tokens
-        restore = info.speeds.restore_ms(chunks, nbytes)
-        ready = info.speeds.ready_ms(chunks, nbytes, (total - counts.prefix) * tokens, tokens)
+        """One node's rank: a few operations whatever the prompt's length (a router ranks
+        every live node for every prompt)."""
+        memory, disk = counts.memory, counts.disk
+        shared = counts.prefix - memory - disk
+        w_memory, w_disk, w_shared = self._weights
+        merit = w_memory * memory + w_disk * disk + w_shared * shared
+        nbytes, tokens = self._chunk
+        rest = (total - counts.prefix) * tokens
+        restore, ready = info.speeds.times((memory, disk, shared), nbytes, rest, tokens)
         return NodeRank(
             info.node_id,
             info.advertise,
             counts.own,
             info.load,
-            counts.memory,
-            counts.disk,
+            memory,
+            disk,
             shared,
             round(merit, 6),
-            None if restore is None else round(restore, 3),
-            None if ready is None else round(ready, 3),
+            restore,
+            ready,
         )
 
     def rank_tokens(self, token_ids: Any, namespace: Namespace | str) -> list[NodeRank]:

@@ -10,16 +10,31 @@ the prompt recomputed, :meth:`NodeSpeeds.ready_ms`: by the node's own restore
 planner's rule (:func:`~kvstore.restore.plan_restore`), the node loads only the
 leading chunks that load faster than they recompute, so a prefix on a medium slower
 than the node's prefill counts its recompute time, not its load time.
+
+``ready_ms`` is that plan's ready time in closed form, in a few operations per medium
+whatever the prompt's length (a router ranks every live node for every prompt: a plan
+per node per request cost 0.7 ms for three nodes at 512 chunks). The planner loads
+whole chunks in order, memory first, then disk, then shared storage; with the node's
+flat prefill rate, the time to a ready prompt after ``n`` chunks is a line in ``n``
+within each medium's run (each chunk adds its read and takes its tokens' prefill off),
+plus the medium's one call latency as the run starts. The least of a line over a run
+is at one of its ends, and the run's first chunk is never better than its start (it
+adds a latency and at least the line's slope), so the planner's best ``n`` is one of
+the runs' ends: no chunks, all of memory (the floor every plan loads), memory and disk,
+everything. Scanned in that order with the planner's tie rule, the answer is the full
+plan's (:meth:`NodeSpeeds.plan`; tests/cluster/test_router.py compares the two) up to
+the planner's tie slack of one part in a million.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.restore import RestoreCosts, RestorePlan, RestoreRequest, plan_restore
+from kvstore.restore import TIE, RestoreCosts, RestorePlan, RestoreRequest, plan_restore
 from kvstore.speeds import PrefillSpeed, SpeedEstimate
 
 __all__ = ["MEDIA", "NodeSpeeds"]
@@ -67,10 +82,23 @@ class NodeSpeeds:
         data["prefill_tokens_per_s"] = self.prefill_tokens_per_s
         return json.dumps(data, separators=(",", ":"))
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, tuple[float, float]]:
+        return {name: (gbps, ms) for name, gbps, ms in self.media}
+
+    @functools.cached_property
+    def _runs(self) -> tuple[tuple[float, float] | None, ...]:
+        """Per medium in :data:`MEDIA` order, ``(bytes a millisecond, ms a call)``."""
+        by_name = self._by_name
+        return tuple(
+            (by_name[name][0] * 1e6, by_name[name][1]) if name in by_name else None
+            for name in MEDIA
+        )
+
     def restore_ms(self, chunks: dict[str, int], chunk_bytes: int) -> float | None:
         """Milliseconds to load ``chunks[medium]`` chunks from each medium (one call per
         medium); None if the node published no speed for a medium it would read."""
-        by_name = {name: (gbps, ms) for name, gbps, ms in self.media}
+        by_name = self._by_name
         total = 0.0
         for name, n in chunks.items():
             if n <= 0:
@@ -86,9 +114,38 @@ class NodeSpeeds:
     ) -> float | None:
         """Milliseconds to a ready prompt: the node's prefix (``chunks[medium]`` chunks of
         ``chunk_tokens`` tokens from each medium) loaded as far as loading pays, the rest
-        and ``recompute_tokens`` more recomputed (:meth:`plan`); None if unknown."""
-        plan = self.plan(chunks, chunk_bytes, recompute_tokens, chunk_tokens)
-        return None if plan is None or plan.ready_s is None else plan.ready_s * 1e3
+        and ``recompute_tokens`` more recomputed, in closed form (the module docstring);
+        None if unknown."""
+        counts = tuple(max(0, chunks.get(name, 0)) for name in MEDIA)
+        return self.times(counts, chunk_bytes, recompute_tokens, chunk_tokens)[1]
+
+    def times(
+        self, counts: tuple[int, ...], chunk_bytes: int, recompute_tokens: int, chunk_tokens: int
+    ) -> tuple[float | None, float | None]:
+        """``(restore_ms, ready_ms)`` of ``counts[i]`` chunks in each medium of
+        :data:`MEDIA`, in one pass (what a router asks of every live node)."""
+        load, n, ends, runs = 0.0, 0, [], self._runs  # ends: (chunks, ms to load them)
+        for i, count in enumerate(counts):
+            if count > 0:
+                run = runs[i]
+                if run is None:
+                    return None, None
+                load += run[1] + count * chunk_bytes / run[0]
+                n += count
+                ends.append((n, load))
+        rate = self.prefill_tokens_per_s
+        if rate is None:  # the planner loads every stored chunk; the rest is unknown
+            return load, load if recompute_tokens <= 0 else None
+        chunk_ms = chunk_tokens * 1e3 / rate
+        best, best_ms = 0, n * chunk_ms
+        chosen = best_ms
+        for end, loaded in ends:  # the planner's scan: ties go to loading
+            t = loaded + (n - end) * chunk_ms
+            if t <= best_ms * (1 + TIE):
+                best, chosen, best_ms = end, t, min(t, best_ms)
+        if best < counts[0]:  # what memory holds is always loaded: the first run's end
+            chosen = ends[0][1] + (n - counts[0]) * chunk_ms
+        return load, chosen + max(0, recompute_tokens) * 1e3 / rate
 
     def plan(
         self, chunks: dict[str, int], chunk_bytes: int, recompute_tokens: int, chunk_tokens: int

@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
 from kvstore._values import (
     Parser,
     format_size,
@@ -55,7 +53,7 @@ from kvstore.config.cluster import ClusterConfig
 from kvstore.config.encryption import EncryptionConfig
 from kvstore.config.events import EventsConfig
 from kvstore.config.kinds import build_tier, tier_config_class, tier_kinds
-from kvstore.config.restore import check_prefill_table, parse_prefill_table
+from kvstore.config.restore import check_prefill_table, parse_prefill_table, parse_tier_speeds
 from kvstore.config.server import ServerConfig, TokenConfig
 from kvstore.config.tiers import (
     DeviceTierConfig,
@@ -65,8 +63,10 @@ from kvstore.config.tiers import (
     RemoteTierConfig,
     S3TierConfig,
     TierConfig,
+    check_disk_paths,
     default_tiers,
 )
+from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -230,7 +230,12 @@ class RestoreConfig:
 
     ``speed_stale_s``: an estimate with no read for this long is reported as
     ``stale`` (the last figures; the tier's ``read_gbps`` / ``read_latency_ms``
-    stand until its first read).
+    stand until its first read); the next plan that skips the tier probes it.
+
+    ``tier_speeds``: ``{tier id: [GB/s, ms a call]}``, the tiers' initial read speeds
+    (over their ``read_gbps`` / ``read_latency_ms``), as ``kvstore calibrate-tiers``
+    measures them; a tier id is the tier's kind and how many tiers of that kind come
+    before it (``disk:0``).
     """
 
     planning: bool = _opt(True, parse_bool)
@@ -242,6 +247,11 @@ class RestoreConfig:
     warm_settle_s: float = _opt(0.5, parse_float)
     speed_half_life_s: float = _opt(30.0, parse_float)
     speed_stale_s: float = _opt(300.0, parse_float)
+    tier_speeds: tuple[tuple[str, float, float], ...] = _opt((), parse_tier_speeds)
+
+    def declared_speed(self, tier_id: str) -> tuple[float, float] | None:
+        """``(GB/s, ms a call)`` that ``tier_speeds`` declares for ``tier_id`` (None: none)."""
+        return next(((g, ms) for t, g, ms in self.tier_speeds if t == tier_id), None)
 
     def validate(self, path: str) -> None:
         """Raise :class:`ConfigError` for impossible values."""
@@ -261,6 +271,7 @@ class RestoreConfig:
         out = dataclasses.asdict(self)
         if self.prefill_table is not None:
             out["prefill_table"] = [list(pair) for pair in self.prefill_table]
+        out["tier_speeds"] = {tier: [gbps, ms] for tier, gbps, ms in self.tier_speeds}
         return out
 
 
@@ -371,6 +382,7 @@ class StoreConfig:
             if not isinstance(tier, TierConfig):
                 raise ConfigError(f"tiers[{i}]: expected a TierConfig, got {type(tier).__name__}")
             tier.validate(f"tiers[{i}]")
+        check_disk_paths(self.tiers)
         self.replication.validate("replication")
         self.prefetch.validate("prefetch")
         self.saves.validate("saves")
@@ -424,12 +436,7 @@ class StoreConfig:
                 f"config file {name!r} is not UTF-8 text (byte {exc.start}); "
                 "give the YAML file of the store's configuration"
             ) from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                f"config file {name!r} is not valid YAML: {_yaml_problem(exc)}"
-            ) from None
+        data = load_yaml(text, f"config file {name!r}") or {}
         return cls.from_dict(data, environ)
 
     @classmethod
@@ -510,17 +517,6 @@ class StoreConfig:
         }
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """PyYAML's several-line report as one line: where (line and column, from 1) and what."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
-    context = getattr(exc, "context", None)
-    what = f"{problem} ({context})" if context else problem
-    if mark is None:
-        return what
-    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
-
-
 def apply_env(
     data: dict[str, Any],
     env: Mapping[str, str],
@@ -541,12 +537,7 @@ def apply_env(
     source = "tiers"
     if prefix + "TIERS" in env:
         source = prefix + "TIERS"
-        try:
-            data["tiers"] = yaml.safe_load(env[prefix + "TIERS"])
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                f"{prefix}TIERS is not valid YAML/JSON: {_yaml_problem(exc)}"
-            ) from None
+        data["tiers"] = load_yaml(env[prefix + "TIERS"], f"{prefix}TIERS", "is not valid YAML/JSON")
         origins["tiers"] = source
     raw = data.get("tiers", [{"kind": t.kind} for t in default_tiers()])
     if not isinstance(raw, (list, tuple)):

@@ -26,6 +26,7 @@ from kvstore._values import (
     parse_bool,
     parse_float,
     parse_int,
+    parse_optional_secret,
     parse_optional_str,
     parse_str,
 )
@@ -97,7 +98,7 @@ class ClusterConfig:
     heat_half_life_s: float = opt(60.0, parse_float)
     peer_timeout_s: float = opt(2.0, parse_float)
     namespace: str = opt("default", parse_str)
-    token: str | None = opt(None, parse_optional_str)
+    token: str | None = opt(None, parse_optional_secret)
     token_file: str | None = opt(None, parse_optional_str)
     route_memory_weight: float = opt(1.0, parse_float)
     route_disk_weight: float = opt(0.6, parse_float)

@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from kvstore._values import parse_bool, parse_optional_str
 from kvstore.config._fields import opt
+from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -175,10 +174,7 @@ def _read_key_file(name: str) -> str:
 
 def parse_keyring(text: str, where: str) -> Keyring:
     """The keyring a YAML / JSON document describes (see the module docstring)."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"encryption: {where} is not valid YAML or JSON") from None
+    data = load_yaml(text, f"encryption: {where}", "is not valid YAML or JSON", detail=False)
     if not isinstance(data, Mapping):
         raise ConfigError(f"encryption: {where}: expected a mapping of tenants")
     if "tenants" in data:

@@ -4,8 +4,9 @@
 
     events:
       enabled: true
-      endpoint: tcp://*:5557          # ZMQ PUB socket (what Dynamo / llm-d subscribe to)
-      replay_endpoint: tcp://*:5558   # ZMQ ROUTER socket serving missed batches
+      endpoint: tcp://127.0.0.1:5557  # ZMQ PUB socket (what Dynamo / llm-d subscribe to);
+                                      # the default, tcp://*:5557, binds every interface
+      replay_endpoint: tcp://127.0.0.1:5558   # ZMQ ROUTER socket serving missed batches
       topic: ""                       # the first frame of every message
       block_size: 16                  # tokens per published block (the consumer's block size)
       buffer_steps: 10000             # batches kept for replay

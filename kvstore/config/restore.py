@@ -1,15 +1,14 @@
-"""Parsing and checks of the ``restore`` section's prefill table."""
+"""Parsing and checks of the ``restore`` section's prefill table and tier speeds."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
+from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
 
-__all__ = ["check_prefill_table", "parse_prefill_table"]
+__all__ = ["check_prefill_table", "parse_prefill_table", "parse_tier_speeds"]
 
 PrefillTable = tuple[tuple[int, float], ...]
 
@@ -20,10 +19,7 @@ def parse_prefill_table(value: Any, key: str) -> PrefillTable | None:
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: not valid YAML/JSON: {exc}") from None
+        value = load_yaml(value, key, "is not valid YAML/JSON")
         if value is None:
             return None
     pairs = list(value.items()) if isinstance(value, Mapping) else value
@@ -54,3 +50,35 @@ def check_prefill_table(table: PrefillTable, key: str) -> None:
                 f"{key}[{i}]: seconds must be > 0 and never fall as prompts grow, got {seconds}"
             )
         last_tokens, last_seconds = tokens, seconds
+
+
+TierSpeeds = tuple[tuple[str, float, float], ...]
+
+
+def parse_tier_speeds(value: Any, key: str) -> TierSpeeds:
+    """``{tier id: [GB/s, ms a call]}`` (a tier id is its kind and how many tiers of that
+    kind come before it: ``disk:0``, ``s3:0``), or the same as a YAML/JSON string (an
+    environment variable) -> sorted ``((tier id, gbps, ms), ...)``."""
+    if isinstance(value, str):
+        value = load_yaml(value, key, "is not valid YAML/JSON")
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected {{tier id: [GB/s, ms a call]}}, got {value!r}")
+    out = []
+    for tier, pair in value.items():
+        kind, _, n = str(tier).partition(":")
+        if not kind or not n.isdigit():
+            raise ConfigError(f"{key}: {tier!r} is not a tier id such as disk:0")
+        numbers = isinstance(pair, (list, tuple)) and len(pair) == 2
+        if not numbers or not all(_real(x) for x in pair):
+            raise ConfigError(f"{key}.{tier}: expected [GB/s, ms a call], got {pair!r}")
+        gbps, ms = float(pair[0]), float(pair[1])
+        if gbps <= 0 or ms < 0:
+            raise ConfigError(f"{key}.{tier}: GB/s must be > 0 and ms >= 0, got {pair!r}")
+        out.append((str(tier), gbps, ms))
+    return tuple(sorted(out))
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

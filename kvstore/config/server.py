@@ -34,6 +34,7 @@ from kvstore._values import (
     parse_bool,
     parse_float,
     parse_int,
+    parse_optional_secret,
     parse_optional_str,
     parse_size,
     parse_str,
@@ -79,7 +80,7 @@ class TokenConfig:
     """
 
     name: str = opt("", parse_str)
-    token: str | None = opt(None, parse_optional_str)
+    token: str | None = opt(None, parse_optional_secret)
     token_file: str | None = opt(None, parse_optional_str)
     namespaces: tuple[str, ...] = ()
 
@@ -212,7 +213,7 @@ class ServerConfig:
     listen: str | None = opt("127.0.0.1:7070", parse_optional_str)
     unix_socket: str | None = opt(None, parse_optional_str)
     metrics_listen: str | None = opt(None, parse_optional_str)
-    token: str | None = opt(None, parse_optional_str)
+    token: str | None = opt(None, parse_optional_secret)
     token_file: str | None = opt(None, parse_optional_str)
     tokens: tuple[TokenConfig, ...] = opt((), _parse_tokens)
     tenants: tuple[TenantConfig, ...] = opt((), parse_tenants)
@@ -239,7 +240,7 @@ class ServerConfig:
             if self.listen.startswith("unix:"):
                 raise ConfigError(f"{path}.listen: use unix_socket for a Unix socket")
         if self.metrics_listen:
-            check_address(self.metrics_listen, f"{path}.metrics_listen", any_port=True)
+            check_address(self.metrics_listen, f"{path}.metrics_listen", True, url="http")
         if not self.listen and not self.unix_socket:
             raise ConfigError(f"{path}: give listen or unix_socket (or both)")
         if self.token is not None and self.token_file is not None:

@@ -39,7 +39,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import parse_bool, parse_optional_str, parse_size, parse_str
+from kvstore._values import (
+    parse_bool,
+    parse_optional_secret,
+    parse_optional_str,
+    parse_size,
+    parse_str,
+)
 from kvstore.config._fields import build, opt
 from kvstore.config.events import EventsConfig
 from kvstore.config.kinds import tier_kinds
@@ -97,7 +103,7 @@ class TenantToken:
     """
 
     name: str = opt("", parse_str)
-    token: str | None = opt(None, parse_optional_str)
+    token: str | None = opt(None, parse_optional_secret)
     token_file: str | None = opt(None, parse_optional_str)
     scopes: tuple[str, ...] = DEFAULT_SCOPES
 

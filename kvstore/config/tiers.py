@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -14,6 +17,7 @@ from kvstore._values import (
     parse_int,
     parse_optional_bool,
     parse_optional_float,
+    parse_optional_secret,
     parse_optional_str,
     parse_size,
     parse_str,
@@ -22,6 +26,7 @@ from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.errors import ConfigError
+from kvstore.masking import mask_text
 from kvstore.policy import POLICIES
 
 __all__ = [
@@ -36,8 +41,11 @@ __all__ = [
     "S3TierConfig",
     "TierConfig",
     "check_address",
+    "check_disk_paths",
     "check_namespace",
     "default_tiers",
+    "normalize_address",
+    "parse_address",
 ]
 
 
@@ -372,7 +380,8 @@ class RedisTierConfig(TierConfig):
     Needs ``pip install 'kvstore-tiers[redis]'``.
 
     ``url``: ``redis://``, ``rediss://`` (TLS) or ``unix://``; a password in it
-    is redacted in stats and logs.
+    (``redis://:PASSWORD@host:6379/0``) is shown as ``***`` wherever kvstore prints
+    the url (``kvstore config``, stats, logs, errors).
 
     ``cluster``: true: ``url`` names a node of a Redis Cluster.
 
@@ -412,7 +421,7 @@ class RedisTierConfig(TierConfig):
         super().validate(path)
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
-                f"{path}.url: expected redis://, rediss:// or unix://, got {self.url!r}"
+                f"{path}.url: expected redis://, rediss:// or unix://, got {mask_text(self.url)!r}"
             )
         if self.ttl is not None and self.ttl <= 0:
             raise ConfigError(f"{path}.ttl: must be > 0 seconds or null, got {self.ttl}")
@@ -432,26 +441,101 @@ def check_namespace(name: Any, path: str) -> str:
     return name
 
 
-def check_address(address: str, path: str, any_port: bool = False) -> None:
+#: ``scheme://rest``: a URL where an address was expected.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+#: A host name, an IPv4 address, or an IPv6 address (bare or in brackets).
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.%A-Za-z]+\]|[A-Za-z0-9._%:-]+)$")
+
+
+def _not_our_scheme(scheme: str, rest: str, path: str) -> ConfigError:
+    """Why a URL of ``scheme`` is not where a kvstore-server listens (one line)."""
+    if scheme in ("http", "https"):
+        return ConfigError(
+            f"{path}: {mask_text(f'{scheme}://{rest}')} is an HTTP URL, but kvstore-server "
+            "speaks its own "
+            "binary protocol, not HTTP (its HTTP port serves only /metrics and /healthz); "
+            "give the server's listen address as HOST:PORT, e.g. 127.0.0.1:7070"
+        )
+    if scheme in ("redis", "rediss"):
+        return ConfigError(
+            f"{path}: a Redis URL is not a kvstore-server address; for Redis use a redis "
+            "tier (kind: redis, url: redis://HOST:PORT/DB), for a server HOST:PORT"
+        )
+    return ConfigError(
+        f"{path}: {scheme}:// is not an address scheme kvstore knows; give HOST:PORT, "
+        "tcp://HOST:PORT, unix:/path or unix:///path"
+    )
+
+
+def normalize_address(address: str, path: str, any_port: bool = False) -> str:
+    """The address a client connects to, in kvstore's own spelling (``HOST:PORT`` or
+    ``unix:/path``), from that or from the URL forms people write: ``tcp://HOST:PORT``,
+    ``unix:///path``. Anything else -- an HTTP or Redis URL, a host without a port, a
+    port out of range -- is a :class:`ConfigError` naming ``path`` and saying what to
+    write instead."""
+    match = _SCHEME.match(address)
+    if match is not None:
+        scheme, rest = match.group(1).lower(), match.group(2)
+        if scheme == "tcp":
+            try:
+                check_address(rest, path, any_port)
+            except ConfigError:
+                raise ConfigError(
+                    f"{path}: expected tcp://HOST:PORT, got {mask_text(address)!r}"
+                ) from None
+            return rest
+        if scheme == "unix":
+            if not rest.strip("/"):
+                raise ConfigError(f"{path}: unix:// needs a socket path, e.g. unix:///run/kv.sock")
+            return f"unix:{rest}"
+        raise _not_our_scheme(scheme, rest, path)
+    check_address(address, path, any_port)
+    return address
+
+
+def check_address(address: str, path: str, any_port: bool = False, url: str = "tcp") -> None:
     """Raise :class:`ConfigError` unless ``address`` is ``HOST:PORT`` or ``unix:/path``
-    (``any_port``: port 0, "pick a free one", is allowed: for listening)."""
-    if address.startswith("unix:"):
+    (``any_port``: port 0, "pick a free one", is allowed: for listening). A URL is
+    refused saying what to write instead: ``url://HOST:PORT`` (``tcp``; ``http`` for the
+    metrics endpoint) as ``HOST:PORT``; a remote tier and a client take ``tcp://`` and
+    ``unix://`` URLs too (:func:`normalize_address`)."""
+    if address.startswith("unix:") and not address.startswith("unix://"):
         if not address[5:]:
             raise ConfigError(f"{path}: unix: needs a socket path, e.g. unix:/run/kvstore.sock")
         return
+    match = _SCHEME.match(address)
+    if match is not None:
+        scheme, rest = match.group(1).lower(), match.group(2)
+        if scheme == url != "tcp":
+            check_address(rest.rstrip("/"), path, any_port)
+            spelled = rest.rstrip("/")
+        elif scheme not in ("tcp", "unix"):
+            raise _not_our_scheme(scheme, rest, path)
+        else:
+            spelled = normalize_address(address, path, any_port)
+        raise ConfigError(f"{path}: write {spelled!r} (HOST:PORT or unix:/path), not a URL")
     host, sep, port = address.rpartition(":")
     lowest = 0 if any_port else 1
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or not _HOST.match(host):
         raise ConfigError(f"{path}: expected HOST:PORT or unix:/path, got {address!r}")
     if not lowest <= int(port) < 65536:
         raise ConfigError(f"{path}: port {port} of {address!r} is not in {lowest}..65535")
+
+
+def parse_address(value: Any, key: str) -> str:
+    """A remote tier's ``address`` (:func:`normalize_address`): ``HOST:PORT``,
+    ``unix:/path``, ``tcp://HOST:PORT`` or ``unix:///path``, kept in the first two
+    spellings."""
+    return normalize_address(parse_str(value, key), key)
 
 
 @dataclass(frozen=True)
 class RemoteTierConfig(TierConfig):
     """A ``kvstore-server``: over TCP or a Unix socket, through shared memory on one host.
 
-    ``address``: ``HOST:PORT`` or ``unix:/path/to/socket``.
+    ``address``: ``HOST:PORT`` or ``unix:/path/to/socket`` (``tcp://HOST:PORT`` and
+    ``unix:///path`` are read as those; an ``http://`` URL is refused: the server speaks
+    its own protocol, not HTTP).
 
     ``namespace``: the server-side partition (a tenant): 1-64 letters, digits,
     ``.``, ``_`` or ``-``; a token may be limited to some namespaces.
@@ -487,9 +571,9 @@ class RemoteTierConfig(TierConfig):
     capacity: int = _opt(1024**4, parse_size)
     read_gbps: float = _opt(2.0, parse_float)
     read_latency_ms: float = _opt(0.2, parse_float)
-    address: str = _opt("127.0.0.1:7070", parse_str)
+    address: str = _opt("127.0.0.1:7070", parse_address)
     namespace: str = _opt("default", parse_str)
-    token: str | None = _opt(None, parse_optional_str)
+    token: str | None = _opt(None, parse_optional_secret)
     token_file: str | None = _opt(None, parse_optional_str)
     shared_memory: bool = _opt(True, parse_bool)
     tls: bool = _opt(False, parse_bool)
@@ -501,9 +585,15 @@ class RemoteTierConfig(TierConfig):
     retry_interval: float = _opt(1.0, parse_float)
     durable: bool = _opt(False, parse_bool)
 
+    def __post_init__(self) -> None:
+        # tcp://HOST:PORT and unix:///path given in code read as from a file; what is
+        # no address at all is left for validate() to name with its key.
+        with contextlib.suppress(ConfigError):
+            object.__setattr__(self, "address", normalize_address(self.address, "address"))
+
     def validate(self, path: str) -> None:
         super().validate(path)
-        check_address(self.address, f"{path}.address")
+        normalize_address(self.address, f"{path}.address")
         check_namespace(self.namespace, f"{path}.namespace")
         if self.token is not None and self.token_file is not None:
             raise ConfigError(f"{path}.token_file: give token or token_file, not both")
@@ -531,6 +621,43 @@ class ClusterTierConfig(TierConfig):
     capacity: int = _opt(1024**5, parse_size)
     read_gbps: float = _opt(1.0, parse_float)
     read_latency_ms: float = _opt(1.0, parse_float)
+
+
+def _real_directory(path: str) -> str:
+    """Where ``path`` lands: ``~`` expanded, relative to the working directory, symbolic
+    links resolved (as far as they exist yet)."""
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def check_disk_paths(tiers: Sequence[TierConfig]) -> None:
+    """Refuse (:class:`ConfigError`) two disk tiers of one config whose directories are
+    one, or one inside the other, however spelled (a relative path, ``~``, ``..``, a
+    symbolic link): each tier indexes, evicts and deletes the block files it finds
+    there as its own, so the two would delete each other's blocks (a lookup counting
+    blocks that are gone, a restart finding none). Several *processes* may share one
+    directory (docs/tiers.md); two tiers of one store or one server may not."""
+    seen: list[tuple[int, str, str]] = []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, DiskTierConfig):
+            continue
+        real = _real_directory(tier.path)
+        for j, path, other in seen:
+            if real == other:
+                where = "" if path == tier.path else f" ({path} and {tier.path} both lead there)"
+                raise ConfigError(
+                    f"tiers[{i}].path: {real} is also the directory of tiers[{j}]{where}; "
+                    "two disk tiers on one directory delete each other's blocks: give "
+                    "each disk tier a directory of its own (not one inside the other)"
+                )
+            inner, outer = (real, other) if len(real) > len(other) else (other, real)
+            if inner.startswith(outer.rstrip(os.sep) + os.sep):
+                spelled = "" if real == tier.path else f" ({tier.path})"
+                raise ConfigError(
+                    f"tiers[{i}].path: {real}{spelled} and the directory of tiers[{j}], {other}, "
+                    "are one inside the other; give each disk tier a directory of its own "
+                    "(side by side, e.g. /data/kv-fast and /data/kv-big)"
+                )
+        seen.append((i, tier.path, real))
 
 
 def default_tiers() -> tuple[TierConfig, ...]:

@@ -1,5 +1,13 @@
-"""``kvstore calibrate-prefill``: measure a model's prefill time on this machine with vLLM,
-and print the ``restore.prefill_table`` the restore planner should declare.
+"""``kvstore calibrate-prefill`` and ``calibrate-tiers``: measure what the restore planner
+weighs on this machine, and print the ``restore`` section to declare it.
+
+``calibrate-tiers`` reads a scratch chunk from each tier of a store's config (written for
+the purpose, deleted after) a few times at a few sizes, keeps the fastest of each size
+(as a speed probe does: noise only adds time) and prints ``restore.tier_speeds``, the
+tiers' starting estimates (restores then correct them: docs/restore.md).
+
+``calibrate-prefill`` measures a model's prefill time with vLLM and prints the
+``restore.prefill_table`` the restore planner should declare.
 
 The planner weighs the time a load takes against the time its tokens would take
 to compute (docs/restore.md). That second figure is the engine's: it depends on
@@ -26,10 +34,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from kvstore.config import StoreConfig
 from kvstore.config.restore import check_prefill_table
 from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+from kvstore.layout import KVLayout
+from kvstore.speeds import PROBE_LAYERS, ReadSpeed, fastest_reads
+from kvstore.tiers import create_tier
+from kvstore.tiers.base import Tier
 
-__all__ = ["Calibration", "calibrate_prefill", "format_table", "parse_lengths"]
+__all__ = [
+    "Calibration",
+    "calibrate_prefill",
+    "calibrate_tiers",
+    "format_table",
+    "format_tier_speeds",
+    "parse_lengths",
+]
 
 
 @dataclass(frozen=True)
@@ -99,3 +122,62 @@ def format_table(table: Sequence[tuple[int, float]], cal: Calibration) -> str:
         f"# kvstore calibrate-prefill: {cal.model}{engine}, median of {cal.reps} each\n"
         f"restore:\n  prefill_table: {rows}"
     )
+
+
+def calibrate_tiers(
+    config: StoreConfig, layout: KVLayout, reads: int = 3
+) -> dict[str, tuple[float, float] | str]:
+    """Per tier id, ``(GB/s, ms a call)`` fitted to the fastest of ``reads`` reads of one
+    layer, a few layers and the whole of a scratch chunk in that tier, or why it could
+    not be measured (one line)."""
+    out: dict[str, tuple[float, float] | str] = {}
+    seen: dict[str, int] = {}
+    for tier_config in config.tiers:
+        n = seen[tier_config.kind] = seen.get(tier_config.kind, -1) + 1
+        tier_id = f"{tier_config.kind}:{n}"
+        try:
+            tier = create_tier(tier_config, layout)
+        except Exception as exc:  # one tier that cannot open: said, the others measured
+            out[tier_id] = f"could not open: {exc}"
+            continue
+        try:
+            out[tier_id] = _measure(tier, layout, reads)
+        except Exception as exc:  # a failing medium: said, never a traceback
+            out[tier_id] = f"could not measure: {exc}"
+        finally:
+            tier.close()
+    return out
+
+
+def _measure(tier: Tier, layout: KVLayout, reads: int) -> tuple[float, float] | str:
+    """Write a scratch chunk, time reads of it, delete it."""
+    key = BlockKey(random.randbytes(16))
+    block = torch.randn(layout.block_shape).to(layout.dtype)
+    if not tier.put([key], [block])[0]:
+        return "could not store a scratch chunk"
+    try:
+        out = torch.zeros(layout.block_shape, dtype=layout.dtype)
+        sizes = sorted({1, min(PROBE_LAYERS, layout.num_layers), layout.num_layers})
+
+        def read(layers: int) -> bool:
+            span = (0, layers) if layers < layout.num_layers else None
+            return tier.get([key], [out[:layers]], span)[0]
+
+        samples = fastest_reads(read, sizes, layout.layer_nbytes, reads)
+    finally:
+        tier.delete([key])
+    if samples is None:
+        return "a read of the scratch chunk failed"
+    config = tier.config
+    speed = ReadSpeed(config.read_gbps, config.read_latency_ms, 1e9, 1e9, time.monotonic)
+    speed.probed(samples)
+    fit = speed.fitted()
+    return round(fit.gbps, 4), round(fit.latency_ms, 3)
+
+
+def format_tier_speeds(speeds: dict[str, tuple[float, float] | str], reads: int) -> str:
+    """The ``restore`` section to paste (tiers that could not be measured as comments)."""
+    measured = {t: list(v) for t, v in speeds.items() if not isinstance(v, str)}
+    lines = [f"# kvstore calibrate-tiers: the fastest of {reads} reads of each size, per tier"]
+    lines += [f"# {tier}: {why}" for tier, why in speeds.items() if isinstance(why, str)]
+    return "\n".join([*lines, "restore:", f"  tier_speeds: {json.dumps(measured)}"])

@@ -21,6 +21,7 @@ from kvstore.connectors.tails import Tail, output_tail
 from kvstore.errors import ConfigError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey
+from kvstore.restore_stats import PlannedLoad
 
 __all__ = [
     "DEFAULT_MIN_CHUNK_TOKENS",
@@ -83,6 +84,7 @@ class Found:
     stored: int
     load: int
     load_s: float | None = None
+    planned: PlannedLoad[str] | None = None  # what the plan expects of the load
 
 
 @dataclass
@@ -100,7 +102,9 @@ class TransferSpec:
     ``token_ids`` (saves, when the store has a kvstore-server behind it): the
     token ids of the spec's chunks, and ``parents[rank]`` the key of the chunk
     before them, so the server's KV events carry the tokens. ``planned_s`` (loads):
-    the restore plan's expected load seconds, to compare with the actual.
+    the restore plan's expected load seconds, to compare with the actual; ``planned``
+    (loads): what the plan expects of the load per tier, which the engine's wait
+    corrects (:meth:`~kvstore.restore_stats.PlannedLoad.scale`).
     ``step_end`` (saves): the tokens the request has computed by the end of this
     step (a recurrent state, kept per step, is that of this position only). ``tail``:
     the spec's last chunk is a tail block (its key a :func:`~kvstore.keys.tail_key`),
@@ -118,6 +122,7 @@ class TransferSpec:
     token_ids: list[int] | None = None
     parents: dict[int, BlockKey | None] | None = None
     planned_s: float | None = None
+    planned: PlannedLoad[str] | None = None
     step_end: int | None = None
     tail: bool = False  # the last chunk is a tail: its tokens up to token_end only
 
@@ -181,6 +186,7 @@ class RequestState:
     hit_chunks: int = 0  # leading chunks to load (the restore plan)
     stored_chunks: int = 0  # leading chunks stored (at least hit_chunks)
     planned_load_s: float | None = None
+    planned_load: PlannedLoad[str] | None = None
     local_tokens: int = 0  # the engine's own hit, as passed to the last match()
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or planned for saving
@@ -270,7 +276,7 @@ class Planner:
         if state.keys and not state.load_failed:
             found = self._lookup(state.keys, state.prompt_len, num_computed)
         state.hit_chunks, state.stored_chunks = (0 if verify else found.load), found.stored
-        state.planned_load_s = found.load_s
+        state.planned_load_s, state.planned_load = found.load_s, found.planned
         state.local_tokens = num_computed
         state.tail = None
         if not verify:
@@ -390,7 +396,7 @@ class Planner:
         ends_in_tail = tail is not None and last > state.hit_chunks
         spec = self._spec(req_id, state, first, last, start, end, tail if ends_in_tail else None)
         if spec is not None:
-            spec.planned_s = state.planned_load_s
+            spec.planned_s, spec.planned = state.planned_load_s, state.planned_load
         return spec
 
     def _save_spec(self, req_id: str, state: RequestState, done: int) -> TransferSpec | None:

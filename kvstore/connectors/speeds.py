@@ -8,6 +8,9 @@ both are measured where the scheduler is not: tiers are read by the workers
   in its ``KVConnectorStats`` (:class:`ReadDeltas`, under :data:`READS_PREFIX`),
   which vLLM hands the scheduler side every step; :class:`EngineSpeeds` feeds
   them to the scheduler's store (``observe_reads``, matched by tier kind);
+- and what its planned loads cost the engine per tier (the engine's wait, against
+  the plan's model: :data:`LOADS_PREFIX`), which corrects the tiers' prices in the
+  scheduler's store (``observe_loads``);
 - the scheduler times each step from ``build_connector_meta`` to the
   ``update_connector_output`` of its result, with the tokens it scheduled, and
   feeds steps that loaded nothing to ``note_prefill_step`` (used when the config
@@ -22,13 +25,49 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvstore.restore_stats import LoadSample
 from kvstore.store import KVStore
 
-__all__ = ["READS_PREFIX", "EngineSpeeds", "ReadDeltas", "reads_from"]
+__all__ = [
+    "LOADS_PREFIX",
+    "READS_PREFIX",
+    "EngineSpeeds",
+    "ReadDeltas",
+    "loads_as_counters",
+    "loads_from",
+    "reads_from",
+]
 
 #: Counter names ``tier_reads/<tier id>/<bytes|seconds|calls>``.
 READS_PREFIX = "tier_reads/"
 _FIELDS = ("bytes", "seconds", "calls")
+#: Counter names ``tier_loads/<tier id>/<field of LoadSample>``.
+LOADS_PREFIX = "tier_loads/"
+_LOAD_FIELDS = ("actual_s", "nbytes", "calls", "planned_s")
+
+
+def loads_as_counters(loads: Mapping[str, LoadSample]) -> dict[str, float]:
+    """``{tier_loads/<tier>/<field>: value}`` of per-tier load samples."""
+    return {
+        f"{LOADS_PREFIX}{tier}/{name}": float(getattr(load, name))
+        for tier, load in loads.items()
+        for name in _LOAD_FIELDS
+    }
+
+
+def loads_from(data: Mapping[str, Any]) -> dict[str, LoadSample]:
+    """The load samples in a stats dict (summed over workers): ``{tier id: LoadSample}``."""
+    parts: dict[str, dict[str, float]] = {}
+    for name, value in data.items():
+        if name.startswith(LOADS_PREFIX) and isinstance(value, (int, float)):
+            tier, _, field = name[len(LOADS_PREFIX) :].rpartition("/")
+            if field in _LOAD_FIELDS and tier:
+                parts.setdefault(tier, {})[field] = float(value)
+    return {
+        tier: LoadSample(*(p.get(name, 0.0) for name in _LOAD_FIELDS))
+        for tier, p in parts.items()
+        if p.get("actual_s", 0.0) > 0
+    }
 
 
 class ReadDeltas:
@@ -95,6 +134,8 @@ class EngineSpeeds:
                 self._store.note_prefill_step(tokens, self._clock() - started)
         data = getattr(stats, "data", None)
         if isinstance(data, Mapping):
-            reads = reads_from(data)
+            reads, loads = reads_from(data), loads_from(data)
             if reads:
                 self._store.observe_reads(reads)
+            if loads:  # after the reads: a load is judged by the fit that includes them
+                self._store.observe_loads(loads)

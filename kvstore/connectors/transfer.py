@@ -54,6 +54,7 @@ from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Count
 from kvstore.datapath.contracts import PrefetchHandle
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, ChunkTokens
+from kvstore.restore_stats import LoadSample
 from kvstore.store import KVStore
 
 __all__ = ["LayerGroups", "TransferWorker"]  # LayerGroups: re-exported from paged
@@ -70,6 +71,7 @@ class _Load:
     scattered: dict[int, int] = field(default_factory=dict)  # layer -> token end scattered
     #: (group, start, end) -> whole kernel pages of those tokens, or None (see PagedKV.pages)
     pages: dict[tuple[int, int, int], torch.Tensor | None] = field(default_factory=dict)
+    waited_s: float = 0.0  # the engine's seconds in this load's layers and its end
 
 
 @dataclass
@@ -132,6 +134,8 @@ class TransferWorker:
         self._saves: list[_Save] | None = None
         self._layers_put: set[int] = set()
         self._flusher = Flusher(store, self.counters) if self.flush == "background" else None
+        #: Per tier id, what planned loads cost the engine since the last take.
+        self._load_samples: dict[str, LoadSample] = {}
         #: Keys shadow verification found holding other KV (verify.py): never loaded or saved.
         self.quarantined: set[BlockKey] = set()
 
@@ -219,7 +223,9 @@ class TransferWorker:
                     else:
                         start = time.perf_counter()
                         self._load_sync(spec, keys)
-                        self._timed(spec, time.perf_counter() - start)
+                        elapsed = time.perf_counter() - start  # the engine waits it all
+                        self._timed(spec, elapsed)
+                        self._waited(spec, elapsed)
             except Exception:  # never break generation: the engine recomputes
                 log.exception("kvstore: loading request %s failed", spec.req_id)
                 self._fail(spec, spec.token_start)
@@ -263,6 +269,7 @@ class TransferWorker:
 
     def _scatter_layer(self, load: _Load, layer: int) -> None:
         """Put layer ``layer`` of a layerwise load in place (what arrived of it)."""
+        began = time.perf_counter()
         try:
             # On a GPU the engine's stream waits for the layer's copies there; the
             # thread only waits until they are queued (valid_blocks is final then).
@@ -276,6 +283,7 @@ class TransferWorker:
             load.scattered[layer] = end
         except Exception:  # the layer stays unscattered: finish_load reports it
             log.exception("kvstore: loading layer %d failed", layer)
+        load.waited_s += time.perf_counter() - began  # the engine waited: wait and scatter
 
     def _valid_end(self, load: _Load) -> int:
         valid = load.spec.first_chunk + load.handle.valid_blocks
@@ -291,7 +299,9 @@ class TransferWorker:
                 self.counters.add("load_late_layers")
                 self._scatter_layer(load, layer)
             try:
+                began = time.perf_counter()
                 load.handle.wait()
+                load.waited_s += time.perf_counter() - began
                 end = self._valid_end(load)
             except Exception:
                 log.exception("kvstore: loading request %s failed", spec.req_id)
@@ -302,6 +312,7 @@ class TransferWorker:
                 end = min(end, load.scattered.get(layer, spec.token_start))
             c = self.layout.block_tokens
             self._timed(spec, load.handle.load_s)
+            self._waited(spec, load.waited_s)
             self.counters.add("load_tokens", max(0, end - spec.token_start))
             self.counters.add("load_chunks", max(0, -(-(end - spec.first_chunk * c) // c)))
             if end < spec.token_end:
@@ -315,6 +326,21 @@ class TransferWorker:
             self.counters.add("restores_timed")
             self.counters.add("restore_planned_s", spec.planned_s)
             self.counters.add("restore_actual_s", actual_s)
+
+    def _waited(self, spec: TransferSpec, waited_s: float) -> None:
+        """The engine waited ``waited_s`` for ``spec``'s planned load (in ``wait_layer``:
+        vLLM's ``wait_for_layer_load``): what that cost each tier, by the plan's model."""
+        scale = spec.planned.scale(waited_s) if spec.planned is not None else None
+        if spec.planned is None or scale is None:
+            return
+        for tier, sample in spec.planned.samples(scale).items():
+            had = self._load_samples.get(tier)
+            self._load_samples[tier] = sample if had is None else had + sample
+
+    def take_load_samples(self) -> dict[str, LoadSample]:
+        """Per tier id, what planned loads cost the engine since the last call."""
+        samples, self._load_samples = self._load_samples, {}
+        return samples
 
     def _fail(self, spec: TransferSpec, from_token: int) -> None:
         """Tokens ``[from_token, token_end)`` of ``spec`` did not load: report their blocks

@@ -75,7 +75,7 @@ from kvstore.connectors.plan import (
     chunk_tokens_for,
 )
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
-from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas
+from kvstore.connectors.speeds import EngineSpeeds, ReadDeltas, loads_as_counters
 from kvstore.connectors.tails import Tail, find_tail
 from kvstore.connectors.transfer import TransferWorker
 from kvstore.connectors.verify import ShadowSampler, ShadowVerifier, VerifyPromMetrics
@@ -271,7 +271,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters.add("plan_recompute_tokens", (stored - load) * self.chunk_tokens)
         # Chunks left on slow shared tiers: plan() warms them (copies them up the shared
         # tiers, e.g. from S3 to disk) for the next request.
-        return Found(stored, load, plan.load_s if load > plan.first else None)
+        planned = store.planned_load(plan) if load == plan.load > plan.first else None
+        return Found(stored, load, plan.load_s if load > plan.first else None, planned)
 
     def _announce(self, req_id: str, chunks: int) -> None:
         """The store holds the first ``chunks`` chunks of request ``req_id``'s prompt."""
@@ -560,10 +561,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
         """The counters that changed since the last call (vLLM logs and aggregates them);
-        from a worker, also the tier reads it made (the scheduler plans with them)."""
+        from a worker, also its tier reads and what its planned loads cost each tier (the
+        scheduler's store prices the tiers by them)."""
         delta = self.counters.take_delta()
-        if self._reads is not None:
+        if self._reads is not None and self._worker is not None:
             delta.update(self._reads.take())
+            delta.update(loads_as_counters(self._worker.take_load_samples()))
         return KVStoreConnectorStats(data=delta) if delta else None
 
     @classmethod

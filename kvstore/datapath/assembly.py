@@ -11,6 +11,7 @@ from kvstore.config import StoreConfig
 from kvstore.datapath.books import Books
 from kvstore.datapath.index import HeatClock, Level
 from kvstore.datapath.room import RetainedFn
+from kvstore.datapath.tierio import tier_ids
 from kvstore.placement import Placement, TierRules
 from kvstore.policy import Watermarks, make_policy
 from kvstore.speeds import ReadSpeed
@@ -22,18 +23,15 @@ __all__ = ["build_books", "build_speeds"]
 def build_speeds(
     tiers: Sequence[Tier], config: StoreConfig, clock: Callable[[], float]
 ) -> list[ReadSpeed]:
-    """A live read-speed estimate per tier, starting from its configured figures."""
+    """A live read-speed estimate per tier, starting from its configured figures
+    (``restore.tier_speeds``, else the tier's own ``read_gbps`` / ``read_latency_ms``)."""
     restore = config.restore
-    return [
-        ReadSpeed(
-            t.config.read_gbps,
-            t.config.read_latency_ms,
-            restore.speed_half_life_s,
-            restore.speed_stale_s,
-            clock,
-        )
-        for t in tiers
-    ]
+    speeds = []
+    for tier, tier_id in zip(tiers, tier_ids(tiers), strict=True):
+        declared = restore.declared_speed(tier_id)
+        gbps, ms = declared or (tier.config.read_gbps, tier.config.read_latency_ms)
+        speeds.append(ReadSpeed(gbps, ms, restore.speed_half_life_s, restore.speed_stale_s, clock))
+    return speeds
 
 
 def build_books(

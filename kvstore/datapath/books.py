@@ -152,10 +152,11 @@ class Books:
                 self._guard.wait()
             return reserved
 
-    def watch(self) -> ChangeFeed:
+    def watch(self, shared_copies: bool = False) -> ChangeFeed:
         """A new feed recording which keys gain or lose their copies in local tiers
-        (each watcher drains its own; :meth:`unwatch` stops one)."""
-        feed = ChangeFeed()
+        (each watcher drains its own; :meth:`unwatch` stops one); ``shared_copies``:
+        also which gain or lose their copy in a shared persistent tier."""
+        feed = ChangeFeed(shared_copies)
         with self._locked():
             self._index.changes.append(feed)
         return feed

@@ -66,26 +66,53 @@ class ChangeFeed:
     For a watcher outside the store (a cluster node publishing what it holds):
     :class:`Index` records each change under the books' lock; :meth:`drain`
     hands over the net change since the last drain, ``(medium before, medium
-    now)`` per key (a key added and removed meanwhile has equal ends). ``_lock``
-    guards ``_state`` (drains come from the watcher's thread).
+    now)`` per key (a key added and removed meanwhile has equal ends).
+
+    A feed made with ``shared_copies`` also records when a key gains or loses its
+    copy in a shared persistent tier (S3) while its nearest copy stays where it was
+    -- a block written through to the bucket -- and hands those over with
+    :meth:`drain_shared` (a cluster node tells the shared index what the bucket
+    holds as soon as it holds it). ``_lock`` guards ``_state`` and ``_shared``
+    (drains come from the watcher's thread).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared_copies: bool = False) -> None:
+        self.shared_copies = shared_copies
         self._state: dict[BlockKey, tuple[Medium, Medium]] = {}
+        self._shared: dict[BlockKey, tuple[bool, bool]] = {}
         self._lock = threading.Lock()
 
-    def record(self, key: BlockKey, before: Medium, now: Medium) -> None:
-        """``key``'s nearest copy went from ``before`` to ``now``."""
+    def record(
+        self, key: BlockKey, before: Medium, now: Medium, shared: tuple[bool, bool] = (False, False)
+    ) -> None:
+        """``key``'s nearest copy went from ``before`` to ``now``; ``shared``: whether it
+        had, and has, a copy in a shared persistent tier (kept by ``shared_copies``
+        feeds only)."""
+        if before == now and not (self.shared_copies and shared[0] != shared[1]):
+            return
         with self._lock:
             first = self._state.get(key)
             self._state[key] = (before if first is None else first[0], now)
+            if self.shared_copies and shared[0] != shared[1]:
+                had = self._shared.get(key)
+                self._shared[key] = (shared[0] if had is None else had[0], shared[1])
 
     def drain(self) -> dict[BlockKey, tuple[Medium, Medium]]:
         """``(medium before, medium now)`` of each key that changed since the last drain
         (keys that came back to where they were are left out)."""
+        return {k: v for k, v in self.drain_shared()[0].items() if v[0] != v[1]}
+
+    def drain_shared(
+        self,
+    ) -> tuple[dict[BlockKey, tuple[Medium, Medium]], dict[BlockKey, int]]:
+        """What :meth:`drain` hands over, with the keys whose shared copy changed (their
+        ends may be equal), and per such key +1 (it gained its shared copy) or -1 (lost
+        it); keys whose shared copy came back to where it was are left out."""
         with self._lock:
             state, self._state = self._state, {}
-        return {k: v for k, v in state.items() if v[0] != v[1]}
+            shared, self._shared = self._shared, {}
+        moved = {k: +1 if now else -1 for k, (had, now) in shared.items() if had != now}
+        return {k: v for k, v in state.items() if v[0] != v[1] or k in moved}, moved
 
 
 class DataPath(Protocol):
@@ -124,8 +151,13 @@ class DataPath(Protocol):
         """Each key held here or in a shared tier, with the :class:`Medium` of its nearest
         copy."""
 
-    def watch(self) -> ChangeFeed:
-        """A new :class:`ChangeFeed` of this store's changes (one per watcher)."""
+    def shared_keys(self) -> list[BlockKey]:
+        """Each readable key with a copy in a shared persistent tier (S3), wherever its
+        nearest copy is."""
+
+    def watch(self, shared_copies: bool = False) -> ChangeFeed:
+        """A new :class:`ChangeFeed` of this store's changes (one per watcher);
+        ``shared_copies``: it records shared copies too (:meth:`ChangeFeed.drain_shared`)."""
 
     def unwatch(self, feed: ChangeFeed) -> None:
         """Stop ``feed``."""
@@ -289,6 +321,11 @@ class PrefetchHandle(Protocol):
     num_layers: int
     out: torch.Tensor | None
     load_s: float | None
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds callers of the waits below were blocked so far: what a load under
+        compute cost the engine (``KVStore.waited`` prices the tiers by it)."""
 
     @property
     def cancelled(self) -> bool:

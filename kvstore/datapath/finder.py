@@ -44,13 +44,21 @@ class Finder:
         those tiers first (another process may have evicted them). Tiers in the
         bit mask ``skip`` are not asked (a restore plan knows no load from them can
         pay): what the index says of them stands.
+
+        Copies in a tier whose server refuses this store's token are not counted: a
+        get could not read them (a lookup-then-get would come back short). Discovery
+        still asks that tier about the keys past the prefix -- its client answers from
+        memory, and probes the server once per ``retry_interval`` -- so once the server
+        takes the token again its blocks count again.
         """
-        known = n = self.books.queries.leading(keys)
+        refused = self.io.refused_mask()
+        known = n = self.books.queries.leading(keys, without=refused)
         if n < len(keys) and self.discover(keys[n:], skip=skip):
-            n = self.books.queries.leading(keys)
+            refused = self.io.refused_mask()
+            n = self.books.queries.leading(keys, without=refused)
         # What discovery just found is confirmed; only what the index knew before is asked.
         if recheck and known:
-            confirmed = self.recheck(keys[:known], skip=skip)
+            confirmed = self.recheck(keys[:known], skip=skip | refused)
             if confirmed < known:  # one the index knew is gone: the prefix ends there
                 n = confirmed
         self.books.count(lookups=1, lookup_blocks_hit=n, lookup_blocks_missed=len(keys) - n)

@@ -169,6 +169,9 @@ class Index:
             (local & persistent, Medium.DISK),
             (persistent & ~local, Medium.SHARED),
         )
+        #: The tiers of other machines that outlive the process (S3): a copy there is
+        #: what every node can read (feeds made with ``shared_copies`` record it).
+        self.shared = persistent & ~local
         self.entries: dict[BlockKey, Entry] = {}
         #: Key -> bits of the tiers a delete of it is in flight from: nothing may write
         #: the key there until the tier has deleted it (kept apart: it is rarely set).
@@ -255,9 +258,10 @@ class Index:
         before = entry.tiers
         if self.changes:
             was, now = self.medium(before), self.medium(tiers)
-            if was != now:
+            copies = (bool(before & self.shared), bool(tiers & self.shared))
+            if was != now or copies[0] != copies[1]:
                 for feed in self.changes:
-                    feed.record(key, was, now)
+                    feed.record(key, was, now, copies)
         self._count(entry, -1)
         entry.tiers = tiers
         self._count(entry, 1)

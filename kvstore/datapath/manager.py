@@ -207,6 +207,11 @@ class BlockManager:
         publishes)."""
         return self.books.queries.stored_media()
 
+    def shared_keys(self) -> list[BlockKey]:
+        """Each readable key with a copy in a shared persistent tier (S3), wherever its
+        nearest copy is (what a cluster node lists in the shared set)."""
+        return self.books.queries.shared_keys()
+
     def rescan(self) -> None:
         """Index what persistent tiers hold now (blocks other processes wrote since)."""
         self.finder.adopt_persistent()
@@ -216,10 +221,12 @@ class BlockManager:
         self.layer_writes.reap()
         return self.books.pins.pinned_count()
 
-    def watch(self) -> ChangeFeed:
+    def watch(self, shared_copies: bool = False) -> ChangeFeed:
         """A new feed recording which keys gain or lose their copies in local tiers;
-        every call returns its own (several watchers each drain theirs)."""
-        return self.books.watch()
+        every call returns its own (several watchers each drain theirs).
+        ``shared_copies``: the feed also records which keys gain or lose their copy in
+        a shared persistent tier (S3), wherever their nearest copy is."""
+        return self.books.watch(shared_copies)
 
     def unwatch(self, feed: ChangeFeed) -> None:
         """Stop recording into ``feed``."""
@@ -261,7 +268,7 @@ class BlockManager:
         loaded prefix instead of raising.
         """
         self.settle(keys)
-        loaded = self.reader.load(keys, outs, layers, prefix)
+        loaded = self.reader.load(keys, outs, layers, prefix, partial)
         self.migrations.promote_later(loaded.keys, loaded.entries)
         n = loaded.count
         if not prefix and not partial and n < len(keys):
@@ -581,6 +588,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         # the chunks of tiers below memory whole before the first layer is handed over.
         staged=cuda_available(),
         thread_reads=lambda: [speed.thread_seconds() for speed in manager.io.speeds],
+        observe_loads=manager.io.observe_loads,
     )
     prefill = PrefillSpeed(
         restore.prefill_table,

@@ -214,6 +214,15 @@ class Migrations:
             self._persist(keys, self.persistent_target)
         return self.books.queries.persisted(keys)
 
+    def _why_unwritten(self, target: int) -> tuple[str, bool]:
+        """Why a flush left blocks unwritten in tier ``target``, as a person reads it, and
+        whether that is news: a full tier is; a tier that refused writes has said so
+        already (a read-only disk warns once, at open)."""
+        level = self.books.level_usage()[target]
+        if level["blocks"] >= level["high_watermark_blocks"]:
+            return f"it is full ({level['blocks']} of its {level['capacity_blocks']} blocks)", True
+        return "it did not take them: the warnings above say why", False
+
     def _persist(self, keys: Sequence[BlockKey], target: int) -> int:
         persistent = self.books.persistent
         pinned = self.books.pins.pin_where(keys, lambda entry: not entry.tiers & persistent)
@@ -225,25 +234,34 @@ class Migrations:
 
         ``progress`` hears the bytes to write (counted before the background
         moves finish: they may be writing some of them) and what is left, from
-        the books' running count (no scan of the index).
+        the books' running counts (no scan of the index): the blocks no persistent
+        tier holds, and those a full tier dropped to take others (eviction from the
+        last tier), which did not fit either.
         """
         target = self.persistent_target
         if target is None:
             self.mover.drain()
             return 0
-        nbytes = self._block_nbytes
+        queries, nbytes = self.books.queries, self._block_nbytes
+        held = queries.ready_count()
+
+        def left() -> int:
+            return (queries.unpersisted() + max(0, held - queries.ready_count())) * nbytes
+
         if progress is not None:
-            progress.begin(self.books.queries.unpersisted() * nbytes, self.io.describe(target))
+            progress.begin(queries.unpersisted() * nbytes, self.io.describe(target))
             while not self.mover.drain(timeout=0.25):
-                progress.update(self.books.queries.unpersisted() * nbytes)
+                progress.update(left())
         self.mover.drain()
-        todo = self.books.queries.unpersisted_keys()
+        todo = queries.unpersisted_keys()
         done = 0
         for start in range(0, len(todo), batch):
             done += self._persist(todo[start : start + batch], target)
             if progress is not None:
-                progress.update(self.books.queries.unpersisted() * nbytes)
-        if progress is not None:  # what is left now: blocks no persistent tier took
-            progress.update(self.books.queries.unpersisted() * nbytes, force=True)
-            progress.end()
+                progress.update(left())
+        if progress is not None:  # what is left now did not fit
+            remaining = left()
+            progress.update(remaining, force=True)
+            why, news = self._why_unwritten(target) if remaining else ("", False)
+            progress.end(why, warn=news)
         return done

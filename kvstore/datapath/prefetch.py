@@ -87,6 +87,7 @@ class PrefetchHandle(contracts.PrefetchHandle):
         #: Per layer, the copy event after which it is in place (set once it is queued).
         self._layer_events: list[Event | None] = [None] * num_layers
         self._started = time.perf_counter()
+        self._waited = 0.0  # seconds callers spent blocked in the waits
         #: Seconds from the start to the loader's end (None: not ended): what a restore
         #: plan's expected load time is compared with.
         self.load_s: float | None = None
@@ -163,17 +164,40 @@ class PrefetchHandle(contracts.PrefetchHandle):
         with self._cond:
             return list(self._steps)
 
+    @property
+    def waited_s(self) -> float:
+        with self._cond:
+            return self._waited
+
+    def _blocked(
+        self, cond: threading.Condition, ready: Callable[[], bool], timeout: float | None
+    ) -> bool:
+        """``cond.wait_for(ready, timeout)`` (``cond`` held), its seconds counted."""
+        start = time.perf_counter()
+        try:
+            return cond.wait_for(ready, timeout)
+        finally:
+            self._waited += time.perf_counter() - start
+
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         if not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer {layer} out of range [0, {self.num_layers})")
+
+        def arrived() -> bool:
+            return self._layers_done > layer or self._done
+
         with self._cond:
-            return self._cond.wait_for(lambda: self._layers_done > layer or self._done, timeout)
+            return self._blocked(self._cond, arrived, timeout)
 
     def wait_layer_on(self, layer: int, stream: object | None = None) -> None:
         if not 0 <= layer < self.num_layers:
             raise InvalidInputError(f"layer {layer} out of range [0, {self.num_layers})")
+
+        def queued() -> bool:
+            return self._layer_events[layer] is not None or self._done
+
         with self._cond:
-            self._cond.wait_for(lambda: self._layer_events[layer] is not None or self._done)
+            self._blocked(self._cond, queued, None)
             event = self._layer_events[layer]
         if event is not None:
             event.wait_stream(stream)
@@ -182,7 +206,7 @@ class PrefetchHandle(contracts.PrefetchHandle):
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._end:
-            return self._end.wait_for(lambda: self._done, timeout)
+            return self._blocked(self._end, lambda: self._done, timeout)
 
     def cancel(self) -> None:
         with self._cond:

@@ -70,8 +70,11 @@ class FlushProgress:
                 self._rate(now),
             )
 
-    def end(self) -> None:
-        """The flush is over (say how long it took)."""
+    def end(self, why: str = "", *, warn: bool = True) -> None:
+        """The flush is over: say how long it took, and what did not fit (the bytes still
+        left: the flush's caller counts in them what a full tier dropped to take others),
+        because ``why``: a warning when ``warn``, else (the cause was warned of already)
+        an info line."""
         now = time.monotonic()
         self.seconds = now - self.start
         if not self.total:
@@ -79,14 +82,22 @@ class FlushProgress:
         done = self.total - self.remaining
         if self.tty:
             self._draw(final=True)
-            return
-        log.info(
-            "close: wrote %s to %s in %.1f s (%.2f GB/s)",
-            format_size(done),
-            self.where,
-            self.seconds,
-            self._rate(now),
-        )
+        else:
+            log.info(
+                "close: wrote %s to %s in %.1f s (%.2f GB/s)",
+                format_size(done),
+                self.where,
+                self.seconds,
+                self._rate(now),
+            )
+        if self.remaining:
+            log.log(
+                logging.WARNING if warn else logging.INFO,
+                "close: %s did not fit in %s%s; it is lost when this process ends",
+                format_size(self.remaining),
+                self.where,
+                f": {why}" if why else "",
+            )
 
     def summary(self) -> dict[str, Any]:
         """Bytes to write, bytes written, seconds (None before :meth:`end`)."""

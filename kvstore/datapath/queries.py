@@ -30,11 +30,12 @@ class QueryBooks:
         self._placement = placement
         self._heat = heat
 
-    def leading(self, keys: Sequence[BlockKey], local: bool = False) -> int:
-        """Leading ``keys`` readable (from a tier of this machine, with ``local``)."""
+    def leading(self, keys: Sequence[BlockKey], local: bool = False, without: int = 0) -> int:
+        """Leading ``keys`` readable (from a tier of this machine, with ``local``; from a
+        tier not in the bit mask ``without``)."""
         with self._guard.locked():
             self._guard.check_open()
-            return self._index.leading(keys, self._index.local if local else -1)
+            return self._index.leading(keys, (self._index.local if local else -1) & ~without)
 
     def readable(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which of ``keys`` are readable."""
@@ -74,6 +75,12 @@ class QueryBooks:
                 (k, self._index.medium(e.tiers)) for k, e in self._index.items() if e.state == READY
             )
             return [(k, m) for k, m in media if m != Medium.NONE]
+
+    def shared_keys(self) -> list[BlockKey]:
+        """Each readable key with a copy in a shared persistent tier (S3)."""
+        shared = self._index.shared
+        with self._guard.locked():
+            return [k for k, e in self._index.items() if e.state == READY and e.tiers & shared]
 
     def unpersisted(self) -> int:
         """Readable blocks no persistent tier holds (kept as a count, not scanned)."""

@@ -50,11 +50,14 @@ class Reader:
         outs: Sequence[torch.Tensor],
         layers: LayerRange,
         prefix: bool,
+        partial: bool = False,
     ) -> Loaded:
         """A get: pin, read, unpin, count. Raises :class:`BlockNotFoundError` (loading
         nothing) without ``prefix`` when a key is not stored; a key that fails to load
         from every tier ends the loaded prefix (the caller decides what that means),
-        except that without ``prefix`` a server refusing the token is named at once."""
+        except that without ``prefix`` or ``partial`` (a get into a buffer, all or
+        nothing) a server refusing the token is named at once. With ``partial`` such a
+        block is a miss like any other (the tier's refusal is logged once and counted)."""
         entries = self._pin(keys, prefix)
         try:
             done = self.read(keys[: len(entries)], entries, outs, layers)
@@ -62,7 +65,7 @@ class Reader:
             self.books.pins.unpin(entries)
         n = next((i for i, ok in enumerate(done) if not ok), len(done))
         self.books.count(blocks_read=n, blocks_missed=len(keys) - n)
-        if not prefix and n < len(keys):
+        if not prefix and not partial and n < len(keys):
             self._raise_if_refused(keys, n)
         return Loaded(n, keys[:n], entries[:n])
 

@@ -23,18 +23,31 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvstore.errors import AccessDeniedError, ProtocolError, TierError
+from kvstore.errors import AccessDeniedError, ProtocolError, StoreLimitError, TierError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.speeds import ReadSpeed, RunShare, SpeedEstimate
+from kvstore.restore_stats import LoadSample
+from kvstore.speeds import ReadSpeed, SpeedEstimate
 from kvstore.tiers.base import LayerRange, Tier
 
-__all__ = ["Health", "TierIO"]
+__all__ = ["Health", "TierIO", "tier_ids"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def tier_ids(tiers: Sequence[Tier]) -> list[str]:
+    """Each tier as ``kind:n`` (its kind, and how many tiers of that kind come before
+    it): how processes with different tier lists, and configs, name the same tier."""
+    seen: dict[str, int] = {}
+    ids = []
+    for tier in tiers:
+        n = seen.get(tier.kind, 0)
+        seen[tier.kind] = n + 1
+        ids.append(f"{tier.kind}:{n}")
+    return ids
 
 
 class Counting(Protocol):
@@ -50,12 +63,14 @@ class Counting(Protocol):
 @dataclass
 class Health:
     """Whether a tier answers: ``down`` from a call that raised until one that reaches the
-    medium succeeds; ``refused``: why, when its server refuses the tier's token."""
+    medium succeeds; ``refused``: why, when its server refuses the tier's token or will
+    not open its store (``over_limit``: the latter, its ``server.max_stores``)."""
 
     down: bool = False
     errors: int = 0
     last_error: str = ""
     refused: str = ""
+    over_limit: bool = False
 
 
 class TierIO:
@@ -131,19 +146,14 @@ class TierIO:
         layers: LayerRange = None,
     ) -> list[bool] | None:
         """Read from tier ``level``; None when the medium is unavailable (it raised).
-
-        The read's speed sample is its wall time less the time its threads waited to run
-        (:class:`~kvstore.speeds.RunShare`: this thread's wait, or the share of the pool
-        tasks' time that ran where the tier spread the read over its threads): the
-        medium's speed, not the process's contention; the read totals in the store's
-        stats keep the wall time."""
+        The call's wall time is a sample of the tier's read speed."""
 
         def read(tier: Tier) -> list[bool]:
             return tier.get(keys, outs, layers)
 
-        with RunShare.timed() as took:
-            ok = self._call(level, "read", len(keys), read, answers=True)
-        elapsed, reading = took.wall_s, took.running_s
+        start = time.perf_counter()
+        ok = self._call(level, "read", len(keys), read, answers=True)
+        elapsed = time.perf_counter() - start
         if ok is None:
             return None
         nbytes = self.layout.block_nbytes
@@ -153,11 +163,11 @@ class TierIO:
         if getattr(self._quiet, "on", False):
             return ok  # timed by the caller (unobserved())
         if self.speeds:
-            self.speeds[level].observe(sum(ok) * nbytes, reading)
+            self.speeds[level].observe(sum(ok) * nbytes, elapsed)
         if any(ok):
             with self._lock:
                 b, sec, calls = self._reads[level]
-                self._reads[level] = (b + sum(ok) * nbytes, sec + reading, calls + 1)
+                self._reads[level] = (b + sum(ok) * nbytes, sec + elapsed, calls + 1)
         return ok
 
     @contextlib.contextmanager
@@ -170,21 +180,21 @@ class TierIO:
         finally:
             self._quiet.on = False
 
-    def observe(self, level: int, nbytes: float, seconds: float) -> None:
-        """Feed one read call timed elsewhere into tier ``level``'s speed."""
+    def probed(self, level: int, samples: list[tuple[float, float]]) -> None:
+        """A probe's fastest ``(bytes, seconds)`` of tier ``level`` (:meth:`ReadSpeed.probed`)."""
         if self.speeds:
-            self.speeds[level].observe(nbytes, seconds)
+            self.speeds[level].probed(samples)
+
+    def observe_loads(self, loads: dict[int, LoadSample]) -> None:
+        """A restore's reads per tier level: each tier's price is corrected by what they
+        cost against what its fit says (:meth:`ReadSpeed.correct`)."""
+        for level, load in loads.items():
+            if self.speeds and 0 <= level < len(self.speeds):
+                self.speeds[level].correct(load.actual_s, load.nbytes, load.calls, load.planned_s)
 
     def tier_ids(self) -> list[str]:
-        """Each tier as ``kind:n`` (its kind, and how many tiers of that kind come before
-        it): how processes with different tier lists name the same tier."""
-        seen: dict[str, int] = {}
-        ids = []
-        for tier in self.tiers:
-            n = seen.get(tier.kind, 0)
-            seen[tier.kind] = n + 1
-            ids.append(f"{tier.kind}:{n}")
-        return ids
+        """Each tier's id (:func:`tier_ids`)."""
+        return tier_ids(self.tiers)
 
     def read_totals(self) -> dict[str, tuple[float, float, int]]:
         """Per tier id, every read so far: ``(bytes, seconds, calls)`` (what a process that
@@ -201,6 +211,11 @@ class TierIO:
             if tier_id in reads:
                 nbytes, seconds, calls = reads[tier_id]
                 self.speeds[level].observe(nbytes, seconds, int(calls))
+
+    def levels_of(self, by_id: dict[str, T]) -> dict[int, T]:
+        """``by_id`` (keyed by tier id, as another process names the tiers) keyed by this
+        store's levels; ids this store lacks are dropped."""
+        return {level: by_id[i] for level, i in enumerate(self.tier_ids()) if i in by_id}
 
     def speeds_now(self) -> list[SpeedEstimate]:
         """Every tier's read speed now (their configured figures where not kept)."""
@@ -274,9 +289,10 @@ class TierIO:
         with self._lock:
             health = self._health[level]
             figures: dict[str, Any] = {"available": not health.down, "io_errors": health.errors}
-        speed = self.speed(level)
-        if speed is not None:
-            figures.update(speed.as_stats())
+            if health.refused:  # why its blocks are misses now (see the log's one warning)
+                figures["refused"] = health.refused
+        if self.speeds:
+            figures.update(self.speeds[level].stats())
         return {**figures, **(self._call(level, "stats", 0, lambda t: t.stats()) or {})}
 
     def prepare_close(self) -> None:
@@ -288,6 +304,12 @@ class TierIO:
         """Close every tier (a failure is logged, never raised)."""
         for level in range(len(self.tiers)):
             self._call(level, "close", 0, lambda t: t.close())
+
+    def refused_mask(self) -> int:
+        """Bits of the tiers whose server refuses this store's token now (since a call
+        was refused, until one reaches the medium again): their copies cannot be read."""
+        with self._lock:
+            return sum(1 << level for level, h in enumerate(self._health) if h.refused)
 
     def refusal(self) -> str | None:
         """Why a tier cannot be read now because its server refuses this store's token
@@ -328,27 +350,21 @@ class TierIO:
 
     def _failed(self, level: int, what: str, count: int, exc: Exception) -> None:
         kind = self.tiers[level].kind
-        refused = isinstance(exc, AccessDeniedError)
+        # A server that refuses the token, or will not open this store (max_stores): it
+        # answers, so not an outage but a setting to change, said as such.
+        over = isinstance(exc, StoreLimitError)
+        refused = over or isinstance(exc, AccessDeniedError)
         with self._lock:
             health = self._health[level]
             # Said once per outage, and again when its cause changes (a server that
             # was away comes back refusing the token, or the other way round).
-            first = not health.down or bool(health.refused) != refused
+            first = not health.down or (bool(health.refused), health.over_limit) != (refused, over)
             health.down, health.errors, health.last_error = True, health.errors + 1, str(exc)
             health.refused = str(exc) if refused else ""
+            health.over_limit = over
         self._books.count(tier_errors=1)
         if refused:  # a configuration matter, not a bug: one line, no traceback
-            if first:
-                log.warning(
-                    "tier %s refused access (%s of %d blocks): %s; its blocks are misses "
-                    "until the server accepts the token",
-                    kind,
-                    what,
-                    count,
-                    exc,
-                )
-            else:
-                log.debug("tier %s still refuses access (%s): %s", kind, what, exc)
+            _say_refused(kind, what, count, exc, first)
         elif not isinstance(exc, (TierError, ProtocolError)):  # a bug: always say so
             log.error("tier %s failed to %s %d blocks", kind, what, count, exc_info=exc)
         elif first:
@@ -367,6 +383,35 @@ class TierIO:
             health = self._health[level]
             was_down, health.down = health.down, False
             was_refused, health.refused = bool(health.refused), ""
+            over_limit, health.over_limit = health.over_limit, False
         if was_down:
             again = "accepts the token again" if was_refused else "answers again"
+            if over_limit:
+                again = "opened this store: the server took it at last"
             log.warning("tier %s %s", self.tiers[level].kind, again)
+
+
+def _say_refused(kind: str, what: str, count: int, exc: Exception, first: bool) -> None:
+    """Log a server's refusal of a tier -- its token, or opening its store -- once (at
+    ``first``), as the setting to change that it is; later ones at DEBUG."""
+    if not first:
+        log.debug("tier %s still refused (%s): %s", kind, what, exc)
+    elif isinstance(exc, StoreLimitError):
+        log.warning(
+            "tier %s: the server refused to open this store (%s of %d blocks): %s; until it "
+            "does, nothing is stored there and its blocks are misses (the tier's stats say "
+            "why under 'refused'; puts no other tier took count in blocks_not_stored)",
+            kind,
+            what,
+            count,
+            exc,
+        )
+    else:
+        log.warning(
+            "tier %s refused access (%s of %d blocks): %s; its blocks are misses until the "
+            "server accepts the token",
+            kind,
+            what,
+            count,
+            exc,
+        )

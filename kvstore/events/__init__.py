@@ -8,7 +8,9 @@ the details; in short::
     from kvstore.events import EventPublisher, StoreEvents, TokenBook
     from kvstore.config.events import EventsConfig
 
-    config = EventsConfig(enabled=True, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
+    config = EventsConfig(
+        enabled=True, endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558"
+    )                                             # this host only; tcp://* warns (unauthenticated)
     book = TokenBook(store.layout.block_tokens, journal=config.token_journal)
     publisher = EventPublisher(config)            # binds on start()
     events = StoreEvents(store, book, publisher).start()   # also starts the publisher

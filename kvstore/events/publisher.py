@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.config.events import EventsConfig
+from kvstore.config.server import is_loopback
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.format import AllBlocksCleared, Event, encode_batch
 
@@ -93,6 +94,14 @@ def _binds(endpoint: str) -> bool:
         return True
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
     return host in _LOOPBACK or "*" in host or port == "0"
+
+
+def _beyond_loopback(endpoint: str) -> bool:
+    """Whether a bound ``endpoint`` is reachable from other hosts: TCP on a wildcard or an
+    interface's address (``ipc://`` and ``inproc://`` stay on this host)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    return not is_loopback(endpoint[len("tcp://") :])
 
 
 def _chunks(events: list[Event], size: int) -> list[list[Event]]:
@@ -175,6 +184,26 @@ class EventPublisher:
                 require_plain(self._replay)
             self.bound_replay_endpoint = self._attach(
                 self._replay, config.replay_endpoint, "replay_endpoint", bind=True
+            )
+        if self._zap is None:
+            self._warn_exposed()
+
+    def _warn_exposed(self) -> None:
+        """Say once that a socket bound beyond loopback lets anyone subscribe: the events
+        carry the token ids of every prompt stored (a kvstore-server refuses to listen
+        beyond loopback without a token; its events are not refused, as vLLM's are not,
+        but not kept quiet either)."""
+        config = self.config
+        bound = [config.endpoint] if _binds(config.endpoint) else []
+        bound += [config.replay_endpoint] if config.replay_endpoint is not None else []
+        exposed = [endpoint for endpoint in bound if _beyond_loopback(endpoint)]
+        if exposed:
+            log.warning(
+                "KV events on %s reach every host that reaches this one, unauthenticated: "
+                "whoever connects reads the token ids of every prompt stored; bind "
+                "tcp://127.0.0.1:PORT or ipc:// where the routers run on this host, keep the "
+                "port behind a firewall, or give tenants an events_endpoint with events_auth",
+                " and ".join(exposed),
             )
 
     @staticmethod

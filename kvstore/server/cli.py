@@ -107,13 +107,10 @@ def _describe(config: Any, addresses: dict[str, str], cluster: Any = None) -> st
 def _describe_cluster(cluster: Any) -> str:
     """The banner's cluster line: its name, the Redis of its index, this node's id and
     where its peers reach it."""
-    import urllib.parse
+    from kvstore.masking import mask_url
 
-    url = urllib.parse.urlsplit(cluster.redis_url or "")
-    if url.scheme == "unix":
-        redis = f"unix:{url.path}"
-    else:  # host, port and database only: a password in the URL stays out of logs
-        redis = f"{url.scheme}://{url.hostname}:{url.port or 6379}{url.path or ''}"
+    # Where, not who: the user and password (and a password= parameter) stay out.
+    redis = mask_url(cluster.redis_url or "", userinfo=False)
     if cluster.redis_cluster:
         redis += " (Redis Cluster)"
     served = f"peers fetch from {cluster.advertise}" if cluster.advertise else "serves no peers"
@@ -142,10 +139,15 @@ def run(args: argparse.Namespace) -> int:
     """Run a server from parsed arguments until SIGTERM / SIGINT; the exit code."""
     from kvstore.errors import KVStoreError
 
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    # --log-level is the server's own (the kvstore loggers): the libraries under it say
+    # only warnings (botocore's INFO "Found credentials in environment variables" at each
+    # S3 tier's open is not the operator's news), unless DEBUG asks for everything.
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=level if level <= logging.DEBUG else max(level, logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("kvstore").setLevel(level)
     # kill -USR1 <pid> prints every thread's stack to the log: what is it waiting for?
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # kill -USR2 <pid> starts tracing Python's allocations; each next one logs what grew.

@@ -361,7 +361,7 @@ class Connection:
         elif op == Op.OPEN:
             await self._open(frame, meta)
         elif op == Op.STATS:
-            await self._stats(frame)
+            await self._stats(frame, meta)
         elif op == Op.ADMIN:
             await self._admin(frame, meta)
         elif op == Op.PUT:
@@ -383,7 +383,7 @@ class Connection:
         elif frame.op == Op.SHM_ATTACH:
             await self._attach(frame)
         elif frame.op == Op.STATS:
-            await self._stats(frame)
+            await self._stats(frame, meta)
         elif frame.op == Op.ADMIN:
             await self._admin(frame, meta)
         elif frame.op == Op.PING:
@@ -428,8 +428,9 @@ class Connection:
             raise Refused(Status.BAD_REQUEST, "this connection already opened a store")
         request = decode_json(meta)
         namespace = check_namespace(request.get("namespace"), "namespace")
-        if not self.ctx.authenticator.allows(self.credential, namespace):
-            raise AccessDeniedError(f"this token does not open namespace {namespace!r}")
+        auth = self.ctx.authenticator
+        if not auth.allows(self.credential, namespace):
+            raise AccessDeniedError(auth.refusal(self.credential, namespace))
         layout = KVLayout.from_description(request.get("layout"))
         if request.get("fingerprint") != layout.fingerprint_hex:
             raise InvalidInputError("the layout's fingerprint differs from the client's")
@@ -471,8 +472,16 @@ class Connection:
             return
         await self.reply(frame, info)
 
-    async def _stats(self, frame: Frame) -> None:
+    async def _stats(self, frame: Frame, meta: bytes) -> None:
+        """The stores and figures the token may see. A meta naming a ``namespace`` (what
+        ``kvstore stats --namespace`` asks as) is refused unless the token opens it: a
+        token of another tenant would see none of its stores and nothing would say why."""
         cred, auth = self.credential, self.ctx.authenticator
+        asked = decode_json(meta).get("namespace") if meta else None
+        if asked is not None:
+            namespace = check_namespace(asked, "namespace")
+            if not auth.allows(cred, namespace):
+                raise AccessDeniedError(auth.refusal(cred, namespace))
         allowed = None
         if cred is not None:
             hosted = self.ctx.registry.hosted()

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvstore.config import StoreConfig
+from kvstore.config import DiskTierConfig, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.memory import trim_heap
 from kvstore.server import handlers
@@ -49,6 +49,7 @@ from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
 from kvstore.server.tenants import AdminDesk
+from kvstore.tiers.disk_lock import DirectoryLock
 from kvstore.wire.auth import Authenticator
 
 if TYPE_CHECKING:
@@ -108,6 +109,12 @@ def _check_tiers(config: StoreConfig) -> None:
             check_path(tier)  # without making a layout directory
         else:
             create_tier(tier, probe).close()
+
+
+def _disk_locks(config: StoreConfig) -> list[DirectoryLock]:
+    """The lock of each disk tier's directory (:mod:`kvstore.tiers.disk_lock`), not yet
+    taken: a server owns its directories, and a second one on them refuses to start."""
+    return [DirectoryLock(t.path) for t in config.tiers if isinstance(t, DiskTierConfig)]
 
 
 def _check_keys(config: StoreConfig, auth: Authenticator) -> None:
@@ -170,6 +177,8 @@ class Server:
         # Signals that came while start() ran, taken once it is done (loop-only).
         self._stop_asked = False
         self._reload_asked = False
+        #: One exclusive lock per disk tier directory, held from start() to close().
+        self._disk_locks = _disk_locks(config)
         #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``,
         #: ``events`` / ``events_replay`` (ZMQ endpoints of its KV events).
         self.addresses: dict[str, str] = {}
@@ -182,7 +191,21 @@ class Server:
 
     # -- start ----------------------------------------------------------------
     async def start(self) -> None:
-        """Bind every listener and begin accepting."""
+        """Take the disk directories (another server using one is a :class:`ConfigError`),
+        bind every listener and begin accepting."""
+        try:
+            for lock in self._disk_locks:
+                lock.acquire()
+            await self._start()
+        except BaseException:
+            self._release_disks()
+            raise
+
+    def _release_disks(self) -> None:
+        for lock in self._disk_locks:
+            lock.release()
+
+    async def _start(self) -> None:
         cfg = self.config.server
         self._stopped = asyncio.Event()
         self._ctx = ServerContext(
@@ -437,6 +460,7 @@ class Server:
         if "unix" in self.addresses:
             with contextlib.suppress(OSError):
                 os.unlink(self.addresses["unix"])
+        self._release_disks()  # after the stores' flush: the directories are whole
         log.info("kvstore-server stopped")
 
     async def _sweep_held(self, ctx: ServerContext) -> None:

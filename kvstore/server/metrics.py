@@ -223,6 +223,15 @@ _ABOUT = {
         "(kvstore_store_block_bytes) in memory, Redis and S3, the chunk plus its 4 KiB header "
         "in a disk tier's block file (which also clamps to 95% of the free space at open)."
     ),
+    "kvstore_tier_read_correction": (
+        "The factor a tier's fitted read speed is priced at for restore planning: restores "
+        "move it towards what their reads of the tier cost the engine over what the fit "
+        "says (1: restores cost what the reads measure; kept within [0.5, 20])."
+    ),
+    "kvstore_tier_read_estimate_error": (
+        "Median over a tier's recent restores of its planned / actual load seconds - 1 "
+        "(below 0: plans were too hopeful of the tier)."
+    ),
 }
 
 _STORE_GAUGES = (
@@ -269,9 +278,33 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
                     speed_samples.append((speed_labels, float(tier[key])))
     _metric(lines, "kvstore_tier_blocks", "gauge", tier_samples, _ABOUT["kvstore_tier_blocks"])
     _metric(lines, "kvstore_tier_read_speed", "gauge", speed_samples)
+    for key, name in _LOOP:
+        _metric(lines, name, "gauge", _tier_figures(stores, key), _ABOUT.get(name, ""))
     _restore_metrics(lines, stores)
     _cluster_metrics(lines, stores)
     _crypt_metrics(lines, stores)
+
+
+#: The closed loop that prices each tier (kvstore/speeds.py): stats key, metric name.
+_LOOP = (
+    ("read_correction", "kvstore_tier_read_correction"),
+    ("read_estimate_error", "kvstore_tier_read_estimate_error"),
+)
+
+
+def _tier_figures(stores: list[dict[str, Any]], key: str) -> list[tuple[str, float]]:
+    """``(labels, value)`` of one numeric figure of every store's tiers."""
+    samples = []
+    for stats in stores:
+        for i, tier in enumerate(stats.get("tiers", [])):
+            value = tier.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                labels = (
+                    f'namespace="{stats["namespace"]}",layout="{stats["layout_fp"]}",'
+                    f'tier="{i}",kind="{tier.get("kind", "")}"'
+                )
+                samples.append((labels, float(value)))
+    return samples
 
 
 #: Restore planning counters (kvstore/restore.py): stats key, metric name.

@@ -120,6 +120,8 @@ class StoreRegistry:
         #: The publisher of a namespace's store, when not the shared one (a tenant's own).
         self.events_for: Callable[[str], EventPublisher | None] | None = None
         self._stores: dict[tuple[str, bytes], HostedStore] = {}
+        #: Stores refused for ``max_stores`` (each said once in the log).
+        self._over_limit: set[tuple[str, bytes]] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -139,9 +141,11 @@ class StoreRegistry:
                 return hosted
             limit = self.config.server.max_stores
             if len(self._stores) >= limit:
+                self._say_over_limit(key, f"{namespace}/{layout.fingerprint_hex[:16]}")
                 raise CapacityError(
-                    f"this server hosts {limit} stores (server.max_stores); "
-                    f"namespace {namespace!r} with layout {layout.fingerprint_hex} is one too many"
+                    f"this server already hosts {limit} store(s), its server.max_stores; "
+                    f"namespace {namespace!r} with layout {layout.fingerprint_hex} would be "
+                    "one more"
                 )
             share = self.config.server.shared_memory
             config = _with_journal(namespaced_config(self.config, namespace, share), layout)
@@ -163,6 +167,20 @@ class StoreRegistry:
             ", ".join(t.kind for t in store.datapath.tiers),
         )
         return hosted
+
+    def _say_over_limit(self, key: tuple[str, bytes], label: str) -> None:
+        """Tell the operator, once per store, that a client's store was refused (the
+        client's tier says so too, and retries once per its ``retry_interval``)."""
+        if key in self._over_limit:
+            return
+        self._over_limit.add(key)
+        log.warning(
+            "refused to open store %s: %d stores are open, server.max_stores; its clients' "
+            "puts are not stored and their reads miss until server.max_stores is raised "
+            "(in the config; a restart applies it)",
+            label,
+            len(self._stores),
+        )
 
     def hosted(self) -> list[HostedStore]:
         """The stores open now."""

@@ -5,7 +5,6 @@ say, raises :class:`~kvstore.errors.TierError`, reports per-block failures
 (a lost or unreadable copy), or adds latency. It produces the faults a real
 medium rarely produces on demand (a dead server mid-batch, an I/O error on
 one block); everything else still goes through the real tier.
-:func:`cpu_starved` takes a CPU from this process as a busy engine's threads do.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +24,7 @@ from kvstore.keys import BlockKey
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.files import Buffer, FileOps
 
-__all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier", "cpu_starved", "wait_for_tier"]
+__all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier", "wait_for_tier"]
 
 
 class FaultyTier(Tier):
@@ -204,20 +201,3 @@ def wait_for_tier(check: Callable[[], bool], timeout: float = 5.0) -> bool:
                 return True
         time.sleep(0.05)
     return False
-
-
-@contextlib.contextmanager
-def cpu_starved(cpu: int, spinners: int = 3) -> Iterator[None]:
-    """``spinners`` processes spinning on ``cpu`` while the block runs: a thread of this
-    process bound to it waits to run most of the time, as a vLLM worker's reads do
-    beside the engine's OpenMP threads, without any thread of this process holding the
-    GIL."""
-    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
-    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(spinners)]
-    try:
-        time.sleep(0.3)  # all of them running
-        yield
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()

@@ -177,7 +177,17 @@ def _ping(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -
 
 
 def _stats(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -> Expect:
-    return Expect(frozenset({Status.OK}), check=_json_reply)
+    """A STATS request: answered in JSON; a meta that names a namespace (JSON
+    ``{"namespace": NS}``) is refused when malformed, or when the token does not open it."""
+    if not meta:
+        return Expect(frozenset({Status.OK}), check=_json_reply)
+    try:
+        asked = decode_json(meta).get("namespace")
+        if asked is not None:
+            check_namespace(asked, "namespace")
+    except KVStoreError:
+        return _refuse(Status.BAD_REQUEST)
+    return Expect(frozenset({Status.OK, Status.FORBIDDEN}), check=_json_reply)
 
 
 def _admin(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -> Expect:

@@ -30,6 +30,7 @@ from kvstore.codec import BlockHeader
 from kvstore.config import S3TierConfig
 from kvstore.errors import CorruptBlockError, TierError
 from kvstore.keys import BlockKey
+from kvstore.masking import mask_text, mask_url
 from kvstore.pools import call_or_inline, map_or_inline
 from kvstore.retry import Backoff, Breaker, retry_call
 from kvstore.tiers.remote_common import Counters
@@ -251,7 +252,7 @@ class S3Requests:
     @property
     def endpoint(self) -> str:
         """The endpoint the client talks to (AWS's own when ``endpoint_url`` is null)."""
-        return str(self.client.meta.endpoint_url)
+        return mask_url(str(self.client.meta.endpoint_url))
 
     def check_bucket(self, prefix: str) -> None:
         """One listing request under ``prefix`` at open (the permission re-indexing needs
@@ -286,7 +287,11 @@ class S3Requests:
             if isinstance(exc, botocore.exceptions.ClientError) and not retryable(exc):
                 raise TierError(f"s3 tier: {where} refused a listing ({code or status})") from None
             if not isinstance(exc, TRANSPORT):  # an outage was logged by call()
-                log.warning("s3 tier: checking %s at open failed (%s); opening anyway", where, exc)
+                log.warning(
+                    "s3 tier: checking %s at open failed (%s); opening anyway",
+                    where,
+                    mask_text(str(exc)),
+                )
 
     def _gave_up(self, exc: BaseException, exhausted: bool) -> None:
         """Count a request that failed for good; open the breaker if nothing answered."""
@@ -299,15 +304,15 @@ class S3Requests:
             self.counters.add("outages")
             log.warning(
                 "s3 tier: %s unreachable (%s); serving misses, probing every %gs",
-                self.cfg.endpoint_url or "the S3 endpoint",
-                exc,
+                mask_url(self.cfg.endpoint_url or "the S3 endpoint"),
+                mask_text(str(exc)),
                 self.cfg.retry_interval,
             )
 
     def _reachable(self) -> None:
         if self.breaker.succeeded():
             self.counters.add("reconnects")
-            log.info("s3 tier: %s is reachable again", self.cfg.endpoint_url or "S3")
+            log.info("s3 tier: %s is reachable again", mask_url(self.cfg.endpoint_url or "S3"))
 
     def pooled(self, fn: Callable[[], T], deadline_at: float) -> T:
         """:meth:`call` of ``fn`` on the pool, so connections stay within the pool's size."""

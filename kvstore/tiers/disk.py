@@ -31,6 +31,12 @@ processes atomically (whole or absent), and readers find blocks written after
 they opened (``shared = True``: the manager asks this tier about keys its index
 lacks). Capacity is enforced by each process for what it knows; give one
 process the writing role per directory, or split the capacity between writers.
+Two disk tiers of one config may not share a directory (a ConfigError when the
+config is read), nor may two kvstore-servers (:mod:`kvstore.tiers.disk_lock`).
+
+Each layout directory names its layout in ``layout.json``; a tier that finds none
+of its own layout's blocks but blocks of others says so, naming them
+(:mod:`kvstore.tiers.disk_layouts`).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.pools import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
+from kvstore.tiers.disk_layouts import MAX_NAMED, foreign_layouts, mismatch_line, record_layout
 from kvstore.tiers.disk_open import (
     check_path,
     fit_capacity,
@@ -178,6 +185,26 @@ class DiskTier(Tier):
                 "disk tier %s: cannot write (%s); serving the blocks already there, storing none",
                 self._tree.base,
                 self._write_error,
+            )
+        else:
+            record_layout(self._tree.base, self.layout)
+        if not self._found:
+            self._name_other_layouts()
+
+    def _name_other_layouts(self) -> None:
+        """A directory with none of this layout's blocks but blocks of others: most
+        likely the store was opened with another layout than its blocks were written
+        with (another dtype, head count, chunk size). Say so, once per other layout,
+        naming both: otherwise every lookup is a silent miss."""
+        others = foreign_layouts(self._tree.root, self.layout)
+        for other in others[:MAX_NAMED]:
+            log.warning("%s", mismatch_line(self._tree.root, self.layout, other))
+        if len(others) > MAX_NAMED:
+            log.warning(
+                "disk tier %s: holds blocks of %d more layouts (%s/)",
+                self._tree.root,
+                len(others) - MAX_NAMED,
+                self._tree.base.parent,
             )
 
     def _probe_write(self) -> str | None:

@@ -164,8 +164,9 @@ class Tree:
         than an hour) in the same pass; returns ``(keys, temps_removed)``.
         """
         found: list[tuple[float, bytes]] = []
-        removed = 0
         now = time.time()
+        # The layout directory's own temps (a write probe, layout.json's) a dead opener left.
+        removed = 0 if ops is None else _sweep_temps(ops, str(self.base), now)
         for fan in _subdirs(self.base):
             with contextlib.suppress(FileNotFoundError), os.scandir(fan) as entries:
                 for entry in entries:
@@ -199,11 +200,23 @@ def _key_of(name: str) -> bytes | None:
         return None
 
 
+def _sweep_temps(ops: FileOps, directory: str, now: float) -> int:
+    """Delete the stale temp files right in ``directory``; how many went."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(directory) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False) and _is_stale_temp(entry, now):
+                with contextlib.suppress(OSError):
+                    ops.unlink(entry.path)
+                    removed += 1
+    return removed
+
+
 def _is_stale_temp(entry: os.DirEntry[str], now: float) -> bool:
     """A temp file is stale unless its writer still runs and it is recent."""
     if not (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)):
         return False
-    parts = entry.name.split(".")  # "", key, pid, nonce, "tmp"
+    parts = entry.name.split(".")  # "", key (or what it is), pid, nonce, "tmp"
     try:
         pid = int(parts[2])
         age = now - entry.stat().st_mtime

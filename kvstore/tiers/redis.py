@@ -51,6 +51,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.masking import mask_text, mask_url
 from kvstore.retry import Backoff, retry_call
 from kvstore.tiers._redisresp import set_pipelined
 from kvstore.tiers.base import LayerRange
@@ -93,18 +94,6 @@ def _glob_escape(text: bytes) -> bytes:
     for ch in b"\\*?[]":
         text = text.replace(bytes([ch]), b"\\" + bytes([ch]))
     return text
-
-
-def _redact(url: str) -> str:
-    """``url`` without its password (for stats and logs)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(
-        (parts.scheme, user + netloc, parts.path, parts.query, parts.fragment)
-    )
 
 
 class RedisTier(ValueTier):
@@ -457,7 +446,7 @@ class RedisTier(ValueTier):
             return None
         if self._breaker.succeeded():
             self._counters.add("reconnects")
-            log.info("redis tier: %s is reachable again", _redact(self.cfg.url))
+            log.info("redis tier: %s is reachable again", mask_url(self.cfg.url))
         return result
 
     def _ping_at_open(self) -> None:
@@ -470,9 +459,9 @@ class RedisTier(ValueTier):
         except _REFUSED as exc:
             self.close()
             bare = urllib.parse.urlsplit(self.cfg.url).password is None
-            why = "wants a password and the tier's url has none" if bare else exc
+            why = "wants a password and the tier's url has none" if bare else mask_text(str(exc))
             raise TierError(
-                f"redis tier: {_redact(self.cfg.url)} refused the credentials ({why}); put "
+                f"redis tier: {mask_url(self.cfg.url)} refused the credentials ({why}); put "
                 "the right user / password in the tier's url (redis://:PASSWORD@host:port/db)"
             ) from None
         except (*_OUTAGE, redis.exceptions.RedisError) as exc:
@@ -484,14 +473,14 @@ class RedisTier(ValueTier):
     def _outage(self, exc: BaseException) -> None:
         self._counters.add("errors")
         if not isinstance(exc, _OUTAGE):  # a command error (e.g. OOM), not an outage
-            log.warning("redis tier: command failed: %s", exc)
+            log.warning("redis tier: command failed: %s", mask_text(str(exc)))
             return
         if self._breaker.failed():
             self._counters.add("outages")
             log.warning(
                 "redis tier: %s unavailable (%s); serving misses, retrying every %gs",
-                _redact(self.cfg.url),
-                exc,
+                mask_url(self.cfg.url),
+                mask_text(str(exc)),
                 self.cfg.retry_interval,
             )
 
@@ -534,7 +523,7 @@ class RedisTier(ValueTier):
         return self._value_stats(
             self.cfg.codec,
             available=self.available,
-            url=_redact(self.cfg.url),
+            url=mask_url(self.cfg.url),
             cluster=self.cfg.cluster,
         )
 

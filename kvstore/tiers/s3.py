@@ -63,6 +63,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.masking import mask_text
 from kvstore.pools import call_or_inline
 from kvstore.tiers._s3util import (
     CORRUPT_CODES,
@@ -487,7 +488,8 @@ class S3Tier(ValueTier):
         if code in PERMANENT_CODES:  # misconfiguration: say so loudly
             raise TierError(f"s3 tier: cannot list {where}: {code}") from None
         self._counters.add("errors")
-        log.warning("s3 tier: listing %s failed (%s); the index misses the rest", where, exc)
+        why = mask_text(str(exc))
+        log.warning("s3 tier: listing %s failed (%s); the index misses the rest", where, why)
 
     # -- plumbing -----------------------------------------------------------
     def _failed(self, op: str, key: BlockKey, exc: BaseException) -> None:

@@ -90,6 +90,24 @@ class Authenticator:
             return True
         return user == tenant == found.tenant and found.may("read")
 
+    def reach(self, credential: Credential | None) -> str:
+        """The namespaces ``credential`` opens, in words (for a refusal that says which
+        namespace to ask for instead)."""
+        if credential is None or credential.may("admin"):
+            return "every namespace"
+        if credential.namespaces is None:
+            return "every namespace no tenant owns"
+        names = sorted(credential.namespaces)
+        if not names:
+            return "no namespace"
+        listed = ", ".join(repr(n) for n in names)
+        return f"namespace {listed}" if len(names) == 1 else f"namespaces {listed}"
+
+    def refusal(self, credential: Credential | None, namespace: str) -> str:
+        """The one line that refuses ``namespace`` to ``credential``: which it does open."""
+        opens = self.reach(credential)
+        return f"this token does not open namespace {namespace!r}; it opens {opens}"
+
     def allows(self, credential: Credential | None, namespace: str) -> bool:
         """Whether ``credential`` (None: an unauthenticated server) opens ``namespace``."""
         if credential is None or credential.may("admin"):  # the operator opens them all

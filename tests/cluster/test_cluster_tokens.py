@@ -1,7 +1,8 @@
 """A cluster node whose token a peer accepts but which does not open the namespace: the
-node says so in one log line, and a get that found no other copy says the peer refused
-the token (never "not stored"). A real redis-server holds the index, a real
-kvstore-server is the peer."""
+node says so in one log line; a get of the blocks is a miss (it comes back short, as a
+refused remote tier's is: issue 50), and a get into a buffer that found no other copy
+says the peer refused the token (never "not stored"). A real redis-server holds the
+index, a real kvstore-server is the peer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from collections.abc import Callable
 
 import pytest
+import torch
 from cluster_nodes import eventually
 
 from kvstore import KVStore
@@ -49,9 +51,11 @@ def test_a_peer_that_refuses_the_namespace_is_named_in_the_log_and_in_get(
         config = {"tiers": [{"kind": "host", "capacity": "4MiB"}], "cluster": node}
         with KVStore(LAYOUT, config) as store:
             assert eventually(lambda: store.lookup(keys) == 2)  # the index lists them
+            assert store.get(keys).shape[2] == 0  # a miss, not an error
+            out = torch.empty(LAYOUT.tensor_shape(len(keys)), dtype=LAYOUT.dtype)
             for _ in range(2):
                 with pytest.raises(BlockNotFoundError) as raised:
-                    store.get(keys)
+                    store.get(keys, out=out)
                 message = str(raised.value)
                 assert "not stored" not in message and "\n" not in message
                 assert "cluster peer peer: " in message and peer.address in message

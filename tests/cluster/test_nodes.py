@@ -65,7 +65,8 @@ def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes, aws_env: None
     """c computed a prompt's first 2 chunks, then a the whole prompt: a can load all 6
     (its own, and c's 2 from the bucket where a's put found them there and left them
     PRESENT: whether it does depends on when a last listed the bucket), c its first 2
-    and would recompute the rest, b nothing of its own."""
+    from memory and the other 4 from the bucket (a's write-through put them there, and the
+    index knows it as soon as they land: issue 50), b nothing of its own."""
     keys, data = make_keys(6, salt=2), blocks(6, seed=2)
     with nodes.client("a") as a, nodes.client("c") as c:
         assert c.put_statuses(keys[:2], data[:2]) == [SlotStatus.STORED] * 2
@@ -96,7 +97,11 @@ def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes, aws_env: None
         # Each node publishes its tiers' read speeds: a's load of the prompt, in ms.
         assert ranked[0].restore_ms is not None and ranked[0].restore_ms > 0
         assert ranked[0].ready_ms == ranked[0].restore_ms  # nothing left to recompute
-        assert ranked[1].ready_ms is None  # c would recompute 4 chunks: no prefill speed
+        assert eventually(lambda: router.rank(keys)[1].shared_blocks == 4)  # a's, in S3
+        ranked = router.rank(keys)
+        assert ranked[1].node_id == "c" and ranked[1].memory_blocks == 2
+        assert ranked[1].ready_ms == ranked[1].restore_ms  # c loads all 6: none to recompute
+        assert ranked[2].shared_blocks == 6 and ranked[2].prefix_blocks == 0  # b: S3 only
 
 
 def test_a_hot_block_gets_a_replica_that_goes_when_it_cools(nodes: Nodes, aws_env: None) -> None:

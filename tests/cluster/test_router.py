@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
@@ -195,3 +197,41 @@ def test_ready_ms_is_the_lesser_of_loading_and_recomputing_by_the_planners_rule(
     assert unknown.ready_ms({"disk": 2}, mb, ct, ct) is None
     # A medium the node reads but published no speed for: no figure.
     assert NodeSpeeds((), 2e4).ready_ms({"disk": 1}, mb, 0, ct) is None
+
+
+media_speed = st.tuples(st.floats(1e-4, 100.0), st.floats(0.0, 100.0))
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    memory=st.none() | media_speed,
+    disk=st.none() | media_speed,
+    shared=st.none() | media_speed,
+    rate=st.none() | st.floats(10.0, 1e6),
+    counts=st.tuples(st.integers(0, 600), st.integers(0, 600), st.integers(0, 600)),
+    recompute=st.integers(0, 5000),
+)
+def test_the_closed_form_ready_time_is_the_full_plans(
+    memory: tuple[float, float] | None,
+    disk: tuple[float, float] | None,
+    shared: tuple[float, float] | None,
+    rate: float | None,
+    counts: tuple[int, int, int],
+    recompute: int,
+) -> None:
+    """Router.rank prices each node in a few operations per medium (NodeSpeeds.ready_ms),
+    not with a plan per node: for any published speeds and prefix, the same ready time
+    as the node's full restore plan (NodeSpeeds.plan, plan_restore over every chunk)."""
+    published = tuple(
+        (name, *speed)
+        for name, speed in (("memory", memory), ("disk", disk), ("shared", shared))
+        if speed is not None
+    )
+    node = NodeSpeeds(published, rate)
+    chunks = dict(zip(("memory", "disk", "shared"), counts, strict=True))
+    plan = node.plan(chunks, 3 << 20, recompute, 256)
+    ready = node.ready_ms(chunks, 3 << 20, recompute, 256)
+    if plan is None or plan.ready_s is None:
+        assert ready is None
+    else:
+        assert ready == pytest.approx(plan.ready_s * 1e3, rel=1e-5)

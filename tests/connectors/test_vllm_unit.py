@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ from kvstore.connectors.plan import (
     matched_tokens,
 )
 from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tiers_config
+from kvstore.connectors.speeds import EngineSpeeds, loads_as_counters
 from kvstore.connectors.transfer import TransferWorker
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
+from kvstore.restore_stats import PlannedLoad
 
 H, D, N = 2, 16, 8  # heads, head_dim, engine block (page) size in tokens
 
@@ -281,7 +284,8 @@ class FakeIndex:
         n = self.count(keys)
         if self.plan is None:
             return Found(n, n)
-        return Found(n, min(n, self.plan), 0.01)
+        planned = PlannedLoad({"s3:0": (0.01, 1e6, 1)}, 0.01, 0.2, 4)
+        return Found(n, min(n, self.plan), 0.01, planned)
 
     def count(self, keys: dict[int, list[BlockKey]]) -> int:
         counts = []
@@ -329,6 +333,7 @@ def test_planner_loads_what_the_restore_plan_says() -> None:
     plan = planner.step([Scheduled("r", (blocks,), True, 32, 68)])
     (load,) = plan.loads
     assert (load.first_chunk, load.token_end, load.planned_s) == (0, 32, 0.01)
+    assert load.planned is not None and load.planned.tiers == {"s3:0": (0.01, 1e6, 1)}
     assert not plan.saves  # the recomputed chunks are stored already: nothing to save
 
 
@@ -517,6 +522,38 @@ def test_save_then_load_into_another_engine_is_bit_exact(tmp_path: Path, mode: s
     assert consumer.read(blocks_b, 0, 20).abs().sum() == 0  # the engine already had those
     assert loader.counters.snapshot()["load_tokens"] == 43
     loader.close()
+
+
+def test_a_planned_loads_wait_goes_back_as_what_it_cost_each_tier(
+    tmp_path: Path, mode: str
+) -> None:
+    """The engine's wait for a planned load (in ``wait_layer``, or the whole load when it
+    runs before compute) is read back through the plan's model as what the load cost its
+    tier, shipped to the scheduler with the step's stats, and corrects the price the
+    scheduler's store plans that tier at."""
+    c = WLAYOUT.block_tokens
+    keys, blocks = prompt_keys(list(range(64))), list(range(8))
+    producer, consumer = Engine(), Engine()
+    producer.compute(blocks, 64, seed=3)
+    saver = worker_for(tmp_path, producer, mode)
+    step(saver, saves=[spec(keys, 0, 0, 4 * c, blocks)])
+    saver.close()
+    loader = worker_for(tmp_path, consumer, mode)
+    load = spec(keys, 0, 0, 4 * c - 1, blocks)
+    nbytes = 4 * WLAYOUT.block_nbytes
+    load.planned = PlannedLoad({"disk:0": (1e-6, nbytes, 1)}, 1e-6, 0.01, LAYERS)
+    assert step(loader, loads=[load]) == set()
+    samples = loader.take_load_samples()
+    assert set(samples) == {"disk:0"} and loader.take_load_samples() == {}
+    sample = samples["disk:0"]
+    assert (sample.nbytes, sample.calls, sample.planned_s) == (nbytes, 1, 1e-6)
+    assert sample.actual_s > 0
+    loader.close()
+    with KVStore(WLAYOUT, store_config(tmp_path / "scheduler")) as scheduler:
+        EngineSpeeds(scheduler).step_ended(SimpleNamespace(data=loads_as_counters(samples)))
+        disk = scheduler.stats()["tiers"][1]
+        assert disk["read_correction"] != 1.0  # the engine's wait moved the price
+        assert disk["read_estimate_error"] == pytest.approx(1e-6 / sample.actual_s - 1)
 
 
 def test_saves_skip_chunks_already_stored(tmp_path: Path, mode: str) -> None:

@@ -58,6 +58,7 @@ def test_log_lines_are_spaced_out(caplog: pytest.LogCaptureFixture) -> None:
         progress.begin(GiB, "disk")
         for left in range(100):
             progress.update(GiB - left)
+        progress.update(0)
         progress.end()
     assert len(caplog.records) == 2  # the start and the end only
 
@@ -70,3 +71,18 @@ def test_nothing_to_write_says_nothing(caplog: pytest.LogCaptureFixture) -> None
         progress.end()
     assert out.getvalue() == "" and not caplog.records
     assert progress.summary() == {"bytes": 0, "bytes_written": 0, "seconds": progress.seconds}
+
+
+def test_what_did_not_fit_is_a_warning_that_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 50: a close onto a full disk said "wrote 160 MiB" of 480, and no more."""
+    progress = FlushProgress(stream=Terminal(), redraw_s=0)  # a terminal: the bar, and this
+    with caplog.at_level(logging.INFO, logger="kvstore.close"):
+        progress.begin(3 * GiB, "the disk tier (/x)")
+        progress.update(2 * GiB, force=True)
+        progress.end("it is full (5 of its 5 blocks)")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "close: 2.00 GiB did not fit in the disk tier (/x): it is full (5 of its 5 blocks); "
+        "it is lost when this process ends"
+    ]
+    assert progress.summary()["bytes_written"] == GiB

@@ -3,17 +3,23 @@ written: the shell block starts the server and the indexer in the background and
 the server with the indexer; a client then puts a prompt through the server (the next
 block), and the indexer's ``/query`` (the block after) finds the server's worker.
 
-The block runs in bash, as pasted into a terminal: ``.venv-dynamo/bin`` first on ``PATH``
-(its ``pip install ai-dynamo-runtime==1.6.1`` finds it installed; its ``python`` runs the
-indexer), then this checkout's ``.venv/bin`` (``kvstore-server``).
+The block runs in bash, as pasted into a terminal whose environment is kvstore's: this
+checkout's ``.venv/bin`` first on ``PATH`` (``kvstore-server``). Dynamo's indexer lives in a
+virtualenv of its own, which the block names by its path: ai-dynamo-runtime pins another
+pydantic, and installing it into kvstore's environment swapped kvstore's (issue 50). The
+test checks that kvstore's environment is left as it was.
 What the test changes, and why: the block's fixed ports (7070, 5557, 5558, 8090) become
 free ones and its paths (/tmp/kvstore-events.yaml, /var/tmp/kvstore) paths in a temporary
-directory, so that runs never collide; ``KVSTORE_HOST_PREFAULT=false`` keeps the 4 GiB
-host tier from being committed on a shared test machine.
+directory, so that runs never collide; its indexer virtualenv (~/.venvs/dynamo-indexer) is
+``.venv-dynamo``, which ``scripts/setup-dynamo.sh`` built the same way (so the block's
+``pip install ai-dynamo-runtime==1.6.1`` finds it installed, offline);
+``KVSTORE_HOST_PREFAULT=false`` keeps the 4 GiB host tier from being committed on a shared
+test machine.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -60,6 +66,7 @@ def localize(block: str, ports: dict[int, int], work: Path) -> str:
     for fixed, free in ports.items():
         block = re.sub(rf"(?<![0-9]){fixed}(?![0-9])", str(free), block)
     block = block.replace("/tmp/kvstore-events.yaml", str(work / "kvstore-events.yaml"))
+    block = block.replace("~/.venvs/dynamo-indexer", str(DYNAMO_VENV))
     return block.replace("/var/tmp/kvstore", str(work / "kvstore"))
 
 
@@ -85,7 +92,7 @@ class Shell:
             f"echo $? > {self.status}\n"
             "wait\n"
         )
-        path = f"{DYNAMO_VENV / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+        path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
             "PATH": path,
@@ -142,12 +149,25 @@ def wait_listening(port: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"nothing listens on {port}")
 
 
+def kvstore_environment() -> dict[str, str]:
+    """What of kvstore's environment the indexer's install would change: pydantic's
+    version, and whether Dynamo's runtime is in it."""
+    found = {"pydantic": importlib.metadata.version("pydantic")}
+    try:
+        found["ai-dynamo-runtime"] = importlib.metadata.version("ai-dynamo-runtime")
+    except importlib.metadata.PackageNotFoundError:
+        found["ai-dynamo-runtime"] = "absent"
+    return found
+
+
 def test_the_copy_paste_block_registers_the_server_and_the_query_finds_it(work: Path) -> None:
     ports = {fixed: free_port() for fixed in PORTS}
+    before = kvstore_environment()
     shell = Shell(work, localize(setup_block(), ports, work))
     try:
         status = shell.wait_block()
         assert status == 0, shell.output()
+        assert kvstore_environment() == before  # the indexer went to its own venv
         indexer = f"http://127.0.0.1:{ports[8090]}"
         with urllib.request.urlopen(f"{indexer}/workers", timeout=10) as reply:
             assert [w["instance_id"] for w in json.loads(reply.read())] == [1]

@@ -152,3 +152,29 @@ def test_an_idle_publisher_sends_empty_heartbeat_batches(
         got = sub.until(lambda m: len(m) >= 3, timeout=5.0)
     assert [seq for seq, _ in got] == [last + 1, last + 2, last + 3]
     assert all(batch.events == [] for _, batch in got)
+
+
+def test_a_socket_bound_beyond_loopback_without_authentication_warns_once(
+    events_config: EventsConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 50, item 14: the events carry the prompts' token ids, and a wildcard endpoint
+    hands them to anyone who reaches the port. A kvstore-server refuses to listen beyond
+    loopback without a token; a publisher that binds there unauthenticated says so, once
+    (loopback, ``ipc://`` and authenticated publishers say nothing)."""
+    exposed = dataclasses.replace(
+        events_config, endpoint="tcp://*:0", replay_endpoint="tcp://0.0.0.0:0"
+    )
+    with caplog.at_level("WARNING", logger="kvstore.events.publisher"):
+        with EventPublisher(exposed) as pub:
+            pub.publish([removed(1)])
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(said) == 1, said
+        assert said[0].startswith("KV events on tcp://*:0 and tcp://0.0.0.0:0 reach every host")
+        assert "unauthenticated" in said[0] and "token ids" in said[0]
+        assert "tcp://127.0.0.1" in said[0]  # what to bind instead
+        caplog.clear()
+        with EventPublisher(events_config):  # loopback
+            pass
+        with EventPublisher(exposed, authenticate=lambda user, secret: False):
+            pass
+        assert [r for r in caplog.records if r.levelname == "WARNING"] == []

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore import KVStore
 from kvstore.client import Client, ClientOptions
+from kvstore.restore_stats import LoadSample
 from kvstore.server import ServerThread
 from kvstore.server.metrics import LATENCY_BUCKETS, MetricsEndpoint, ServerMetrics
 from kvstore.testing.conformance import make_keys
@@ -53,6 +55,9 @@ def test_metrics_and_healthz(kv_server: Start) -> None:
     assert "# TYPE kvstore_tier_read_speed gauge" in text
     assert f'kvstore_tier_read_speed{{{labels},tier="0",kind="host",what="gbps",' in text
     assert 'what="latency_ms",source="configured"}' in text
+    # Its price's correction (restores move it), 1 before any; no restore: no error yet.
+    assert f'kvstore_tier_read_correction{{{labels},tier="0",kind="host"}} 1' in text
+    assert "kvstore_tier_read_estimate_error{" not in text
     # Restore planning: nothing planned yet, counted from zero.
     assert f"kvstore_restore_plans_total{{{labels}}} 0" in text
     assert f"kvstore_restore_tokens_planned_recompute_total{{{labels}}} 0" in text
@@ -334,3 +339,18 @@ def test_restore_load_times_per_tier_are_on_metrics(tmp_path: Any) -> None:
             labels = (("namespace", "t"), ("layout", LAYOUT.fingerprint_hex), ("tier", tier))
             value = samples[(name, labels)]
             assert value > 0 and value == stats["restore"][f"load_{what}_s_tier{tier}"]
+
+
+def test_each_tiers_price_correction_and_plan_error_are_gauges(tmp_path: Any) -> None:
+    """A store whose restores corrected a tier's price shows it per tier on /metrics."""
+    with KVStore(LAYOUT, {"tiers": [{"kind": "disk", "path": str(tmp_path)}]}) as store:
+        store.observe_loads({"disk:0": LoadSample(0.09, 3e6, 1, 0.03)})  # 3x its price
+        stats = {**store.stats(), "namespace": "n", "layout_fp": "f"}
+    text = ServerMetrics().render([stats])
+    labels = 'namespace="n",layout="f",tier="0",kind="disk"'
+    line = next(x for x in text.splitlines() if x.startswith("kvstore_tier_read_correction{"))
+    assert line.startswith(f"kvstore_tier_read_correction{{{labels}}} ")
+    assert float(line.split()[-1]) > 1  # priced above its fit now
+    error = next(x for x in text.splitlines() if x.startswith("kvstore_tier_read_estimate_error{"))
+    assert error.startswith(f"kvstore_tier_read_estimate_error{{{labels}}} ")
+    assert float(error.split()[-1]) == pytest.approx(0.03 / 0.09 - 1)

@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from kvstore import KVStore, StoreConfig
 from kvstore.client import Client, ClientOptions
+from kvstore.errors import ConfigError
 from kvstore.server import ServerThread
 from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
+from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.wire.protocol import VERSION, Frame, Op, Status
 
 LAYOUT = small_layout()
@@ -93,6 +97,14 @@ START_ROWS: dict[str, Start] = {
         ("--config", "{tmp}/s.yaml"),
         ("server.lisen: unknown key", "allowed keys"),
         files={"s.yaml": "server:\n  lisen: 127.0.0.1:7070\n"},
+    ),
+    "listen-a-tcp-url": Start(
+        ("--listen", "tcp://127.0.0.1:0"),
+        ("server.listen: write '127.0.0.1:0' (HOST:PORT or unix:/path), not a URL",),
+    ),
+    "metrics-listen-an-http-url": Start(
+        ("--metrics-listen", "http://127.0.0.1:9100/"),
+        ("server.metrics_listen: write '127.0.0.1:9100' (HOST:PORT", "not a URL"),
     ),
     "disk-path-under-a-file": Start(
         ("--config", "{tmp}/s.yaml", "--listen", "127.0.0.1:0"),
@@ -206,3 +218,67 @@ def test_a_client_of_another_protocol_gets_one_line_and_the_server_serves_on(
         outs = [kv[:, :, :8].clone().zero_() for _ in range(2)]
         assert client.get(keys, outs) == [True, True]
         assert all(o.equal(kv[:, :, i * 8 : (i + 1) * 8]) for i, o in enumerate(outs))
+
+
+# -- two servers on one disk directory (issue 50, item 2) ------------------------------------------
+def test_a_second_server_on_a_disk_directory_in_use_refuses_and_a_killed_one_restarts(
+    tmp_path: Path,
+) -> None:
+    """Two servers on one directory would evict and delete each other's blocks: the second
+    refuses in one line naming the directory and the first one's pid. The lock is the
+    kernel's (flock), so a server killed with SIGKILL leaves none behind: started again
+    on the same directory, it starts and serves what it had written. Library stores may
+    still share a directory (several processes of one engine do)."""
+    disk = tmp_path / "disk"
+    tiers = [{"kind": "host", "capacity": "4MiB"}, {"kind": "disk", "path": str(disk)}]
+    first = KVStoreServerProcess(server_test_config(tmp_path / "a", tiers), tmp_path / "a")
+    kv = random_blocks(LAYOUT, 2)
+    with first:
+        remote = {"kind": "remote", "address": first.address, "durable": True}
+        with KVStore(LAYOUT, {"tiers": [remote]}) as store:
+            keys = store.hash_tokens(list(range(2 * LAYOUT.block_tokens)), "lock")
+            assert store.put(keys, kv) == 2  # durable: on the server's disk when acknowledged
+        (tmp_path / "link").symlink_to(disk)  # the same directory, spelled otherwise
+        second = tmp_path / "b"
+        second.mkdir()
+        prepare_home(second)
+        (second / "s.yaml").write_text(
+            f"tiers:\n  - kind: disk\n    path: {tmp_path / 'link'}\n    capacity: 64MiB\n"
+        )
+        argv = [*server_command(), "--config", str(second / "s.yaml"), "--listen", "127.0.0.1:0"]
+        one_error_line(
+            run_command(argv, second, None, 60),
+            "kvstore-server",
+            (
+                f"disk tier path {tmp_path / 'link'} is in use by another kvstore-server "
+                f"(pid {first.pid})",
+                "delete each other's blocks",
+                "a disk path of its own",
+            ),
+        )
+        with KVStore(LAYOUT, {"tiers": [{"kind": "disk", "path": str(disk)}]}) as beside:
+            assert beside.lookup(keys) == 0  # a library store opens there (its own blocks)
+        first.kill()  # SIGKILL: no flush, no unlock but the kernel's
+        first.start()
+        with KVStore(LAYOUT, {"tiers": [remote]}) as store:
+            assert store.lookup(keys) == 2
+            assert torch.equal(store.get(keys), kv)
+
+
+def test_two_in_process_servers_on_one_disk_directory(tmp_path: Path) -> None:
+    """The same for servers in one process (ServerThread): the second refuses, and once
+    the first has stopped, a server starts there."""
+    tiers = [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]
+    configs = [
+        StoreConfig.from_dict(server_test_config(tmp_path / name, tiers), environ={})
+        for name in ("a", "b")
+    ]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    with (
+        ServerThread(configs[0]),
+        pytest.raises(ConfigError, match="is in use by another kvstore-server"),
+    ):
+        ServerThread(configs[1]).start()
+    with ServerThread(configs[1]) as again:
+        assert again.address

@@ -5,6 +5,7 @@ tenants' bytes, quotas and counters as the token may see them."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvstore.cli import main
 from kvstore.client import Client, ClientOptions
 from kvstore.config import format_size
 from kvstore.server import ServerThread
+from kvstore.testing.commands import one_error_line, prepare_home, run_command
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
 
@@ -73,6 +75,7 @@ def test_the_operator_sees_live_speeds_and_every_tenants_figures(
     assert f"kvstore-server {server.address}: 1 store(s) open" in text
     disk = next(line for line in text.splitlines() if line.strip().startswith("disk"))
     assert "(measured," in disk  # the reads the server served set the disk's speed
+    assert "priced x1)" in disk  # no restore corrected its price, none erred
     assert "restore planning on" in text
     team = next(line for line in text.splitlines() if line.strip().startswith("team:"))
     assert "hits" in team and "reclaimed 0" in team
@@ -107,3 +110,30 @@ def test_a_missing_token_file_or_a_dead_server_is_one_line(
     code, out, err = run(capsys, "--server", "127.0.0.1:1")
     assert code == 2 and out == "" and err.startswith("kvstore: error:")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_token_on_a_namespace_it_does_not_open_is_refused_naming_the_ones_it_does(
+    server: ServerThread, tmp_path: Path
+) -> None:
+    """Issue 50, item 6: ``kvstore stats --server ... --token-file team.token --namespace
+    other`` printed "0 store(s) open" and exited 0. The command, as a user runs it: one
+    line naming the namespace and the one the token opens, exit 2; the namespace the token
+    does open still works, and so does leaving ``--namespace`` out."""
+    prepare_home(tmp_path)
+    team = token_file(tmp_path, TEAM)
+    argv = [sys.executable, "-m", "kvstore", "stats", "--server", server.address]
+    wrong = run_command([*argv, "--token-file", team, "--namespace", "team-b"], tmp_path, {})
+    one_error_line(
+        wrong,
+        "kvstore",
+        (server.address, "namespace 'team-b'", "it opens namespace 'team'"),
+    )
+    for extra in (["--namespace", "team"], []):
+        right = run_command([*argv, "--token-file", team, *extra], tmp_path, {})
+        assert right.returncode == 0, right.stderr
+        assert "1 store(s) open" in right.stdout
+    # The operator's token opens every namespace: nothing to refuse.
+    ops = tmp_path / "ops.token"
+    ops.write_text(OPS + "\n")
+    anyone = run_command([*argv, "--token-file", str(ops), "--namespace", "team-b"], tmp_path, {})
+    assert anyone.returncode == 0, anyone.stderr
