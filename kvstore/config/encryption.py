@@ -2,7 +2,7 @@
 
 Off by default. With a key file (or an environment variable holding the same
 document) the disk, Redis and S3 tiers seal every block they store with
-AES-256-GCM (:mod:`kvstore.crypt`)::
+AES-256-GCM (:mod:`kvstore.format.sealing`)::
 
     encryption:
       key_file: /etc/kvstore/keys.yaml    # mode 0600: a world-readable file is refused
@@ -40,6 +40,7 @@ from kvstore._values import parse_bool, parse_optional_str
 from kvstore.config._fields import opt
 from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
+from kvstore.format.keyring import Keyring, TenantKeys
 
 __all__ = [
     "ENCRYPTING_TIERS",
@@ -53,31 +54,6 @@ __all__ = [
 ENCRYPTING_TIERS = ("disk", "redis", "s3")
 KEY_BYTES = 32
 _KEY_ID = re.compile(r"[A-Za-z0-9._:-]{1,32}")
-
-
-@dataclass(frozen=True)
-class TenantKeys:
-    """One tenant's keys by id, and the id of the key that seals new blocks."""
-
-    active: str
-    keys: Mapping[str, bytes] = field(repr=False)
-
-
-@dataclass(frozen=True)
-class Keyring:
-    """Every tenant's keys (read from a key file or the environment)."""
-
-    tenants: Mapping[str, TenantKeys] = field(repr=False)
-
-    def tenant(self, name: str) -> TenantKeys:
-        """The keys of tenant ``name``; :class:`ConfigError` if the keyring has none."""
-        try:
-            return self.tenants[name]
-        except KeyError:
-            have = ", ".join(sorted(self.tenants)) or "none"
-            raise ConfigError(
-                f"encryption: the keyring has no keys for tenant {name!r} (it has: {have})"
-            ) from None
 
 
 def _parse_tiers(value: Any, path: str) -> tuple[str, ...]:

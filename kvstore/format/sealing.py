@@ -5,7 +5,7 @@ The disk, Redis and S3 tiers seal what they store when the config's
 memory tiers (host, device) are not at rest and stay plain. The cipher is the
 ``cryptography`` package's AES-GCM (OpenSSL underneath), never one of our own.
 
-Format (:mod:`kvstore.codec`): an encrypted block's header says so (format
+Format (:mod:`kvstore.format.codec`): an encrypted block's header says so (format
 version 3) and names the key id; each layer's stored bytes are its ciphertext
 followed by its 16-byte tag, so a ranged read of a few layers opens just those.
 The per-layer checksums stay the plaintext's and are checked after opening.
@@ -41,6 +41,9 @@ right key may share the medium. A later put of the key overwrites it.
 Tenants: the tenant of a store is ``tenant_of(namespace)``, which puts every
 namespace in tenant ``default`` until :func:`use_tenant_resolver` plugs in another
 mapping (a kvstore-server with ``server.tenants`` plugs in its own).
+
+This module is the format's side (the cipher, sealing and opening a block); which tiers
+of a store seal, with whose keys, is wired by :mod:`kvstore.tiers.encryption`.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ from typing import Any
 
 import torch
 
-from kvstore._dist import install_hint
-from kvstore.block_header import SEALED_VERSION
-from kvstore.codec import (
+from kvstore.errors import ConfigError, CorruptBlockError, DecryptError
+from kvstore.format.codec import (
     NONCE_BYTES,
     TAG_BYTES,
     BlockHeader,
@@ -67,20 +69,19 @@ from kvstore.codec import (
     decode_layer,
     layer_pieces,
 )
-from kvstore.config.encryption import EncryptionConfig, Keyring, TenantKeys
-from kvstore.errors import ConfigError, CorruptBlockError, DecryptError
+from kvstore.format.header import SEALED_VERSION
+from kvstore.format.keyring import KeyringSource, TenantKeys
 from kvstore.layout import KVLayout
+from kvstore.runtime.dist import install_hint
 
 __all__ = [
     "DEFAULT_NAMESPACE",
     "DEFAULT_TENANT",
     "BlockCipher",
-    "StoreKeys",
-    "encrypt_tiers",
+    "aead_module",
     "open_into",
     "seal",
     "sealed_nbytes",
-    "store_keys",
     "tenant_of",
     "use_tenant_resolver",
 ]
@@ -111,7 +112,9 @@ def use_tenant_resolver(resolver: TenantResolver | None) -> None:
     _resolver = resolver if resolver is not None else (lambda namespace: DEFAULT_TENANT)
 
 
-def _aead_module() -> Any:
+def aead_module() -> Any:
+    """The ``cryptography`` package's AEAD module; :class:`ConfigError` saying what to
+    install where it is missing."""
     try:
         aead = importlib.import_module("cryptography.hazmat.primitives.ciphers.aead")
     except ImportError:
@@ -137,7 +140,7 @@ class BlockCipher:
     ``namespace``: the store's, bound into every layer's associated data."""
 
     def __init__(self, tenant: str, keys: TenantKeys, namespace: str = DEFAULT_NAMESPACE) -> None:
-        aead = _aead_module()
+        aead = aead_module()
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
@@ -155,9 +158,9 @@ class BlockCipher:
         )
 
     @classmethod
-    def from_config(cls, config: EncryptionConfig, namespace: str) -> BlockCipher:
+    def from_config(cls, config: KeyringSource, namespace: str) -> BlockCipher:
         """The cipher of a store of ``namespace`` (reads the keyring now)."""
-        keyring: Keyring = config.keyring()
+        keyring = config.keyring()
         tenant = tenant_of(namespace)
         return cls(tenant, keyring.tenant(tenant), namespace)
 
@@ -371,32 +374,3 @@ def open_into(
             decode_layer(header, i, plain, layout, out[i - first])
         offset += n
     cipher.opened(header)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreKeys:
-    """What seals a store's blocks: its namespace, its tenant and the tenant's keys."""
-
-    namespace: str
-    tenant: str
-    keys: TenantKeys
-
-
-def store_keys(config: EncryptionConfig, namespace: str) -> StoreKeys | None:
-    """The tenant of a store of ``namespace`` and its keys (the keyring is read now,
-    before any tier opens: a bad one is a :class:`ConfigError` that changed nothing);
-    None when encryption is off."""
-    if not config.enabled:
-        return None
-    _aead_module()  # a missing package is said before anything is made
-    tenant = tenant_of(namespace)
-    return StoreKeys(namespace, tenant, config.keyring().tenant(tenant))
-
-
-def encrypt_tiers(tiers: Sequence[Any], config: EncryptionConfig, keys: StoreKeys) -> int:
-    """Give each of ``tiers`` whose kind ``config.tiers`` names a cipher of its own (its
-    own record of blocks read under older keys); how many tiers encrypt."""
-    wanted = [t for t in tiers if t.kind in config.tiers]
-    for tier in wanted:
-        tier.encrypt_with(BlockCipher(keys.tenant, keys.keys, keys.namespace))
-    return len(wanted)
