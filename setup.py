@@ -1,9 +1,9 @@
 """The one build step pyproject.toml cannot declare (yet): kvstore's C extensions.
 
-- ``kvstore._chain`` (csrc/chain.c) computes the chained chunk keys of
+- ``kvstore.native._chain`` (csrc/chain.c) computes the chained chunk keys of
   ``kvstore.keys.chain_keys`` in one C loop over xxHash's XXH3 (csrc/xxhash/, BSD
   2-Clause).
-- ``kvstore._memcopy`` (csrc/memcopy.c) copies many host regions in one call with
+- ``kvstore.native._memcopy`` (csrc/memcopy.c) copies many host regions in one call with
   the GIL released once, for the copy engine (``kvstore.copies``).
 
 Both are optional: where they cannot be compiled (no C compiler, no Python
@@ -16,14 +16,14 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvstore._chain",
+            "kvstore.native._chain",
             sources=["csrc/chain.c"],
             depends=["csrc/xxhash/xxhash.h"],
             include_dirs=["csrc"],
             optional=True,
         ),
         Extension(
-            "kvstore._memcopy",
+            "kvstore.native._memcopy",
             sources=["csrc/memcopy.c"],
             extra_link_args=["-pthread"],
             optional=True,

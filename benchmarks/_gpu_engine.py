@@ -18,10 +18,7 @@ from typing import Any
 import torch
 
 from kvstore import KVLayout, KVStore
-from kvstore.connectors.paged import PagedKV, PageMap
-from kvstore.connectors.plan import TransferSpec
-from kvstore.connectors.settings import ConnectorSettings
-from kvstore.connectors.transfer import TransferWorker
+from kvstore.connectors import ConnectorSettings, PagedKV, PageMap, TransferSpec, TransferWorker
 
 PAGE = 16  # vLLM's block size on GPUs
 TOKENS = 4096

@@ -27,7 +27,7 @@ def estimate_errors(
     """Per slow_unplanned prompt: the planner's cost model at the declared S3 speed against
     the load time the slow tier added (its TTFT minus fast_unplanned's, minus the slow
     lookup ``lookup_ms`` measured in this process); see the module docstring."""
-    from kvstore.speeds import SpeedEstimate
+    from kvstore.restore import SpeedEstimate
 
     slow, fast = conf.get("slow_unplanned"), conf.get("fast_unplanned")
     if not slow or not fast:

@@ -106,7 +106,7 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
 def child_env() -> dict[str, str]:
     """vLLM processes: no stray KVSTORE_* settings, a 1 GiB KV cache, moto's credentials,
     vLLM's stats logged every second (its "KV Transfer metrics" carry the workers' reads)."""
-    from kvstore.testing.servers import DUMMY_AWS_ENV
+    from kvstore.cli import DUMMY_AWS_ENV
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(DUMMY_AWS_ENV)
@@ -161,7 +161,7 @@ def learned_speed(
 ) -> dict[str, Any] | None:
     """The read speed the scheduler would have fitted to these reads (kvstore's own
     ``ReadSpeed``, fed once per logged interval instead of once per step: approximate)."""
-    from kvstore.speeds import ReadSpeed
+    from kvstore.restore import ReadSpeed
 
     now = [0.0]
     speed = ReadSpeed(prior[0], prior[1], 30.0, 300.0, lambda: now[0])

@@ -115,7 +115,7 @@ from _agentic_workload import (
 from _common import base_parser, emit, environment, log
 
 from kvstore import KVStore, StoreConfig
-from kvstore.connectors.tails import find_tail, output_tail
+from kvstore.connectors import find_tail, output_tail
 from kvstore.keys import BlockKey
 
 NAMESPACE = "agent-model"

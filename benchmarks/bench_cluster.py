@@ -2,7 +2,7 @@
 
 Everything runs on 127.0.0.1 and is started (and stopped) by the script: one
 ``redis-server`` (no persistence) and, per phase, three ``kvstore-server``
-processes (:class:`~kvstore.testing.kvserver.KVStoreServerProcess`) whose config
+processes (:class:`~kvstore.cli.kvserver.KVStoreServerProcess`) whose config
 has a ``cluster:`` section naming that Redis, ``node_id`` a / b / c and no
 ``advertise`` (it defaults to the TCP address, 127.0.0.1:PORT). Each store has
 one host tier and nothing else (no S3): a block lives on the nodes that stored it.
@@ -86,16 +86,14 @@ import redis
 import torch
 from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
 
+from kvstore.cli import KVStoreServerProcess, RedisServer
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import RedisServer
-from kvstore.testing.traces import TraceSpec, generate_trace, trace_layout
+from kvstore.testing import TraceSpec, generate_trace, make_keys, trace_layout
 
 NODES = ("a", "b", "c")
 VARIANTS = ("tcp", "shm")
@@ -822,11 +820,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.soak is not None:  # 3 nodes, 1 member, faults injected: every byte checked
-        from kvstore.testing.chaos import SoakConfig, run_soak
+        from kvstore.testing import ChaosSoakConfig, run_chaos_soak
 
         log(f"chaos soak: {args.soak:g} min, seed {args.seed}")
         with workdir() as tmp:
-            report = run_soak(SoakConfig.minutes(args.soak, seed=args.seed), tmp)
+            report = run_chaos_soak(ChaosSoakConfig.minutes(args.soak, seed=args.seed), tmp)
         log(report.summary())
         emit({"benchmark": "cluster-soak", **report.to_json()}, args.json, report.rows())
         return 0 if report.ok else 1

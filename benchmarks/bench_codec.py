@@ -2,7 +2,7 @@
 
 For each KV dtype (bf16, fp16, fp8_e4m3) and value distribution, one block
 (an 8B-Llama-like layout: 8 KV heads, head_dim 128, 256 tokens, ``--layers``
-layers) is encoded with each codec through ``kvstore.codec.encode_block`` and
+layers) is encoded with each codec through ``kvstore.format.codec.encode_block`` and
 decoded with ``decode_block``; the script reports ratio = encoded bytes (with
 header) / raw bytes, encode and decode GB/s of raw bytes, and what
 ``choose_codec`` picks. Decoding is checked to be bit-exact (untimed).
@@ -33,7 +33,7 @@ import torch
 from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
 
 from kvstore import KVLayout
-from kvstore.codec import Codec, choose_codec, decode_block, encode_block
+from kvstore.format import Codec, choose_codec, decode_block, encode_block
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 DISTRIBUTIONS = ("normal", "realish")

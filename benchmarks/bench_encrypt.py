@@ -43,8 +43,7 @@ from bench_codec import make_block
 
 from kvstore import KVLayout
 from kvstore.keys import BlockKey
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.keyring import new_key, write_keyring
+from kvstore.testing import make_keys, new_key, write_keyring
 
 TARGET = 0.8
 MEDIA = ("disk", "s3", "server")
@@ -171,10 +170,9 @@ def time_pair(name: str, pair: Pair, rounds: int, reps: int) -> tuple[dict[str, 
 def disk_pair(
     layout: KVLayout, blocks: list[torch.Tensor], root: Path, key_file: str, threads: int
 ) -> Iterator[tuple[Pair, bool]]:
-    from kvstore.config import DiskTierConfig
-    from kvstore.config.encryption import EncryptionConfig
-    from kvstore.crypt import BlockCipher
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.config import DiskTierConfig, EncryptionConfig
+    from kvstore.format import BlockCipher
+    from kvstore.tiers import DiskTier
 
     def tier(name: str) -> DiskTier:
         config = DiskTierConfig(
@@ -201,11 +199,10 @@ def disk_pair(
 
 @contextlib.contextmanager
 def s3_pair(layout: KVLayout, blocks: list[torch.Tensor], key_file: str) -> Iterator[Pair]:
-    from kvstore.config import S3TierConfig
-    from kvstore.config.encryption import EncryptionConfig
-    from kvstore.crypt import BlockCipher
-    from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
-    from kvstore.tiers.s3 import S3Tier
+    from kvstore.cli import DUMMY_AWS_ENV, S3Server
+    from kvstore.config import EncryptionConfig, S3TierConfig
+    from kvstore.format import BlockCipher
+    from kvstore.tiers import S3Tier
 
     os.environ.update(DUMMY_AWS_ENV)
     with S3Server(bucket="kvstore-bench-encrypt", mode="process") as server:
@@ -235,8 +232,8 @@ def s3_pair(layout: KVLayout, blocks: list[torch.Tensor], key_file: str) -> Iter
 def server_pair(
     layout: KVLayout, blocks: list[torch.Tensor], root: Path, key_file: str
 ) -> Iterator[Pair]:
+    from kvstore.cli import KVStoreServerProcess
     from kvstore.client import Client, ClientOptions
-    from kvstore.testing.kvserver import KVStoreServerProcess
 
     def config(name: str, encrypted: bool) -> dict[str, Any]:
         disk = {"kind": "disk", "path": str(root / name / "disk"), "capacity": "4GiB"}

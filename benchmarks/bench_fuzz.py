@@ -33,7 +33,7 @@ import tempfile
 
 from _common import base_parser, emit, environment, log
 
-from kvstore.testing.fuzz import FuzzSettings, run_fuzz
+from kvstore.testing import FuzzSettings, run_fuzz
 
 
 def main() -> int:

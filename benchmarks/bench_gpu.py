@@ -291,10 +291,9 @@ def bench_concurrent(store: KVStore, n: int, reps: int, raw: dict[str, float]) -
 def bench_dma(reps: int) -> dict[str, Any]:
     """Row copies against one plain copy of the same bytes, host to device: 64 rows of
     512 KiB (a block into an engine tensor) and 32 rows of 1 MiB."""
-    from kvstore.copies.cudart import load
-    from kvstore.copies.rows import Rows
+    from kvstore.copies import Rows, load_cudart
 
-    runtime = load()
+    runtime = load_cudart()
     if runtime is None:
         return {"skipped": "libcudart not found"}
     nbytes = 32 << 20

@@ -11,7 +11,7 @@ At vLLM's default 16-token blocks too: the same tokens, kvstore with a layout
 of 16-token chunks (8192 keys) against the same reimplemented scheme with
 ``block_size=16``: ``ratio_block16`` (``ms_per_128k_block16``,
 ``vllm_ms_per_128k_block16``). ``chain_impl`` says which ``chain_keys`` ran:
-``"c"`` (the compiled ``kvstore._chain``) or ``"python"`` (the fallback).
+``"c"`` (the compiled ``kvstore.native._chain``) or ``"python"`` (the fallback).
 
 Timing: interleaved rounds; each round runs a block of reps of each subject
 (kvstore, list input, vLLM; then kvstore and vLLM at 16-token blocks), in

@@ -35,7 +35,7 @@ from _common import base_parser, emit, environment, log
 
 from kvstore import KVStore, StoreConfig
 from kvstore.layout import KVLayout
-from kvstore.testing.traces import (
+from kvstore.testing import (
     ReplayResult,
     Trace,
     TraceSpec,

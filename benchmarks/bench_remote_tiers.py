@@ -45,13 +45,11 @@ from _common import Rep, base_parser, emit, environment, log, median, run_rounds
 from bench_codec import make_block
 
 from kvstore import KVLayout
+from kvstore.cli import DUMMY_AWS_ENV, RedisServer, S3Server
 from kvstore.config import RedisTierConfig, S3TierConfig
 from kvstore.keys import BlockKey
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import DUMMY_AWS_ENV, RedisServer, S3Server
-from kvstore.tiers.redis import RedisTier
-from kvstore.tiers.remote_common import encode_value
-from kvstore.tiers.s3 import S3Tier
+from kvstore.testing import make_keys
+from kvstore.tiers import RedisTier, S3Tier, encode_value
 
 TARGET_RATIO = 0.9
 MB = 1e6

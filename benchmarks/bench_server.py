@@ -2,7 +2,7 @@
 
 One run starts, each in a process of its own:
 
-- a ``kvstore-server`` (:class:`~kvstore.testing.kvserver.KVStoreServerProcess`;
+- a ``kvstore-server`` (:class:`~kvstore.cli.kvserver.KVStoreServerProcess`;
   tiers: ``--host-capacity`` (2 GiB) of host memory per store -- one store per
   block size -- over a disk tier in a temp dir; the working set stays in memory);
 - a raw socket peer (plain Python, one thread per connection) that
@@ -84,12 +84,11 @@ import torch
 from _common import Rep, base_parser, emit, environment, log, median, run_rounds
 
 from kvstore import KVLayout
+from kvstore.cli import HOST, KVStoreServerProcess, RedisServer
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import ConfigError
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import HOST, RedisServer
-from kvstore.wire.protocol import SlotStatus
+from kvstore.testing import make_keys
+from kvstore.wire import SlotStatus
 
 TARGETS = {
     "tcp_get_ratio_vs_socket": 0.6,

@@ -32,8 +32,7 @@ from typing import Any
 
 from _common import environment, log
 
-from kvstore.testing.soak import GROWTH_FIELDS, SoakConfig, run_soak
-from kvstore.testing.soak_events import EVENT_FIELDS
+from kvstore.testing import EVENT_FIELDS, GROWTH_FIELDS, SoakConfig, run_soak
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

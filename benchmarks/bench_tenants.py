@@ -38,11 +38,11 @@ import torch
 from _common import base_parser, emit, environment, log
 
 from kvstore import KVLayout
+from kvstore.cli import server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.config import StoreConfig
 from kvstore.server import ServerThread
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import server_test_config
+from kvstore.testing import make_keys
 
 TARGET = 0.95
 OPS = "bench-ops-token-0123456789"

@@ -53,7 +53,7 @@ ROOT = HERE.parent
 DEFAULT_OUT = Path("kvstore-bench")
 #: A script that stopped on a module it could not import.
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
-#: ... or on a server binary it could not find (kvstore.testing.servers.require_binary).
+#: ... or on a server binary it could not find (kvstore.cli.servers.require_binary).
 _NO_BINARY = re.compile(r"ConfigError: ([\w.-]+) is not installed; run scripts/install-servers")
 
 

@@ -1,5 +1,5 @@
 /*
- * kvstore._chain -- the chained chunk keys of kvstore.keys.chain_keys in one C loop.
+ * kvstore.native._chain -- the chained chunk keys of kvstore.keys.chain_keys in one C loop.
  *
  * Copyright the kvstore authors. Licensed under the Apache License, Version 2.0
  * (see LICENSE at the top of the repository).
@@ -130,7 +130,7 @@ static PyModuleDef_Slot chain_slots[] = {
 
 static struct PyModuleDef chain_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvstore._chain",
+    .m_name = "kvstore.native._chain",
     .m_doc = "Chained chunk keys (kvstore.keys.chain_keys) in one C loop over xxHash's XXH3.",
     .m_size = 0,
     .m_methods = chain_methods,

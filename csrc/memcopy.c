@@ -1,5 +1,5 @@
 /*
- * kvstore._memcopy -- many host-memory copies in one call, without the GIL.
+ * kvstore.native._memcopy -- many host-memory copies in one call, without the GIL.
  *
  * Copyright the kvstore authors. Licensed under the Apache License, Version 2.0
  * (see LICENSE at the top of the repository).
@@ -117,7 +117,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvstore._memcopy",
+    PyModuleDef_HEAD_INIT, "kvstore.native._memcopy",
     "Many host-memory copies in one call, without the GIL (csrc/memcopy.c).", -1, methods,
 };
 

@@ -82,7 +82,7 @@ def redis_url(args: argparse.Namespace) -> Iterator[str]:
     if args.redis_url:
         yield args.redis_url
         return
-    from kvstore.testing.servers import RedisServer
+    from kvstore.cli import RedisServer
 
     with RedisServer() as redis:
         print(f"redis-server at {redis.url}")
@@ -102,7 +102,7 @@ def cluster_nodes(args: argparse.Namespace) -> Iterator[dict[str, str]]:
             "with one that has it (.venv/bin/python ... --vllm-python .venv-vllm/bin/python), "
             "or give the addresses of running nodes (--prefill-address, --decode-address)"
         )
-    from kvstore.testing.kvserver import KVStoreServerProcess
+    from kvstore.cli import KVStoreServerProcess
 
     work = Path(args.workdir)
     with contextlib.ExitStack() as stack:

@@ -49,7 +49,7 @@ def kvstore_server(args: argparse.Namespace) -> Iterator[str]:
     if args.address:
         yield args.address
         return
-    from kvstore.testing.kvserver import KVStoreServerProcess
+    from kvstore.cli import KVStoreServerProcess
 
     work = Path(args.workdir) / "server"
     tiers = [dict(t) for t in SERVER_TIERS]

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvstore.connectors.vllm import KVStoreConnector
+from kvstore.connectors import KVStoreConnector
 
 PROBE_DIR_ENV = "KV_PROBE_DIR"  # not KVSTORE_*: those are store settings
 

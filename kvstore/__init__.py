@@ -6,14 +6,23 @@ Public API::
 
 Names are imported on first use, so ``import kvstore`` is cheap and pulls in
 no optional dependency (boto3, redis, ...).
+
+The top of the package is its public face: this module, :mod:`kvstore.store`
+(``KVStore``), :mod:`kvstore.layout`, :mod:`kvstore.keys`, :mod:`kvstore.errors`,
+:mod:`kvstore.hints`, :mod:`kvstore.plugins` and :mod:`kvstore.version`; everything else
+lives in a package named for its feature (docs/architecture.md). Module paths that moved
+there keep working for one release, with a :class:`DeprecationWarning`
+(:mod:`kvstore.runtime.aliases`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvstore.runtime import install_aliases, load_export
 from kvstore.version import __version__
+
+install_aliases()
 
 _EXPORTS = {
     "KVStore": "kvstore.store",
@@ -81,12 +90,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    """The public names, imported on first use."""
+    return load_export(globals(), _EXPORTS, name)
 
 
 def __dir__() -> list[str]:

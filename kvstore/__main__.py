@@ -1,4 +1,4 @@
-"""``python -m kvstore``: the ``kvstore`` command (kvstore/cli.py), for a Python whose
+"""``python -m kvstore``: the ``kvstore`` command (kvstore/cli/commands.py), for a Python whose
 scripts directory is not on ``PATH``."""
 
 from __future__ import annotations

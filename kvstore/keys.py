@@ -15,7 +15,7 @@ machine: no ``hash()``, no pickle, no per-process random seed.
 
 The chain state is the full 128-bit key; each chunk enters through its 64-bit
 xxh3 digest as the seed of the next xxh3-128. The whole chain runs in one C
-loop over xxHash's XXH3 (``kvstore._chain``, csrc/chain.c, compiled by the
+loop over xxHash's XXH3 (``kvstore.native._chain``, csrc/chain.c, compiled by the
 install): ~30 ns per 16-token chunk, most of it creating the key's ``bytes``.
 Where that extension was not built, the same keys come from a pure-Python
 path (``itertools.accumulate`` over python-xxhash, no bytecode per chunk, but
@@ -46,14 +46,10 @@ import xxhash
 
 from kvstore.errors import InvalidInputError, LayoutMismatchError
 from kvstore.layout import KVLayout
+from kvstore.native import chain as _chain  # None where the install did not compile it
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
-
-try:  # compiled by the install (setup.py); optional
-    import kvstore._chain as _chain
-except ImportError:  # pragma: no cover - exercised by test_keys in a subprocess
-    _chain = None  # type: ignore[assignment]
 
 __all__ = [
     "CHAIN_IMPL",
@@ -77,12 +73,12 @@ KEY_BYTES = 16
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-#: Which :func:`chain_keys` runs: ``"c"`` (the compiled ``kvstore._chain``) or
+#: Which :func:`chain_keys` runs: ``"c"`` (the compiled ``kvstore.native._chain``) or
 #: ``"python"`` (the fallback where the extension was not built). Same keys either way.
 CHAIN_IMPL = "python" if _chain is None else "c"
 
 #: The compiled chain loop itself, ``chain_keys_native(token_bytes, step_bytes, parent)``
-#: (``kvstore._chain``; ``step_bytes`` is ``4 * block_tokens``), or None where the install
+#: (``kvstore.native._chain``; ``step_bytes`` is ``4 * block_tokens``), or None where the install
 #: did not build it. :func:`chain_keys` checks its arguments and runs it (else
 #: :func:`chain_keys_python`); both are public so that the two can be compared.
 chain_keys_native: Callable[[ReadableBuffer, int, ReadableBuffer], list[bytes]] | None = (
@@ -248,7 +244,7 @@ def chain_keys(token_bytes: bytes | memoryview, block_tokens: int, parent: bytes
 
     ``parent`` is the namespace seed for a chain from the start of a prompt,
     or the key of the chunk just before ``token_bytes`` to continue a chain.
-    Runs in C (``kvstore._chain``) where the install built it, else in Python:
+    Runs in C (``kvstore.native._chain``) where the install built it, else in Python:
     the same keys, byte for byte.
     """
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.datapath import BlockManager, DataPath, Loan, PendingPut, Pin, PrefetchHandle
+from kvstore.datapath import (
+    BlockManager,
+    DataPath,
+    Hinting,
+    Loan,
+    PendingPut,
+    Pin,
+    PrefetchHandle,
+)
 from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
@@ -35,16 +43,13 @@ from kvstore.keys import (
     tokens_to_bytes,
 )
 from kvstore.layout import KVLayout
-from kvstore.lifetimes import close_at_exit, forget
-from kvstore.memory import cuda_available, trim_heap
-from kvstore.opening import open_tiers
-from kvstore.restore import PlannedLoad, RestorePlan, restore_request
-from kvstore.restore_stats import LoadSample
+from kvstore.restore import LoadSample, PlannedLoad, RestorePlan, Restoring, restore_request
+from kvstore.runtime import close_at_exit, cuda_available, forget, trim_heap
+from kvstore.tiers import open_tiers
 from kvstore.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from kvstore.events.owner import StoreEventsOwner
-    from kvstore.events.publisher import EventPublisher
+    from kvstore.events import EventPublisher, StoreEventsOwner
 
 __all__ = ["KVStore"]
 
@@ -88,6 +93,10 @@ class KVStore:
             for tier in opened.tiers:
                 tier.close()
             raise
+        # The restorer and the hint service, through their protocols: what the store asks
+        # of them (the manager builds both over its own pieces).
+        self._restorer: Restoring = self._manager.restorer
+        self._hints: Hinting = self._manager.hinter
         if opened.encrypted and self.config.encryption.reencrypt:
             self._manager.reencrypt()  # blocks under older keys: rewritten in the background
         self._namespaces: dict[str, Namespace] = {}
@@ -281,10 +290,10 @@ class KVStore:
         restore = self.plan(checked, prompt_tokens=prompt_tokens)
         if restore.load == 0:
             return 0
-        mark = self._manager.restorer.load_started()
+        mark = self._restorer.load_started()
         n = self._manager.get(checked[: restore.load], chunks[: restore.load], prefix=True)
         if n == restore.load:  # planned against actual load seconds, in all and per tier
-            self._manager.restorer.loaded(restore, mark)
+            self._restorer.loaded(restore, mark)
         return n
 
     # -- restore planning ----------------------------------------------------
@@ -310,7 +319,7 @@ class KVStore:
         """
         checked = check_keys(keys)
         request = restore_request(prompt_tokens, computed_tokens, overlap, chunk_tokens)
-        return self._manager.restorer.plan(checked, request)
+        return self._restorer.plan(checked, request)
 
     def warm(self, keys: Sequence[BlockKey]) -> int:
         """Copy the stored ones of ``keys`` into the fastest tier in the background (what
@@ -318,37 +327,37 @@ class KVStore:
         copies were queued."""
         checked = check_keys(keys)
         stored = [k for k, ok in zip(checked, self._manager.exists(checked), strict=True) if ok]
-        return self._manager.migrations.warm(stored) if stored else 0
+        return self._manager.copy_up(stored) if stored else 0
 
     def read_totals(self) -> dict[str, tuple[float, float, int]]:
         """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``."""
-        return self._manager.io.read_totals()
+        return self._manager.read_totals()
 
     def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
         """Feed another process's :meth:`read_totals` into this store's tier speeds."""
-        self._manager.io.observe_reads(dict(reads))
+        self._manager.observe_reads(dict(reads))
 
     def planned_load(self, plan: RestorePlan) -> PlannedLoad[str]:
         """What ``plan`` expects of its load, per tier id: for a process that loads it
-        (vLLM's workers), whose :class:`~kvstore.speeds.LoadSample` come back here."""
+        (vLLM's workers), whose :class:`~kvstore.restore.speeds.LoadSample` come back here."""
         load = PlannedLoad.of(plan, self.layout.block_nbytes)
-        return load.named(self._manager.io.tier_ids())
+        return load.named(self._manager.tier_ids())
 
     def observe_loads(self, loads: Mapping[str, LoadSample]) -> None:
         """Restores another process loaded (``{tier id: LoadSample}``): the matching tiers'
-        prices follow what they cost (:mod:`kvstore.speeds`)."""
-        self._manager.io.observe_loads(self._manager.io.levels_of(dict(loads)))
+        prices follow what they cost (:mod:`kvstore.restore.speeds`)."""
+        self._manager.observe_tier_loads(dict(loads))
 
     def waited(self, plan: RestorePlan, waited_s: float) -> None:
         """The engine waited ``waited_s`` for a load of ``plan`` under compute (its
         prefetch's ``handle.waited_s``): the tiers' prices follow what it cost."""
-        self._manager.restorer.waited(plan, waited_s)
+        self._restorer.waited(plan, waited_s)
 
     def restore_speeds(self) -> dict[str, Any]:
         """What a cluster node publishes for routers: per kind of medium (``memory``,
         ``disk``, ``shared`` storage such as S3) the live ``[GB/s, ms a call]`` of this
         store's fastest tier of that kind, and ``prefill_tokens_per_s`` (None: unknown)."""
-        return self._manager.restorer.published_speeds()
+        return self._restorer.published_speeds()
 
     # -- session hints -------------------------------------------------------
     def hint(
@@ -375,12 +384,12 @@ class KVStore:
         hint = checked_hint(
             checked is not None, session, Hint(retain_s, priority, prefetch, demote)
         )
-        return self._manager.hinter.apply(checked, session, hint)
+        return self._hints.apply(checked, session, hint)
 
     def note_prefill_step(self, tokens: int, seconds: float) -> None:
         """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
         speed is fitted to (ignored when ``restore`` declares one)."""
-        self._manager.restorer.prefill.observe_step(tokens, seconds)
+        self._restorer.observe_prefill_step(tokens, seconds)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys`` from every tier; return how many were stored."""
@@ -554,8 +563,8 @@ class KVStore:
             "read_gbps": counters["bytes_read"] / read_s / 1e9 if read_s else 0.0,
             **counters,
             "tiers": tiers,
-            "restore": self._manager.restorer.snapshot(),
-            "hints": self._manager.hinter.snapshot(),
+            "restore": self._restorer.snapshot(),
+            "hints": self._hints.snapshot(),
             **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 
@@ -610,6 +619,6 @@ def _open_events(
     manager: BlockManager, config: StoreConfig, publisher: EventPublisher | None
 ) -> StoreEventsOwner:
     """The store's KV events (imported only when used: they need pyzmq and msgspec)."""
-    from kvstore.events.owner import StoreEventsOwner
+    from kvstore.events import StoreEventsOwner
 
     return StoreEventsOwner(manager, config.events, publisher)

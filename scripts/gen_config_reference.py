@@ -43,12 +43,12 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(ROOT))
 
 import kvstore.config as config_pkg  # noqa: E402
-from kvstore import _values  # noqa: E402
-from kvstore.codecs import codec_names  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig, tier_config_class  # noqa: E402
 from kvstore.config import server as server_mod  # noqa: E402
+from kvstore.config import values as _values  # noqa: E402
 from kvstore.config.kinds import tier_kinds  # noqa: E402
 from kvstore.config.restore import parse_tier_speeds  # noqa: E402
+from kvstore.format.codecs import codec_names  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config-reference.md"
 SCRIPT = "scripts/gen_config_reference.py"

@@ -35,7 +35,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$out/info.txt" 2>&1
 
 "$py" setup.py build_ext --inplace > "$out/build.log" 2>&1 || echo "C extensions not built" >> "$out/build.log"
-"$py" -c 'import kvstore._memcopy, kvstore._chain; print("extensions ok")' >> "$out/build.log" 2>&1
+"$py" -c 'import kvstore.native._memcopy, kvstore.native._chain; print("extensions ok")' >> "$out/build.log" 2>&1
 
 if [[ " $parts " == *" tests "* ]]; then
   timeout 120 "$py" -m pytest -q -p no:cacheprovider --timeout 90 -n 4 \

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.cli.kvserver import server_test_config
+from kvstore.cli.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 from kvstore.server import ServerThread
 from kvstore.testing.data import host_config, small_layout
-from kvstore.testing.kvserver import server_test_config
 from kvstore.testing.mounts import mount_tmpfs, unmount
-from kvstore.testing.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 
 #: Modules besides those marked ``slow`` that take half a minute or more on two cores.
 LONG_MODULES = frozenset(

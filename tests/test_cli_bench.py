@@ -106,7 +106,7 @@ def test_a_missing_optional_dependency_is_a_skip_and_the_run_exits_0(
     binary = script(
         tmp_path / "binary.py",
         """
-        from kvstore.testing.servers import require_binary
+        from kvstore.cli.servers import require_binary
         require_binary("no-such-server-binary")
         """,
     )

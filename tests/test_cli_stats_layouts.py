@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from kvstore import KVLayout, KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 
 #: Not Llama-3-8B (the layout flags' default): 32 KiB chunks, 36 KiB block files.
 TOY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16, dtype=torch.float16)

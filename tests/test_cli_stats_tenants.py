@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 
 LAYOUT = small_layout()
 A = "a-token-0123456789abcdef"

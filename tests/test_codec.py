@@ -12,7 +12,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.codec import (
+from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
+from kvstore.format.codec import (
     HEADER_ALIGN,
     MAGIC,
     VERSION,
@@ -25,7 +26,6 @@ from kvstore.codec import (
     layer_pieces,
     parse_header,
 )
-from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.layout import KVLayout
 
 KEY = bytes(range(16))

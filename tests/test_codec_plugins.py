@@ -1,4 +1,4 @@
-"""Codecs of one's own (:mod:`kvstore.codecs`): registered by name or through an installed
+"""Codecs of one's own (:mod:`kvstore.format.codecs`): registered by name or through an installed
 package's ``kvstore.codecs`` entry point, named in a disk tier's YAML config, written in
 each block's header, and a block whose codec is not there reads as a miss."""
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.codec import codec_number, decode_block, encode_block, read_header
-from kvstore.codecs import CODECS, LayerCodec, codec_names
+from kvstore.cli.servers import RedisServer, S3Server
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, CorruptBlockError, InvalidInputError
+from kvstore.format.codec import codec_number, decode_block, encode_block, read_header
+from kvstore.format.codecs import CODECS, LayerCodec, codec_names
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.servers import RedisServer, S3Server
 
 LAYOUT = small_layout()
 
@@ -112,7 +112,7 @@ import zlib
 
 import numpy as np
 
-from kvstore.codecs import LayerCodec
+from kvstore.format.codecs import LayerCodec
 
 DEFLATE = LayerCodec(
     201,

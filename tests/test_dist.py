@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import kvstore
-from kvstore._dist import DISTRIBUTION, install_hint
+from kvstore.runtime.dist import DISTRIBUTION, install_hint
 
 REPO = Path(__file__).resolve().parent.parent
 

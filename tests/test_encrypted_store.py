@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvstore import KVStore, StoreConfig
-from kvstore.codec import read_header
 from kvstore.errors import ConfigError
+from kvstore.format.codec import read_header
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.keyring import encryption_section, new_key, write_keyring
 from kvstore.tiers.files import BLOCK_SUFFIX
@@ -148,10 +148,10 @@ def test_encryption_env_overrides(tmp_path: Path) -> None:
 
 def test_server_with_encrypted_disk(tmp_path: Path) -> None:
     """A kvstore-server seals what its disk tier keeps; its clients see plain KV."""
+    from kvstore.cli.kvserver import server_test_config
     from kvstore.client import Client, ClientOptions
     from kvstore.keys import BlockKey
     from kvstore.server import ServerThread
-    from kvstore.testing.kvserver import server_test_config
 
     layout = small_layout()
     key_file = write_keyring(tmp_path / "keys.json", {"s1": new_key()}, "s1")
@@ -265,8 +265,8 @@ def test_rotation_rewrites_redis_blocks(tmp_path: Path, redis_server: Any) -> No
 
 
 def test_server_refuses_a_bad_keyring_at_start(tmp_path: Path) -> None:
+    from kvstore.cli.kvserver import server_test_config
     from kvstore.server import ServerThread
-    from kvstore.testing.kvserver import server_test_config
 
     key_file = write_keyring(tmp_path / "keys.json", {"k1": new_key()}, "k1")
     os.chmod(key_file, 0o604)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvstore import KVStore
+from kvstore.cli.servers import S3Server
+from kvstore.datapath.hints import Retention
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.hints import Retention, parse_hint
+from kvstore.hints import parse_hint
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.servers import S3Server
 
 LAYOUT = small_layout()
 

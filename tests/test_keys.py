@@ -142,7 +142,7 @@ def _impls():
 def test_golden_chain_digests(impl, block_tokens):
     fn = chain_keys if impl == "public" else _impls().get(impl)
     if fn is None:
-        pytest.skip("kvstore._chain is not built")
+        pytest.skip("kvstore.native._chain is not built")
     keys = fn(GOLDEN_TOKENS, block_tokens, bytes(range(16)))
     assert len(keys) == 4096 // block_tokens
     digest = xxhash.xxh3_128_hexdigest(b"".join(keys))
@@ -661,15 +661,15 @@ def test_hash_tokens_matches_reference_for_random_lists_and_arrays():
 
 
 def test_compiled_chain_is_built():
-    # The install (scripts/setup.sh: pip install -e .) compiles kvstore._chain; without it
+    # The install (scripts/setup.sh: pip install -e .) compiles kvstore.native._chain; without it
     # keys are the same but hashing is ~4x slower at 16-token chunks.
-    assert keys_mod.CHAIN_IMPL == "c", "kvstore._chain is missing: run `pip install -e .`"
+    assert keys_mod.CHAIN_IMPL == "c", "kvstore.native._chain is missing: run `pip install -e .`"
     assert keys_mod.chain_keys_native is not None
 
 
 _FALLBACK_CHILD = """
 import sys
-sys.modules["kvstore._chain"] = None  # as if the extension had not been built
+sys.modules["kvstore.native._chain"] = None  # as if the extension had not been built
 import xxhash
 from kvstore import keys
 data = bytes.fromhex(sys.argv[1])
@@ -714,7 +714,7 @@ def test_chain_keys_rejects_bad_block_tokens(bad):
 def test_compiled_chain_rejects_bad_arguments():
     native = keys_mod.chain_keys_native
     if native is None:
-        pytest.skip("kvstore._chain is not built")
+        pytest.skip("kvstore.native._chain is not built")
     with pytest.raises(ValueError, match="step"):
         native(b"\0" * 64, 0, b"p" * 16)
     with pytest.raises(TypeError):

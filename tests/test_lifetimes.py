@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.testing.servers import S3Server
+from kvstore.cli.servers import S3Server
 
 SCRIPT = """
 import atexit, sys, torch

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import memory
 from kvstore.errors import CapacityError, ClosedError, InvalidInputError
-from kvstore.memory import SlabAllocator, cuda_available
+from kvstore.runtime import memory
+from kvstore.runtime.memory import SlabAllocator, cuda_available
 
 
 def test_fresh_allocator():
@@ -72,7 +72,7 @@ def test_double_free_raises():
 
 def test_double_free_is_caught_under_python_O():
     code = (
-        "from kvstore.memory import SlabAllocator\n"
+        "from kvstore.runtime.memory import SlabAllocator\n"
         "s = SlabAllocator(16, 4)\n"
         "a = s.alloc(1)\n"
         "s.free(a)\n"
@@ -422,7 +422,7 @@ def test_pinned_slabs_need_no_prefault():
 def test_trim_heap_gives_freed_memory_back() -> None:
     """glibc's malloc_trim where it exists (a store calls it when it closes): 64 MB of
     heap freed below blocks still in use stays with the process until the trim."""
-    from kvstore.memory import trim_heap
+    from kvstore.runtime.memory import trim_heap
 
     statm = Path("/proc/self/statm")
     if not statm.exists():

@@ -1,8 +1,8 @@
 """Release packaging: ``python -m build`` makes an sdist and, from it, a wheel that
 installs into a fresh virtualenv and runs ``kvstore demo`` and ``kvstore --version``.
 
-The wheel is platform-specific: it carries the compiled ``kvstore._chain`` and
-``kvstore._memcopy`` (csrc/, built by setup.py), and the installed copy must hash with
+The wheel is platform-specific: it carries the compiled ``kvstore.native._chain`` and
+``kvstore.native._memcopy`` (csrc/, built by setup.py), and the installed copy must hash with
 the first (``kvstore.keys.CHAIN_IMPL``).
 
 The build runs in build's isolated environment (it fetches ``setuptools>=77`` from the
@@ -135,8 +135,10 @@ def _check_wheel(wheel: Path, version: str) -> None:
     assert "kvstore/py.typed" in names
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     for module in ("_chain", "_memcopy"):
-        assert f"kvstore/{module}.pyi" in names
-        assert f"kvstore/{module}{ext}" in names, f"the wheel lacks the compiled kvstore.{module}"
+        assert f"kvstore/native/{module}.pyi" in names
+        assert f"kvstore/native/{module}{ext}" in names, (
+            f"the wheel lacks the compiled kvstore.native.{module}"
+        )
     licenses = ["LICENSE", "NOTICE", "csrc/xxhash/LICENSE"]
     for name in licenses:
         assert f"{DIST}-{version}.dist-info/licenses/{name}" in names
@@ -199,7 +201,7 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     where = _run([venv / "bin" / "python", "-c", _WHERE], cwd=tmp_path, env=env, timeout=60)
     package, impl = where.stdout.split()
     assert Path(package).is_relative_to(venv), where.stdout
-    assert impl == "c", "the installed kvstore hashes without its compiled kvstore._chain"
+    assert impl == "c", "the installed kvstore hashes without its compiled kvstore.native._chain"
 
     shown = _run([venv / "bin" / "kvstore", "--version"], cwd=tmp_path, env=env, timeout=60)
     assert shown.stdout.strip() == f"kvstore {version}"

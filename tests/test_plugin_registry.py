@@ -1,4 +1,4 @@
-"""The generic plug-in registry (:mod:`kvstore.registry`) and the registries built on it:
+"""The generic plug-in registry (:mod:`kvstore.runtime.registry`) and the registries built on it:
 a duplicate name is refused unless ``clobber=True``, the view cannot be changed, a lazy
 target is imported on first use (with its install hint when that fails), and a policy
 from an installed package's ``kvstore.policies`` entry point works from a YAML config."""
@@ -14,7 +14,7 @@ from kvstore import KVStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.policy import POLICIES, EvictionPolicy, LRUPolicy, make_policy
-from kvstore.registry import Registry
+from kvstore.runtime.registry import Registry
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.tiers import TIERS
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvstore.pools import call_or_inline, map_or_inline
+from kvstore.runtime.pools import call_or_inline, map_or_inline
 
 
 def test_the_pool_runs_them_while_the_interpreter_runs() -> None:
@@ -29,7 +29,7 @@ def test_at_exit_they_run_in_the_callers_thread() -> None:
     script = """
         import atexit, threading
         from concurrent.futures import ThreadPoolExecutor
-        from kvstore.pools import call_or_inline, map_or_inline
+        from kvstore.runtime.pools import call_or_inline, map_or_inline
         pool = ThreadPoolExecutor(2)
         pool.submit(print, "pool started").result()
         def at_exit():
@@ -51,7 +51,7 @@ def test_a_pool_its_worker_marked_shut_down_at_exit_runs_them_in_the_callers_thr
     script = """
         import threading, time
         from concurrent.futures import ThreadPoolExecutor
-        from kvstore.pools import call_or_inline, map_or_inline
+        from kvstore.runtime.pools import call_or_inline, map_or_inline
         idle = ThreadPoolExecutor(1)
         idle.submit(int).result()  # its worker started; it leaves first at exit
         busy = ThreadPoolExecutor(1)

@@ -1,4 +1,4 @@
-"""Owner accounting across stores that share tiers (kvstore.quota): limits hold under
+"""Owner accounting across stores that share tiers (kvstore.datapath.quota): limits hold under
 concurrent puts, and a flooding owner cannot evict a quiet one within its share."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.quota import Quota, QuotaLedger
+from kvstore.datapath.quota import Quota, QuotaLedger
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout
 

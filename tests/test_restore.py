@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +15,46 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.restore import (
-    RestoreCosts,
-    Restorer,
-    RestoreRequest,
-    RestorerParts,
-    Warming,
-    plan_restore,
-    restore_request,
-)
-from kvstore.speeds import PrefillSpeed, ReadSpeed, SpeedEstimate
+from kvstore.restore.planner import RestoreCosts, RestoreRequest, plan_restore, restore_request
+from kvstore.restore.prefill import PrefillSpeed
+from kvstore.restore.restorer import Restorer, Warming
+from kvstore.restore.speeds import ReadSpeed, SpeedEstimate
 from kvstore.testing.data import random_blocks, small_layout
 
 CT = 256  # tokens a chunk
 MB = 1_000_000
+
+
+def _run_now(job: Callable[[], object]) -> bool:
+    job()
+    return True
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The data path as a restorer sees it (:class:`kvstore.restore.RestorerParts`),
+    made of the callables a test gives: what a data path would do, and what it saw."""
+
+    lookup: Callable[[Sequence[bytes], bool, int], int]
+    where: Callable[[bytes], list[int]]
+    speeds: Callable[[], list[SpeedEstimate]]
+    fast: frozenset[int]
+    warm: Callable[[Sequence[bytes]], int]
+    media: tuple[str | None, ...] = ()
+    probe: Callable[[bytes], bool] = lambda key: False
+    find: Callable[[Sequence[bytes], int], int] = lambda keys, levels: 0
+    later: Callable[[Callable[[], object], Callable[[], float]], bool] = lambda job, when: _run_now(
+        job
+    )
+    #: None: this data path cannot warm on the caller's thread (``warms_in_place`` False).
+    warm_now: Callable[[Sequence[bytes]], int] | None = None
+    staged: bool = False
+    thread_reads: Callable[[], Sequence[float]] = lambda: ()
+    observe_loads: Callable[[dict[int, Any]], None] = lambda loads: None
+
+    @property
+    def warms_in_place(self) -> bool:
+        return self.warm_now is not None
 
 
 def speed(gbps: float, latency_ms: float = 0.0) -> SpeedEstimate:
@@ -218,7 +246,7 @@ def test_a_tier_is_asked_only_when_a_load_from_it_could_pay(
         return 0
 
     speeds = [speed(10.0), speed(1.0, latency_ms)]
-    parts = RestorerParts(
+    parts = Parts(
         lookup,
         lambda key: [],
         lambda: speeds,
@@ -251,7 +279,7 @@ def test_warming_waits_for_the_compute_the_plans_expect() -> None:
 
     speeds = [speed(10.0), speed(0.0001, 500.0)]
     levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: levels[key],
         lambda: speeds,
@@ -293,7 +321,7 @@ def test_warming_yields_to_a_prefill_a_later_plan_expects() -> None:
             restorer.plan(list(levels), restore_request(None, 0, False, None))
         return len(keys)
 
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: levels[key],
         lambda: speeds,
@@ -328,7 +356,7 @@ def test_warming_waits_for_the_engine_to_settle_after_the_compute_it_expects() -
     copied: list[Any] = []
     speeds = [speed(10.0), speed(0.0001, 500.0)]
     levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: levels[key],
         lambda: speeds,
@@ -368,7 +396,7 @@ def test_a_short_compute_settles_for_as_long_as_itself() -> None:
     queued: list[tuple[Any, Any]] = []
     speeds = [speed(10.0), speed(0.0001, 500.0)]
     levels = {bytes([i]) * 16: [0 if i < 2 else 1] for i in range(6)}
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: levels[key],
         lambda: speeds,
@@ -408,7 +436,7 @@ def test_what_a_deferred_search_finds_is_warmed_a_chunk_at_a_time() -> None:
             restorer.plan([bytes([9]) * 16], restore_request(2048, 0, False, None))
         return len(some)
 
-    parts = RestorerParts(
+    parts = Parts(
         lambda ks, recheck, skip: len(list(itertools.takewhile(held.__contains__, ks))),
         lambda key: held.get(key, []),
         lambda: speeds,
@@ -441,7 +469,7 @@ def test_chunks_loaded_from_another_machines_storage_are_warmed_too() -> None:
     warmed: list[list[Any]] = []
     speeds = [speed(1.0, 1.0), speed(10.0, 1.0)]
     where = {bytes([i]) * 16: [1] if i < 2 else [0] for i in range(4)}
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: where[key],
         lambda: speeds,
@@ -459,7 +487,7 @@ def test_chunks_loaded_from_another_machines_storage_are_warmed_too() -> None:
 def test_warming_starts_at_once_with_no_wait() -> None:
     queued: list[Any] = []
     speeds = [speed(10.0), speed(0.0001, 500.0)]
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: [0 if key[0] < 1 else 1],
         lambda: speeds,
@@ -613,7 +641,7 @@ def test_a_partial_plan_warms_the_disk_chunks_it_loads_too() -> None:
     head on disk, recompute it and with it the warmed tail behind it."""
     warmed: list[list[Any]] = []
     where = {bytes([i]) * 16: [1] if i < 2 else [2] for i in range(4)}
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: where[key],
         lambda: SPEEDS,
@@ -631,7 +659,7 @@ def test_a_partial_plan_warms_the_disk_chunks_it_loads_too() -> None:
 def test_a_plan_that_loads_all_from_disk_warms_nothing() -> None:
     """Every chunk pays from the local disk: nothing is left behind, nothing copied up."""
     warmed: list[list[Any]] = []
-    parts = RestorerParts(
+    parts = Parts(
         lambda keys, recheck, skip: len(keys),
         lambda key: [1],
         lambda: SPEEDS,

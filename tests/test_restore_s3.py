@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore
+from kvstore.cli.servers import S3Server
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.proxy import FaultProxy
-from kvstore.testing.servers import S3Server
 from kvstore.testing.throttle import ThrottlingProxy
 
 LAYOUT: KVLayout = small_layout(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=32)

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.restore import LoadMark, RestoreCosts, RestoreRequest, plan_restore
-from kvstore.speeds import PrefillSpeed, ReadSpeed, SpeedEstimate
+from kvstore.restore.planner import RestoreCosts, RestoreRequest, plan_restore
+from kvstore.restore.prefill import PrefillSpeed
+from kvstore.restore.speeds import ReadSpeed, SpeedEstimate
+from kvstore.restore.stats import LoadMark
 from kvstore.testing.data import random_blocks, small_layout
 
 LAYOUT = small_layout()

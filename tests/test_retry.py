@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvstore.retry import Backoff, retry_call
+from kvstore.runtime.retry import Backoff, retry_call
 
 
 class FakeTime:
@@ -87,7 +87,7 @@ def test_delay_is_full_jitter_capped() -> None:
 def test_retry_async_follows_the_same_policy() -> None:
     import asyncio
 
-    from kvstore.retry import retry_async
+    from kvstore.runtime.retry import retry_async
 
     calls: list[int] = []
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import kvstore.cli
+import kvstore.cli.commands as cli_commands
 from kvstore.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_kvstore_bench_runs_run_all_with_the_same_arguments(tmp_path: Path) -> N
 def test_kvstore_bench_without_the_source_tree_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(kvstore.cli, "_run_all_script", lambda: tmp_path / "run_all.py")
+    monkeypatch.setattr(cli_commands, "_run_all_script", lambda: tmp_path / "run_all.py")
     assert cli_main(["bench", "--quick"]) == 2
     assert "benchmarks ship with" in capsys.readouterr().err
 

@@ -25,11 +25,11 @@ import torch
 import yaml
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.cli.servers import RedisServer, S3Server, free_port
 from kvstore.errors import AccessDeniedError
 from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import RedisServer, S3Server, free_port
 
 LAYOUT = small_layout()
 REDIS_PASSWORD = "planted-redis-pw-7f3a9c"

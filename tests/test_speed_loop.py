@@ -1,4 +1,4 @@
-"""The closed loop that prices a tier (kvstore/speeds.py): each restore corrects the
+"""The closed loop that prices a tier (kvstore/restore/speeds.py): each restore corrects the
 tier's price by what its reads cost against what the fit says; a probe finds a tier
 again once it got faster; the correction stays within its bounds whatever the noise."""
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from kvstore import KVStore
 from kvstore.config import DiskTierConfig
-from kvstore.restore import RestorePlan
-from kvstore.restore_stats import LoadSample, PlannedLoad
-from kvstore.speeds import CORRECTION_BOUNDS, ReadSpeed
+from kvstore.restore.planner import RestorePlan
+from kvstore.restore.speeds import CORRECTION_BOUNDS, ReadSpeed
+from kvstore.restore.stats import LoadSample, PlannedLoad
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier

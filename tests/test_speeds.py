@@ -9,7 +9,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.errors import ConfigError
-from kvstore.speeds import ReadSpeed
+from kvstore.restore.speeds import ReadSpeed
 from kvstore.testing.data import random_blocks, small_layout
 
 

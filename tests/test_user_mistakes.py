@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore
+from kvstore.cli.servers import RedisServer, free_port
 from kvstore.errors import (
     AccessDeniedError,
     BlockNotFoundError,
@@ -50,7 +51,6 @@ from kvstore.errors import (
 from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.mounts import remount_read_only
-from kvstore.testing.servers import RedisServer, free_port
 from kvstore.wire.protocol import FRAME, MAGIC, VERSION, Flag
 
 Stocked = tuple[KVStore, list[bytes], torch.Tensor]

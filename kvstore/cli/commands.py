@@ -64,7 +64,7 @@ def _layout_args(parser: argparse.ArgumentParser, found_where: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvstore.cli_args import OneLineParser
+    from kvstore.runtime import OneLineParser
 
     parser = OneLineParser(prog="kvstore", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     route.add_argument("--json", action="store_true", help="print the ranking as JSON")
     _layout_args(route, "in the cluster's index (left out: the one layout it holds)")
 
-    from kvstore.server.cli import add_arguments
+    from kvstore.server import add_arguments
 
     server = sub.add_parser("server", help="run kvstore-server in the foreground")
     add_arguments(server)
@@ -227,8 +227,8 @@ def _print_demo(report: dict[str, Any]) -> None:
 def _demo_storage_lines(report: dict[str, Any]) -> list[str]:
     """The demo report's lines on where the chunks are: the tiers (their counts added up),
     close(), the restart, the disk tier."""
+    from kvstore.cli.demo import copies_summary, disk_summary
     from kvstore.config import format_size
-    from kvstore.demo import copies_summary, disk_summary
 
     lines = [f"  held at the end      : {copies_summary(report)}"]
     for tier in report["tiers"]:
@@ -261,8 +261,8 @@ def _demo_storage_lines(report: dict[str, Any]) -> list[str]:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The demo and its report; 1 when the disk tier could not keep the cache (it says what
     did not fit and why)."""
+    from kvstore.cli.demo import DemoSettings, ProgressBar, run_demo
     from kvstore.config import format_size
-    from kvstore.demo import DemoSettings, ProgressBar, run_demo
 
     # What close() waits for is logged at INFO when stderr is not a terminal (a bar otherwise).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -297,13 +297,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    """Report what the disk tiers hold without opening a store (kvstore/survey.py):
+    """Report what the disk tiers hold without opening a store (kvstore/cli/survey.py):
     opening one would create directories, sweep files and join a cluster. With
-    ``--server``, a running server's own figures (kvstore/live_report.py)."""
+    ``--server``, a running server's own figures (kvstore/cli/live_report.py)."""
     if args.server:
         return _server_stats(args)
+    from kvstore.cli.survey import format_survey, survey
     from kvstore.config import StoreConfig
-    from kvstore.survey import format_survey, survey
 
     config = StoreConfig.load(args.config)
     _check_disk_paths(config)
@@ -315,12 +315,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate_prefill(args: argparse.Namespace) -> int:
-    from kvstore.connectors.calibrate import (
-        Calibration,
-        calibrate_prefill,
-        format_table,
-        parse_lengths,
-    )
+    from kvstore.connectors import Calibration, calibrate_prefill, format_table, parse_lengths
     from kvstore.errors import ConfigError
 
     try:
@@ -343,7 +338,7 @@ def _cmd_calibrate_prefill(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate_tiers(args: argparse.Namespace) -> int:
     from kvstore.config import StoreConfig
-    from kvstore.connectors.calibrate import calibrate_tiers, format_tier_speeds
+    from kvstore.connectors import calibrate_tiers, format_tier_speeds
     from kvstore.errors import ConfigError
 
     if args.reads < 1:
@@ -361,10 +356,9 @@ def _cmd_calibrate_tiers(args: argparse.Namespace) -> int:
 
 
 def _server_stats(args: argparse.Namespace) -> int:
-    from kvstore.client import ClientOptions
-    from kvstore.client.admin import AdminClient
+    from kvstore.cli.live_report import format_server_stats
+    from kvstore.client import AdminClient, ClientOptions
     from kvstore.errors import ConfigError
-    from kvstore.live_report import format_server_stats
 
     token = None
     if args.token_file:
@@ -384,7 +378,7 @@ def _check_disk_paths(config: Any) -> None:
     (the same line), found by reading only."""
     from kvstore.config import DiskTierConfig
     from kvstore.errors import ConfigError
-    from kvstore.tiers.disk import unusable_path
+    from kvstore.tiers import unusable_path
 
     for tier in config.tiers:
         problem = unusable_path(tier.path) if isinstance(tier, DiskTierConfig) else None
@@ -412,7 +406,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     from kvstore.config import StoreConfig
-    from kvstore.masking import mask_config
+    from kvstore.runtime import mask_config
 
     # Tokens, and passwords in URLs (redis_url, a tier's url), as ***.
     data = mask_config(StoreConfig.load(args.config).to_dict())
@@ -445,8 +439,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
         raise ConfigError("cluster.redis_url: not set; `kvstore route` needs a cluster config")
     keys, tokens = _route_input(args)
     # Only now torch and Redis: a mistake above is said before seconds of imports.
-    from kvstore.cluster.index import ClusterIndex
-    from kvstore.cluster.router import Router
+    from kvstore.cluster import ClusterIndex, Router
     from kvstore.keys import Namespace
 
     namespace = args.namespace or config.cluster.namespace
@@ -521,7 +514,7 @@ def _route_input(args: argparse.Namespace) -> tuple[Any, list[int]]:
 def _route_layout(args: argparse.Namespace, index: Any, namespace: str) -> Any:
     """The layout to rank in: the flags', else the one the index holds in ``namespace``
     (kvstore/cluster/catalog.py); says on stderr when the index holds none of it."""
-    from kvstore.cluster.catalog import route_layout
+    from kvstore.cluster import route_layout
 
     fallback = _layout(argparse.Namespace(**{**vars(args), "layout": None}))
     layout, notes = route_layout(index, namespace, _given_layout(args), args.layout, fallback)
@@ -536,13 +529,13 @@ def _given_layout(args: argparse.Namespace) -> Any:
 
 
 def _cmd_local_cluster(args: argparse.Namespace) -> int:
-    from kvstore.local_cluster import LocalClusterSettings, run
+    from kvstore.cli.local_cluster import LocalClusterSettings, run
 
     return run(LocalClusterSettings(nodes=args.nodes))
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from kvstore.server.cli import run
+    from kvstore.server import run
 
     return run(args)
 
@@ -570,8 +563,8 @@ def _cmd_bench(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script."""
-    from kvstore.cli_args import check_counts
     from kvstore.errors import KVStoreError
+    from kvstore.runtime import check_counts
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:

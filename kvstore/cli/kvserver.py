@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
+from kvstore.cli.servers import HOST, free_port
 from kvstore.errors import TierError
-from kvstore.testing.servers import HOST, free_port
 
 __all__ = ["KVStoreServerProcess", "server_test_config"]
 

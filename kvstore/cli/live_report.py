@@ -1,6 +1,6 @@
 """``kvstore stats --server ADDR``: what a running kvstore-server says of itself, as text.
 
-The offline ``kvstore stats`` (:mod:`kvstore.survey`) reads disk tiers without
+The offline ``kvstore stats`` (:mod:`kvstore.cli.survey`) reads disk tiers without
 opening a store, so it knows no live figure. This formats a server's ``STATS``
 reply instead (as the token sees it: a tenant's token its own stores and figures,
 the operator's every one): per store, each tier's blocks and the read speed the

@@ -8,11 +8,10 @@ chunks through node ``b``, and the ``kvstore route`` command; then it runs until
 Ctrl-C, SIGTERM or SIGHUP, when it stops the nodes (they drain), Redis and S3, and
 removes the directory.
 
-The servers are started by the helpers of :mod:`kvstore.testing.servers` and
-:mod:`kvstore.testing.kvserver` (shipped with the package: they start real servers on
-free local ports, which is what a trial cluster is); nothing else of the testing
-package is used. It stands beside the CLI, above :mod:`kvstore.testing`, not in
-:mod:`kvstore.cluster`: the cluster package itself never starts servers for tests.
+The servers are started by the launchers beside it, :mod:`kvstore.cli.servers` and
+:mod:`kvstore.cli.kvserver` (they start real servers on free local ports, which is what
+a trial cluster is; tests and benchmarks use them too). It is part of the CLI, not of
+:mod:`kvstore.cluster`: the cluster package itself never starts servers.
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from kvstore.cli.kvserver import KVStoreServerProcess
+from kvstore.cli.servers import DUMMY_AWS_ENV, RedisServer, S3Server
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import DUMMY_AWS_ENV, RedisServer, S3Server
 
 __all__ = ["LocalCluster", "LocalClusterSettings", "missing_prerequisites", "run"]
 

@@ -1,4 +1,5 @@
-"""Real servers on free local ports, for tests and benchmarks of the remote tiers.
+"""Real servers on free local ports: ``kvstore local-cluster``'s, and those of tests and
+benchmarks of the remote tiers.
 
 - :func:`free_port` -- a TCP port free on 127.0.0.1 right now.
 - :class:`RedisServer` -- one ``redis-server`` (no persistence), which can be
@@ -7,9 +8,6 @@
   joined by ``redis-cli --cluster create``.
 - :class:`S3Server` -- moto's S3 server (in a thread, or in a child process
   when the caller's GIL must stay free, as in benchmarks) with one bucket.
-- :class:`FaultProxy` -- a tiny HTTP proxy in front of a real server that
-  answers 5xx or stalls for the next N requests (:mod:`kvstore.testing.proxy`).
-
 Every helper is a context manager and stops everything it started: child
 processes are terminated (then killed), threads joined, sockets closed.
 Everything listens on 127.0.0.1 only.
@@ -34,11 +32,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvstore.errors import ConfigError, TierError
-from kvstore.testing.proxy import FaultProxy
 
 __all__ = [
     "DUMMY_AWS_ENV",
-    "FaultProxy",
+    "HOST",
     "RedisCluster",
     "RedisServer",
     "S3Server",

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.codec import header_size, read_header
 from kvstore.config import DiskTierConfig, StoreConfig, TierConfig
 from kvstore.errors import CorruptBlockError, InvalidInputError
+from kvstore.format import header_size, read_header
 from kvstore.layout import KVLayout
-from kvstore.speeds import PrefillSpeed, ReadSpeed
-from kvstore.tiers.files import FORMAT_DIR, Tree
+from kvstore.restore import PrefillSpeed, ReadSpeed
+from kvstore.tiers import FORMAT_DIR, Tree
 
 __all__ = ["LayoutDir", "StoreSurvey", "find_layouts", "format_survey", "survey"]
 

@@ -16,30 +16,36 @@ Names are imported on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AdminClient", "AsyncAdminClient", "AsyncClient", "Client", "ClientOptions"]
-
-_EXPORTS = {
-    "Client": "kvstore.client.sync",
-    "AsyncClient": "kvstore.client.aio",
-    "ClientOptions": "kvstore.client._common",
-    "AdminClient": "kvstore.client.admin",
-    "AsyncAdminClient": "kvstore.client.admin",
-}
+from kvstore.runtime import load_export
 
 if TYPE_CHECKING:
     from kvstore.client._common import ClientOptions
     from kvstore.client.admin import AdminClient, AsyncAdminClient
     from kvstore.client.aio import AsyncClient
     from kvstore.client.sync import Client
+    from kvstore.client.tier import RemoteTier
+
+__all__ = [
+    "AdminClient",
+    "AsyncAdminClient",
+    "AsyncClient",
+    "Client",
+    "ClientOptions",
+    "RemoteTier",
+]
+
+_EXPORTS = {
+    "AdminClient": "kvstore.client.admin",
+    "AsyncAdminClient": "kvstore.client.admin",
+    "AsyncClient": "kvstore.client.aio",
+    "Client": "kvstore.client.sync",
+    "ClientOptions": "kvstore.client._common",
+    "RemoteTier": "kvstore.client.tier",
+}
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    """Each name imported on first use (see the module docstring)."""
+    return load_export(globals(), _EXPORTS, name)

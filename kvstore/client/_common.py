@@ -9,8 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import RemoteTierConfig
-from kvstore.config.tiers import check_namespace, normalize_address
+from kvstore.config import RemoteTierConfig, check_namespace, normalize_address
 from kvstore.errors import (
     AccessDeniedError,
     ConfigError,
@@ -25,16 +24,17 @@ from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
 from kvstore.version import __version__
-from kvstore.wire import auth
-from kvstore.wire.blocks import wire_nbytes
-from kvstore.wire.protocol import (
+from kvstore.wire import (
+    NONCE_BYTES,
     VERSION,
     Frame,
     Op,
     Status,
+    answer,
     decode_json,
     encode_hint_request,
     encode_json,
+    wire_nbytes,
 )
 
 __all__ = [
@@ -151,9 +151,9 @@ def auth_meta(hello: dict[str, Any], token: bytes | None) -> bytes | None:
         nonce = bytes.fromhex(str(hello["nonce"]))
     except (KeyError, ValueError):
         raise ProtocolError("the server's HELLO carries no valid nonce") from None
-    if len(nonce) != auth.NONCE_BYTES:
+    if len(nonce) != NONCE_BYTES:
         raise ProtocolError("the server's nonce has the wrong size")
-    return auth.answer(token, nonce)
+    return answer(token, nonce)
 
 
 def refused(options: ClientOptions, exc: AccessDeniedError) -> AccessDeniedError:

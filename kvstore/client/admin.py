@@ -28,7 +28,7 @@ from kvstore.client._common import ClientOptions, refused
 from kvstore.client.aio import open_connection
 from kvstore.client.connection import Connection
 from kvstore.errors import AccessDeniedError, TierError
-from kvstore.wire.protocol import Op, encode_json
+from kvstore.wire import Op, encode_json
 
 __all__ = ["AdminClient", "AsyncAdminClient"]
 

@@ -37,7 +37,6 @@ from kvstore.client._common import (
     open_meta,
     same_length,
 )
-from kvstore.codec import Codec, encode_block
 from kvstore.copies import engine_for
 from kvstore.errors import (
     ClosedError,
@@ -47,12 +46,12 @@ from kvstore.errors import (
     ProtocolError,
     TierError,
 )
+from kvstore.format import Codec, encode_block
 from kvstore.hints import Hint, HintAnswer
 from kvstore.keys import BlockKey, check_keys
 from kvstore.layout import KVLayout
-from kvstore.retry import Backoff, Breaker, retry_async
-from kvstore.wire.blocks import read_header, verify_span, wire_nbytes
-from kvstore.wire.protocol import (
+from kvstore.runtime import Backoff, Breaker, retry_async
+from kvstore.wire import (
     FRAME,
     Flag,
     Frame,
@@ -65,6 +64,9 @@ from kvstore.wire.protocol import (
     encode_count,
     encode_get_request,
     encode_keys,
+    read_header,
+    verify_span,
+    wire_nbytes,
 )
 
 __all__ = ["AsyncClient", "AsyncConnection", "open_connection"]

@@ -25,8 +25,8 @@ from kvstore.client._common import (
 )
 from kvstore.errors import KVStoreError, ProtocolError, TierError
 from kvstore.layout import KVLayout
-from kvstore.wire import shm
-from kvstore.wire.protocol import FRAME, Frame, Op, decode_json
+from kvstore.wire import FRAME, Frame, Op, attach, decode_json, receive_fd
+from kvstore.wire import Mapping as ShmMapping
 
 __all__ = ["Connection", "Dead"]
 
@@ -50,7 +50,7 @@ class Connection:
         self.layout = layout
         self._ids = 0
         #: The client's mapping of this server's shared memory (None: move bytes by socket).
-        self.shm: shm.Mapping | None = None
+        self.shm: ShmMapping | None = None
         #: The AUTH reply: the token's name, tenant, scopes, namespaces ({}: no token).
         self.identity: dict[str, Any] = {}
         self.opened: dict[str, Any] = {}
@@ -226,21 +226,21 @@ class Connection:
                 else:
                     views[i], got = views[i][got:], 0
 
-    def attach_shared_memory(self) -> shm.Mapping | None:
+    def attach_shared_memory(self) -> ShmMapping | None:
         """Map the store's shared memory, if the server offers it and this host can."""
         if self.segment_id is None:
             return None
         rid = self.send(Op.SHM_ATTACH)
         fd = None
         if self.unix:
-            head, fd = shm.receive_fd(self.sock, FRAME.size)
+            head, fd = receive_fd(self.sock, FRAME.size)
             if len(head) < FRAME.size:
                 head += self.recv(FRAME.size - len(head))
             _, meta = self.reply(rid, Op.SHM_ATTACH, head)
         else:
             _, meta = self.reply(rid, Op.SHM_ATTACH)
         try:
-            mapping = shm.attach(decode_json(meta), fd)
+            mapping = attach(decode_json(meta), fd)
         except (OSError, ProtocolError, KeyError, ValueError) as exc:
             log.info("kvstore client: no shared memory with the server (%s)", exc)
             return None

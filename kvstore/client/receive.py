@@ -15,13 +15,13 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.client.connection import Connection
-from kvstore.codec import layer_pieces, verify_layers
 from kvstore.copies import engine_for
 from kvstore.errors import CorruptBlockError, LayoutMismatchError
+from kvstore.format import layer_pieces, verify_layers
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.wire import shm
-from kvstore.wire.blocks import pieces_of, read_header, wire_nbytes
+from kvstore.wire import Mapping as ShmMapping
+from kvstore.wire import pieces_of, read_header, wire_nbytes
 
 __all__ = ["RECV_GROUP", "Arrival", "receive", "slot_tensor"]
 
@@ -106,7 +106,7 @@ def _receive_group(
 
 
 def slot_tensor(
-    mapping: shm.Mapping,
+    mapping: ShmMapping,
     layout: KVLayout,
     offset: int,
     shape: Sequence[int],

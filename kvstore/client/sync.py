@@ -43,7 +43,6 @@ from kvstore.client._common import (
 )
 from kvstore.client.connection import Connection, Dead
 from kvstore.client.receive import RECV_GROUP, receive, slot_tensor
-from kvstore.codec import Codec, encode_block
 from kvstore.copies import engine_for
 from kvstore.errors import (
     AccessDeniedError,
@@ -55,13 +54,12 @@ from kvstore.errors import (
     StoreLimitError,
     TierError,
 )
+from kvstore.format import Codec, encode_block
 from kvstore.hints import Hint, HintAnswer
 from kvstore.keys import BlockKey, ChunkTokens, check_keys
 from kvstore.layout import KVLayout
-from kvstore.retry import Backoff, Breaker, retry_call
-from kvstore.wire import shm
-from kvstore.wire.blocks import wire_nbytes
-from kvstore.wire.protocol import (
+from kvstore.runtime import Backoff, Breaker, retry_call
+from kvstore.wire import (
     Flag,
     Op,
     SlotStatus,
@@ -75,7 +73,9 @@ from kvstore.wire.protocol import (
     encode_keys,
     encode_tokens,
     encode_u64,
+    wire_nbytes,
 )
+from kvstore.wire import Mapping as ShmMapping
 
 __all__ = ["Client"]
 
@@ -106,7 +106,7 @@ class Client:
         self._breaker = Breaker(self.options.retry_interval)
         # Segment id -> this client's mapping of it (None: this host cannot map it). A
         # server restart brings a new segment; connections to it use the new mapping.
-        self._mappings: dict[str, shm.Mapping | None] = {}
+        self._mappings: dict[str, ShmMapping | None] = {}
         self._limits: dict[str, Any] = {}
         # The server's latest refusal of this client's token or store (None: it accepted
         # them, or it was not reached): what calls raise while the breaker holds them back.

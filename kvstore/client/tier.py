@@ -47,8 +47,8 @@ from kvstore.errors import AccessDeniedError, ClosedError, ConfigError, Protocol
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
+from kvstore.tiers import check_get_args, check_put_args
 from kvstore.tiers.base import LayerRange, Tier
-from kvstore.tiers.remote_common import check_get_args, check_put_args
 
 __all__ = ["RemoteTier"]
 

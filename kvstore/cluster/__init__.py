@@ -12,32 +12,39 @@ Nothing here is imported by ``import kvstore``; it needs ``redis`` (``kvstore-ti
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ClusterIndex", "ClusterNode", "ClusterTier", "NodeInfo", "NodeSpeeds", "Router"]
-
-_EXPORTS = {
-    "ClusterIndex": "kvstore.cluster.index",
-    "NodeInfo": "kvstore.cluster.index",
-    "NodeSpeeds": "kvstore.cluster.speeds",
-    "ClusterTier": "kvstore.cluster.tier",
-    "ClusterNode": "kvstore.cluster.node",
-    "Router": "kvstore.cluster.router",
-}
+from kvstore.runtime import load_export
 
 if TYPE_CHECKING:
+    from kvstore.cluster.catalog import route_layout
     from kvstore.cluster.index import ClusterIndex, NodeInfo
     from kvstore.cluster.node import ClusterNode
     from kvstore.cluster.router import Router
     from kvstore.cluster.speeds import NodeSpeeds
     from kvstore.cluster.tier import ClusterTier
 
+__all__ = [
+    "ClusterIndex",
+    "ClusterNode",
+    "ClusterTier",
+    "NodeInfo",
+    "NodeSpeeds",
+    "Router",
+    "route_layout",
+]
+
+_EXPORTS = {
+    "ClusterIndex": "kvstore.cluster.index",
+    "ClusterNode": "kvstore.cluster.node",
+    "ClusterTier": "kvstore.cluster.tier",
+    "NodeInfo": "kvstore.cluster.index",
+    "NodeSpeeds": "kvstore.cluster.speeds",
+    "Router": "kvstore.cluster.router",
+    "route_layout": "kvstore.cluster.catalog",
+}
+
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    """Each name imported on first use (see the module docstring)."""
+    return load_export(globals(), _EXPORTS, name)

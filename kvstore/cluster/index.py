@@ -58,7 +58,7 @@ from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
-from kvstore.masking import mask_text
+from kvstore.runtime import mask_text
 
 __all__ = ["Change", "ClusterIndex", "IndexedStore", "NodeInfo", "Snapshot", "decode_change"]
 

@@ -34,8 +34,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.restore import TIE, RestoreCosts, RestorePlan, RestoreRequest, plan_restore
-from kvstore.speeds import PrefillSpeed, SpeedEstimate
+from kvstore.restore import (
+    TIE,
+    PrefillSpeed,
+    RestoreCosts,
+    RestorePlan,
+    RestoreRequest,
+    SpeedEstimate,
+    plan_restore,
+)
 
 __all__ = ["MEDIA", "NodeSpeeds"]
 

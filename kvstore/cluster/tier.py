@@ -39,13 +39,12 @@ import torch
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.cluster.view import IndexView
-from kvstore.config import ClusterConfig
-from kvstore.config.tiers import ClusterTierConfig
+from kvstore.config import ClusterConfig, ClusterTierConfig
 from kvstore.errors import AccessDeniedError, TierError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
+from kvstore.tiers import Counters, check_get_args
 from kvstore.tiers.base import LayerRange, Tier
-from kvstore.tiers.remote_common import Counters, check_get_args
 
 __all__ = ["ClusterTier"]
 

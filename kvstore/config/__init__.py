@@ -35,7 +35,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvstore._values import (
+from kvstore.config._fields import build as _build
+from kvstore.config._fields import check_positive as _check_positive
+from kvstore.config._fields import default_cache_dir
+from kvstore.config._fields import opt as _opt
+from kvstore.config.cluster import ClusterConfig
+from kvstore.config.encryption import EncryptionConfig
+from kvstore.config.events import EventsConfig
+from kvstore.config.kinds import TIERS, build_tier, peer_tier_class, tier_config_class, tier_kinds
+from kvstore.config.restore import check_prefill_table, parse_prefill_table, parse_tier_speeds
+from kvstore.config.server import Credential, ServerConfig, TokenConfig, is_loopback
+from kvstore.config.tenants import (
+    TenantConfig,
+    TenantToken,
+    check_tenant_name,
+    parse_tenant,
+    parse_token,
+)
+from kvstore.config.tiers import (
+    ClusterTierConfig,
+    DeviceTierConfig,
+    DiskTierConfig,
+    HostTierConfig,
+    RedisTierConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+    TierConfig,
+    check_disk_paths,
+    check_namespace,
+    default_tiers,
+    normalize_address,
+)
+from kvstore.config.values import (
     Parser,
     format_size,
     parse_bool,
@@ -45,33 +76,15 @@ from kvstore._values import (
     parse_size,
     parse_str,
 )
-from kvstore.config._fields import build as _build
-from kvstore.config._fields import check_positive as _check_positive
-from kvstore.config._fields import default_cache_dir
-from kvstore.config._fields import opt as _opt
-from kvstore.config.cluster import ClusterConfig
-from kvstore.config.encryption import EncryptionConfig
-from kvstore.config.events import EventsConfig
-from kvstore.config.kinds import build_tier, tier_config_class, tier_kinds
-from kvstore.config.restore import check_prefill_table, parse_prefill_table, parse_tier_speeds
-from kvstore.config.server import ServerConfig, TokenConfig
-from kvstore.config.tiers import (
-    DeviceTierConfig,
-    DiskTierConfig,
-    HostTierConfig,
-    RedisTierConfig,
-    RemoteTierConfig,
-    S3TierConfig,
-    TierConfig,
-    check_disk_paths,
-    default_tiers,
-)
 from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
 
 __all__ = [
     "PREFETCH_POLICIES",
+    "TIERS",
     "ClusterConfig",
+    "ClusterTierConfig",
+    "Credential",
     "DeviceTierConfig",
     "DiskTierConfig",
     "EncryptionConfig",
@@ -87,12 +100,22 @@ __all__ = [
     "S3TierConfig",
     "ServerConfig",
     "StoreConfig",
+    "TenantConfig",
+    "TenantToken",
     "TierConfig",
     "TokenConfig",
     "apply_env",
+    "check_namespace",
+    "check_prefill_table",
+    "check_tenant_name",
     "default_cache_dir",
     "format_size",
+    "is_loopback",
+    "normalize_address",
     "parse_size",
+    "parse_tenant",
+    "parse_token",
+    "peer_tier_class",
     "tier_config_class",
 ]
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any
 
-from kvstore._values import Parser
+from kvstore.config.values import Parser
 from kvstore.errors import ConfigError
 
 __all__ = ["build", "check_positive", "default_cache_dir", "opt"]

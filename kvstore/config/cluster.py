@@ -22,7 +22,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import (
+from kvstore.config._fields import check_positive, opt
+from kvstore.config.tiers import check_address, check_namespace
+from kvstore.config.values import (
     parse_bool,
     parse_float,
     parse_int,
@@ -30,8 +32,6 @@ from kvstore._values import (
     parse_optional_str,
     parse_str,
 )
-from kvstore.config._fields import check_positive, opt
-from kvstore.config.tiers import check_address, check_namespace
 from kvstore.errors import ConfigError
 
 __all__ = ["ClusterConfig"]

@@ -32,15 +32,15 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kvstore._values import parse_bool, parse_optional_str
 from kvstore.config._fields import opt
+from kvstore.config.values import parse_bool, parse_optional_str
 from kvstore.config.yaml_text import load_yaml
 from kvstore.errors import ConfigError
-from kvstore.format.keyring import Keyring, TenantKeys
+from kvstore.format import Keyring, TenantKeys
 
 __all__ = [
     "ENCRYPTING_TIERS",

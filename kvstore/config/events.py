@@ -25,14 +25,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstore._values import (
-    parse_bool,
-    parse_float,
-    parse_int,
-    parse_optional_str,
-    parse_str,
-)
 from kvstore.config._fields import build, check_positive, opt
+from kvstore.config.values import parse_bool, parse_float, parse_int, parse_optional_str, parse_str
 from kvstore.errors import ConfigError
 
 __all__ = ["EventsConfig"]

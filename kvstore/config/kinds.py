@@ -2,7 +2,7 @@
 
 :data:`TIERS` holds the built-in kinds, those :func:`kvstore.tiers.register_tier` adds, and
 (read the first time a config names a kind it does not know) those installed packages
-declare in the ``kvstore.tiers`` entry-point group (:mod:`kvstore.registry`).
+declare in the ``kvstore.tiers`` entry-point group (:mod:`kvstore.runtime.registry`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore._dist import install_hint
 from kvstore.config._fields import build as _build
 from kvstore.config.tiers import (
     ClusterTierConfig,
@@ -25,7 +24,7 @@ from kvstore.config.tiers import (
     TierConfig,
 )
 from kvstore.errors import ConfigError
-from kvstore.registry import Entry, Registry, import_target
+from kvstore.runtime import Entry, Registry, import_target, install_hint
 
 __all__ = [
     "KIND_PATTERN",
@@ -146,7 +145,7 @@ def _options_class(kind: str, options: object) -> type[TierConfig]:
 
 def tier_config_class(kind: str, path: str = "kind") -> type[TierConfig]:
     """The config dataclass of tier ``kind`` (a kind not registered yet may come from an
-    installed package's ``kvstore.tiers`` entry point: :mod:`kvstore.registry`)."""
+    installed package's ``kvstore.tiers`` entry point: :mod:`kvstore.runtime.registry`)."""
     if not isinstance(kind, str) or not TIERS.has(kind):
         raise ConfigError(
             f"{path}: unknown tier kind {kind!r}; known kinds: {', '.join(TIERS.names())} "

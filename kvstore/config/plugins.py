@@ -8,7 +8,7 @@ A package that brings tier kinds declares, in its packaging metadata::
 where ``register()`` (no arguments) calls :func:`kvstore.tiers.register_tier` for its
 kinds. kvstore runs each such function once, the first time a config names a kind it does
 not know; importing kvstore runs none. Policies and codecs have groups of their own; all
-three are read by their registries (:mod:`kvstore.registry`).
+three are read by their registries (:mod:`kvstore.runtime.registry`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import (
+from kvstore.config._fields import build, check_positive, opt
+from kvstore.config.tenants import SCOPES, TenantConfig, check_unique, parse_tenants
+from kvstore.config.tiers import check_address, check_namespace
+from kvstore.config.values import (
     parse_bool,
     parse_float,
     parse_int,
@@ -39,9 +42,6 @@ from kvstore._values import (
     parse_size,
     parse_str,
 )
-from kvstore.config._fields import build, check_positive, opt
-from kvstore.config.tenants import SCOPES, TenantConfig, check_unique, parse_tenants
-from kvstore.config.tiers import check_address, check_namespace
 from kvstore.errors import ConfigError
 
 __all__ = ["Credential", "ServerConfig", "TokenConfig", "is_loopback"]

@@ -24,7 +24,7 @@ ADMIN request over every tenant; list, change and reload tenants and tokens)::
 
 ``quotas``: per tier kind, the bytes the tenant is guaranteed (``share``) and
 may never pass (``limit``), across all its namespaces; the tier's configured
-capacity is the pool tenants share (:mod:`kvstore.quota` says how it is kept).
+capacity is the pool tenants share (:mod:`kvstore.datapath.quota` says how it is kept).
 
 A tenant's token opens only the tenant's namespaces. ``admin`` is the
 operator's scope: it manages every tenant and opens every namespace; ``manage``
@@ -39,17 +39,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore._values import (
+from kvstore.config._fields import build, opt
+from kvstore.config.events import EventsConfig
+from kvstore.config.kinds import tier_kinds
+from kvstore.config.tiers import check_namespace
+from kvstore.config.values import (
     parse_bool,
     parse_optional_secret,
     parse_optional_str,
     parse_size,
     parse_str,
 )
-from kvstore.config._fields import build, opt
-from kvstore.config.events import EventsConfig
-from kvstore.config.kinds import tier_kinds
-from kvstore.config.tiers import check_namespace
 from kvstore.errors import ConfigError
 
 __all__ = [

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvstore._values import (
+from kvstore.config._fields import check_positive as _check_positive
+from kvstore.config._fields import default_cache_dir
+from kvstore.config._fields import opt as _opt
+from kvstore.config.values import (
     parse_bool,
     parse_codec,
     parse_float,
@@ -22,12 +25,9 @@ from kvstore._values import (
     parse_size,
     parse_str,
 )
-from kvstore.config._fields import check_positive as _check_positive
-from kvstore.config._fields import default_cache_dir
-from kvstore.config._fields import opt as _opt
 from kvstore.errors import ConfigError
-from kvstore.masking import mask_text
 from kvstore.policy import POLICIES
+from kvstore.runtime import mask_text
 
 __all__ = [
     "ClusterTierConfig",
@@ -329,7 +329,7 @@ class S3TierConfig(TierConfig):
     ``part_size``: the part and range size of those (S3 needs at least 5 MiB).
 
     ``codec``: ``raw``, ``lz4``, ``shuffle-lz4``, a registered plug-in codec
-    (:mod:`kvstore.codecs`) or ``auto`` (the default here: shuffle-lz4 for a block where it
+    (:mod:`kvstore.format.codecs`) or ``auto`` (the default here: shuffle-lz4 for a block where it
     saves at least 10%, else raw).
     """
 

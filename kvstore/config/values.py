@@ -14,8 +14,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-from kvstore.codecs import AUTO, CODECS, codec_names
 from kvstore.errors import ConfigError
+from kvstore.format import AUTO, CODECS, codec_names
 
 __all__ = [
     "Parser",

@@ -15,4 +15,64 @@ package never imports vllm or sglang.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import TYPE_CHECKING, Any
+
+from kvstore.runtime import load_export
+
+if TYPE_CHECKING:
+    from kvstore.connectors.calibrate import (
+        Calibration,
+        calibrate_prefill,
+        calibrate_tiers,
+        format_table,
+        format_tier_speeds,
+        parse_lengths,
+    )
+    from kvstore.connectors.paged import PagedKV, PageMap
+    from kvstore.connectors.plan import TransferSpec
+    from kvstore.connectors.settings import ConnectorSettings
+    from kvstore.connectors.sglang import KVStoreHiCacheStorage
+    from kvstore.connectors.tails import find_tail, output_tail
+    from kvstore.connectors.transfer import TransferWorker
+    from kvstore.connectors.vllm import KVStoreConnector
+
+__all__ = [
+    "Calibration",
+    "ConnectorSettings",
+    "KVStoreConnector",
+    "KVStoreHiCacheStorage",
+    "PageMap",
+    "PagedKV",
+    "TransferSpec",
+    "TransferWorker",
+    "calibrate_prefill",
+    "calibrate_tiers",
+    "find_tail",
+    "format_table",
+    "format_tier_speeds",
+    "output_tail",
+    "parse_lengths",
+]
+
+_EXPORTS = {
+    "Calibration": "kvstore.connectors.calibrate",
+    "ConnectorSettings": "kvstore.connectors.settings",
+    "KVStoreConnector": "kvstore.connectors.vllm",
+    "KVStoreHiCacheStorage": "kvstore.connectors.sglang",
+    "PageMap": "kvstore.connectors.paged",
+    "PagedKV": "kvstore.connectors.paged",
+    "TransferSpec": "kvstore.connectors.plan",
+    "TransferWorker": "kvstore.connectors.transfer",
+    "calibrate_prefill": "kvstore.connectors.calibrate",
+    "calibrate_tiers": "kvstore.connectors.calibrate",
+    "find_tail": "kvstore.connectors.tails",
+    "format_table": "kvstore.connectors.calibrate",
+    "format_tier_speeds": "kvstore.connectors.calibrate",
+    "output_tail": "kvstore.connectors.tails",
+    "parse_lengths": "kvstore.connectors.calibrate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Each name imported on first use (see the module docstring)."""
+    return load_export(globals(), _EXPORTS, name)

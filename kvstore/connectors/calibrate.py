@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from kvstore.config import StoreConfig
-from kvstore.config.restore import check_prefill_table
+from kvstore.config import StoreConfig, check_prefill_table
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.speeds import PROBE_LAYERS, ReadSpeed, fastest_reads
+from kvstore.restore import PROBE_LAYERS, ReadSpeed, fastest_reads
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
 

@@ -21,7 +21,7 @@ from kvstore.connectors.tails import Tail, output_tail
 from kvstore.errors import ConfigError
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey
-from kvstore.restore_stats import PlannedLoad
+from kvstore.restore import PlannedLoad
 
 __all__ = [
     "DEFAULT_MIN_CHUNK_TOKENS",
@@ -104,7 +104,7 @@ class TransferSpec:
     before them, so the server's KV events carry the tokens. ``planned_s`` (loads):
     the restore plan's expected load seconds, to compare with the actual; ``planned``
     (loads): what the plan expects of the load per tier, which the engine's wait
-    corrects (:meth:`~kvstore.restore_stats.PlannedLoad.scale`).
+    corrects (:meth:`~kvstore.restore.stats.PlannedLoad.scale`).
     ``step_end`` (saves): the tokens the request has computed by the end of this
     step (a recurrent state, kept per step, is that of this position only). ``tail``:
     the spec's last chunk is a tail block (its key a :func:`~kvstore.keys.tail_key`),

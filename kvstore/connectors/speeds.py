@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvstore.restore_stats import LoadSample
+from kvstore.restore import LoadSample
 from kvstore.store import KVStore
 
 __all__ = [

@@ -54,7 +54,7 @@ from kvstore.connectors.settings import FLUSH_POLICIES, ConnectorSettings, Count
 from kvstore.datapath.contracts import PrefetchHandle
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey, ChunkTokens
-from kvstore.restore_stats import LoadSample
+from kvstore.restore import LoadSample
 from kvstore.store import KVStore
 
 __all__ = ["LayerGroups", "TransferWorker"]  # LayerGroups: re-exported from paged

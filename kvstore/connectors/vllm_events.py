@@ -30,10 +30,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.config.events import EventsConfig
+from kvstore.config import EventsConfig
 from kvstore.datapath.contracts import Medium
-from kvstore.events.blocks import BlockMapper, parent_first
-from kvstore.events.book import TokenBook
+from kvstore.events import BlockMapper, TokenBook, parent_first
 from kvstore.keys import BlockKey
 
 __all__ = ["ConnectorEvents"]

@@ -7,7 +7,7 @@ ordering (lanes, events) and asynchrony live here and nowhere else.
 - ``base.py``: the contract (:class:`CopyEngine`, :class:`Lane`, :class:`Event`).
 - ``coalescing.py``: :func:`coalesce` (runs of pairs become one strided copy) and
   :func:`copy_pairs` (what every engine runs a batch with; contiguous host copies
-  left over go to C in one call, ``kvstore._memcopy``, public there as ``memcopy``).
+  left over go to C in one call, ``kvstore.native._memcopy``, public there as ``memcopy``).
 - ``threads.py``: :class:`ThreadCopyEngine`, a worker thread per lane (CPU).
 - ``rows.py``: :func:`plan_rows`, a strided copy as a few 2-D byte copies.
 - ``runs.py``: evenly spaced blocks as one view (a layerwise load's copies per run).
@@ -23,28 +23,52 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.copies.base import CopyEngine, Event, Lane, OnDone
 from kvstore.copies.coalescing import CopyPair, coalesce, copy_pairs, needs_inference_mode
 from kvstore.copies.threads import ThreadCopyEngine, ThreadEvent, ThreadLane
+from kvstore.runtime import load_export
+
+if TYPE_CHECKING:
+    from kvstore.copies.cudart import load as load_cudart
+    from kvstore.copies.rows import Rows
+    from kvstore.copies.runs import BlockRun, block_runs
 
 __all__ = [
+    "BlockRun",
     "CopyEngine",
     "CopyPair",
     "Event",
     "Lane",
     "OnDone",
+    "Rows",
     "ThreadCopyEngine",
     "ThreadEvent",
     "ThreadLane",
+    "block_runs",
     "coalesce",
     "copy_pairs",
     "engine_for",
     "engine_for_pairs",
+    "load_cudart",
     "needs_inference_mode",
 ]
+
+#: Imported on first use: the CUDA side (its runtime, 2-D row copies) and block runs.
+_EXPORTS = {
+    "BlockRun": "kvstore.copies.runs",
+    "Rows": "kvstore.copies.rows",
+    "block_runs": "kvstore.copies.runs",
+    "load_cudart": "kvstore.copies.cudart:load",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_EXPORTS`, imported on first use."""
+    return load_export(globals(), _EXPORTS, name)
 
 
 class _Shared:

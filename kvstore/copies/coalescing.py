@@ -12,7 +12,7 @@ copies one by one, in order (see :func:`coalesce` for the rules). Every
 engine (``threads.py`` here, ``cuda.py`` later) runs its batches through
 :func:`copy_pairs`, which also enters inference mode where a destination
 needs it. What is left after coalescing -- blocks of separate host tensors,
-say -- goes to C in one call (``kvstore._memcopy``, csrc/memcopy.c: the GIL
+say -- goes to C in one call (``kvstore.native._memcopy``, csrc/memcopy.c: the GIL
 released once for the batch, the bytes split over torch's thread count)
 wherever one ``memcpy`` per pair is provably the same as the ``copy_`` calls.
 """
@@ -28,15 +28,12 @@ from typing import NamedTuple
 
 import torch
 
-#: The compiled batch copier (``kvstore._memcopy``, csrc/memcopy.c: its
-#: ``copy_regions(table, threads)`` memcpys every ``(dst, src, nbytes)`` uint64 triple
-#: of ``table`` with the GIL released once), or None where the install did not build
-#: it. :func:`copy_pairs` looks this name up at each batch, so setting it to None
-#: makes every pair a ``copy_``.
-try:  # built by the install (csrc/memcopy.c); without it, a copy_ per pair
-    import kvstore._memcopy as memcopy
-except ImportError:  # pragma: no cover - an install without a C compiler
-    memcopy = None  # type: ignore[assignment]
+# The compiled batch copier (``kvstore.native._memcopy``, csrc/memcopy.c: its
+# ``copy_regions(table, threads)`` memcpys every ``(dst, src, nbytes)`` uint64 triple
+# of ``table`` with the GIL released once), or None where the install did not build
+# it. :func:`copy_pairs` looks this name up at each batch, so setting it to None
+# makes every pair a ``copy_``.
+from kvstore.native import memcopy
 
 __all__ = [
     "CopyPair",
@@ -384,7 +381,7 @@ def _host_memcpy_safe(pairs: Sequence[CopyPair]) -> bool:
     tensors and no destination overlaps another pair's destination or any source:
     then one ``memcpy`` per pair, in any order, gives what the ``copy_`` calls give.
 
-    This batch goes to C (``kvstore._memcopy``) in one call with the GIL released
+    This batch goes to C (``kvstore.native._memcopy``) in one call with the GIL released
     once: a ``copy_`` per pair gives the GIL back and takes it again each time, and
     a thread running Python beside the copies then holds it for its whole switch
     interval (5 ms) between two of them (measured: 256 copies of 1 MiB ran at

@@ -14,7 +14,7 @@ from kvstore.datapath.room import RetainedFn
 from kvstore.datapath.tierio import tier_ids
 from kvstore.placement import Placement, TierRules
 from kvstore.policy import Watermarks, make_policy
-from kvstore.speeds import ReadSpeed
+from kvstore.restore import ReadSpeed
 from kvstore.tiers.base import Tier
 
 __all__ = ["build_books", "build_speeds"]

@@ -12,15 +12,20 @@ such types; nothing here reaches into a store.
   (``KVStore.pin``), :class:`Loan` and :class:`PendingPut` (``KVStore.lend``,
   ``KVStore.begin_put``), :class:`PrefetchHandle` (``KVStore.prefetch``) and its
   :class:`Step` records. The data path's classes of those names subclass these.
+- What the data path asks of parts given to it from outside: :class:`QuotaSeat`, an
+  owner accounting's seat (:mod:`kvstore.datapath.quota`'s ``QuotaHook``) asked while a
+  tier grants room, and :class:`QuotaSeats`, the accounting that hands seats out; and
+  what a store asks of the data path's hint service (:class:`Hinting`).
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvstore.keys import BlockKey
 
@@ -28,18 +33,23 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.errors import KVStoreError
+    from kvstore.hints import Hint, HintAnswer
     from kvstore.layout import KVLayout
-    from kvstore.quota import QuotaHook, QuotaLedger
     from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = [
     "ChangeFeed",
     "DataPath",
+    "Hinting",
     "Loan",
     "Medium",
     "PendingPut",
     "Pin",
     "PrefetchHandle",
+    "QuotaLevel",
+    "QuotaSeat",
+    "QuotaSeats",
+    "Seat",
     "Step",
 ]
 
@@ -115,6 +125,65 @@ class ChangeFeed:
         return {k: v for k, v in state.items() if v[0] != v[1] or k in moved}, moved
 
 
+class QuotaLevel(Protocol):
+    """What an owner accounting reads of a tier's books (the data path's ``Level``)."""
+
+    @property
+    def kind(self) -> str:
+        """The tier's kind (its pool)."""
+
+    @property
+    def resident(self) -> int:
+        """Blocks in the tier, room reserved included."""
+
+    @property
+    def leaving(self) -> int:
+        """Of ``resident``, blocks on their way out (evicted, their room not free yet)."""
+
+    @property
+    def policy(self) -> Sized:
+        """The tier's eviction policy: ``len`` is the count of blocks it holds."""
+
+
+class QuotaSeat(Protocol):
+    """One store's seat at an owner accounting across stores that share tiers: what the
+    data path asks of it while a tier grants room (under :attr:`lock`, taken inside the
+    books' lock)."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The accounting's lock, held while a tier grants room."""
+
+    def must_evict(self, level: QuotaLevel, n: int) -> int:
+        """Own blocks of ``level`` to free before ``n`` more fit."""
+
+    def refuse(self, n: int) -> None:
+        """Count ``n`` blocks the quota kept out."""
+
+
+#: The seat type an accounting hands out (its own class, which the data path sees as a
+#: :class:`QuotaSeat`).
+Seat = TypeVar("Seat", bound=QuotaSeat)
+_SeatOut = TypeVar("_SeatOut", bound=QuotaSeat, covariant=True)
+
+
+class QuotaSeats(Protocol[_SeatOut]):
+    """An owner accounting that seats stores (:class:`kvstore.datapath.quota.QuotaLedger`)."""
+
+    def hook(self, owner: str, levels: Sequence[QuotaLevel], block_nbytes: int) -> _SeatOut:
+        """A seat for a store of ``owner`` whose tiers' books are ``levels``."""
+
+
+class Hinting(Protocol):
+    """What a store asks of its data path's hint service (``KVStore.hint``)."""
+
+    def apply(self, keys: Sequence[BlockKey] | None, session: str | None, hint: Hint) -> HintAnswer:
+        """Carry out ``hint`` on ``keys`` (None: the keys of ``session``'s last hint)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, and the blocks retained now, as ``stats()`` shows them."""
+
+
 class DataPath(Protocol):
     """What code outside the data path (the server, cluster, events, connectors) may ask of
     a store's: ``KVStore.datapath``. Keys are the store's; nothing here checks arguments
@@ -185,8 +254,9 @@ class DataPath(Protocol):
         """Whether reading one chunk from tier ``level`` beats recomputing ``tokens``;
         None when restore planning cannot tell."""
 
-    def use_quota(self, ledger: QuotaLedger, owner: str) -> QuotaHook:
-        """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on."""
+    def use_quota(self, ledger: QuotaSeats[Seat], owner: str) -> Seat:
+        """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on;
+        the seat."""
 
     def pinned_blocks(self) -> int:
         """Blocks pinned right now (loans, reservations, reads and writes in flight): what

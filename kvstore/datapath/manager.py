@@ -43,9 +43,10 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.copies import engine_for
 from kvstore.datapath.assembly import build_books, build_speeds
-from kvstore.datapath.contracts import ChangeFeed, Medium
+from kvstore.datapath.contracts import ChangeFeed, Medium, QuotaSeats, Seat
 from kvstore.datapath.counters import ManagerCounters
 from kvstore.datapath.finder import Finder
+from kvstore.datapath.hints import Hinter, HintLimits, Retention
 from kvstore.datapath.index import Entry, HeatClock, lowest_bit
 from kvstore.datapath.layerwrites import LayerWrites
 from kvstore.datapath.leases import Lease, Pin
@@ -56,18 +57,16 @@ from kvstore.datapath.prefetch import Prefetcher, PrefetchHandle
 from kvstore.datapath.probes import SpeedProbes
 from kvstore.datapath.progress import FlushProgress
 from kvstore.datapath.reader import Reader
+from kvstore.datapath.restoring import RestoreSide, build_restorer
 from kvstore.datapath.saves import SAVE_COUNTERS, Saver, SaverParts
 from kvstore.datapath.tierio import TierIO
 from kvstore.datapath.writer import FollowUps, Writer
 from kvstore.errors import BlockNotFoundError, ConfigError, InvalidInputError
-from kvstore.hints import Hint, Hinter, HinterParts, HintLimits, Retention
+from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.memory import cuda_available
 from kvstore.placement import Placement, TierRules
-from kvstore.quota import QuotaHook, QuotaLedger
-from kvstore.restore import Restorer, RestorerParts, Warming, medium_of
-from kvstore.speeds import PrefillSpeed
+from kvstore.restore import LoadSample
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["BlockManager", "ManagerCounters"]
@@ -117,7 +116,8 @@ class BlockManager:
         #: Background reads that measure tiers' read speeds for restore planning.
         self.probes = SpeedProbes(layout, self.reader, self.mover, self.config.restore)
         #: Restore planning: what a stored prefix is worth loading (``store.plan``).
-        self.restorer = _restorer(self, tiers)
+        side = RestoreSide(self, self.io, self.mover, self.probes, tiers)
+        self.restorer = build_restorer(side, self.config, layout, clock)
         #: Session hints: retain, demote, prefetch (``store.hint``).
         self.hinter = _hinter(self)
         #: What close() wrote to the persistent tier: bytes, bytes_written, seconds.
@@ -352,6 +352,11 @@ class BlockManager:
         many copies were queued."""
         return self.migrations.warm([k for k in keys if 0 not in self.books.queries.where(k)])
 
+    def copy_up(self, keys: Sequence[BlockKey]) -> int:
+        """Queue a copy of each of ``keys`` into the fastest tier (a block there already:
+        its job finds nothing to do); how many were queued."""
+        return self.migrations.warm(keys)
+
     def warm_now(self, keys: Sequence[BlockKey]) -> int:
         """:meth:`warm` on the caller's thread; how many copies landed."""
         return self.migrations.promote_now(
@@ -379,13 +384,30 @@ class BlockManager:
         self.finder.discover(list(keys), skip=others)
         return self.books.queries.leading(keys)
 
+    # -- tier speeds (restore planning across processes) --------------------------
+    def tier_ids(self) -> list[str]:
+        """Each tier's id (``kind:n``), as another process names the tiers."""
+        return self.io.tier_ids()
+
+    def read_totals(self) -> dict[str, tuple[float, float, int]]:
+        """Per tier id, every read so far: ``(bytes, seconds, calls)``."""
+        return self.io.read_totals()
+
+    def observe_reads(self, reads: dict[str, tuple[float, float, int]]) -> None:
+        """Feed another process's reads (by tier id) into the tiers' speeds."""
+        self.io.observe_reads(reads)
+
+    def observe_tier_loads(self, loads: dict[str, LoadSample]) -> None:
+        """Restores another process loaded (by tier id): the tiers' prices follow them."""
+        self.io.observe_loads(self.io.levels_of(loads))
+
     def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
         """:meth:`Restorer.chunk_pays <kvstore.restore.Restorer.chunk_pays>`."""
         return self.restorer.chunk_pays(level, nbytes, tokens)
 
-    def use_quota(self, ledger: QuotaLedger, owner: str) -> QuotaHook:
+    def use_quota(self, ledger: QuotaSeats[Seat], owner: str) -> Seat:
         """Grant room in every tier through ``owner``'s seat at ``ledger`` from now on
-        (:mod:`kvstore.quota`); the seat."""
+        (:mod:`kvstore.datapath.quota`); the seat."""
         hook = ledger.hook(owner, self.books.room.levels, self.layout.block_nbytes)
         self.books.room.use_quota(hook)
         return hook
@@ -566,40 +588,8 @@ def _hinter(manager: BlockManager) -> Hinter:
     hints = manager.config.hints
     capacity = sum(level["capacity_blocks"] for level in manager.books.level_usage())
     manager.retention.max_blocks = max(1, int(hints.max_retained_fraction * capacity))
-    parts = HinterParts(manager.exists, manager.warm, manager.demote, manager.forward_hint)
-    return Hinter(parts, manager.retention, HintLimits(hints.max_retain_s, hints.max_sessions))
-
-
-def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
-    """The manager's restore planner over its own lookup, index, speeds and migrations."""
-    restore, layout = manager.config.restore, manager.layout
-    parts = RestorerParts(
-        lookup=manager.lookup,
-        where=manager.where,
-        speeds=manager.io.speeds_now,
-        fast=frozenset(i for i, t in enumerate(tiers) if t.device is not None),
-        warm=manager.warm,
-        warm_now=manager.warm_now,
-        media=tuple(medium_of(t) for t in tiers),
-        probe=manager.probes.probe,
-        find=manager.find,
-        later=manager.mover.submit_later,
-        # Where CUDA exists the engine's KV is on the GPU, and a prefetch into it reads
-        # the chunks of tiers below memory whole before the first layer is handed over.
-        staged=cuda_available(),
-        thread_reads=lambda: [speed.thread_seconds() for speed in manager.io.speeds],
-        observe_loads=manager.io.observe_loads,
-    )
-    prefill = PrefillSpeed(
-        restore.prefill_table,
-        restore.prefill_tokens_per_s,
-        restore.learn_prefill,
-        restore.speed_half_life_s,
-        manager.clock,
-    )
-    chunk = (layout.block_tokens, layout.block_nbytes, layout.num_layers)
-    warming = Warming(restore.warm, restore.warm_wait_s, restore.warm_settle_s)
-    return Restorer(parts, prefill, chunk, planning=restore.planning, warming=warming)
+    limits = HintLimits(hints.max_retain_s, hints.max_sessions)
+    return Hinter(manager, manager.retention, limits)  # the façade is the hinter's parts
 
 
 def _split_layer(kv_layer: torch.Tensor, n: int) -> list[torch.Tensor]:

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.config import PrefetchConfig
-from kvstore.copies import CopyEngine, Event, engine_for
-from kvstore.copies.runs import BlockRun, block_runs
+from kvstore.copies import BlockRun, CopyEngine, Event, block_runs, engine_for
 from kvstore.datapath import contracts
 from kvstore.datapath.books import Books
 from kvstore.datapath.contracts import Step
@@ -48,7 +47,7 @@ from kvstore.datapath.reader import Reader
 from kvstore.datapath.tierio import TierIO
 from kvstore.errors import BlockNotFoundError, InvalidInputError, KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.memory import cuda_available
+from kvstore.runtime import cuda_available
 
 __all__ = ["PrefetchHandle", "Prefetcher", "Step"]
 

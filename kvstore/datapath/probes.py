@@ -3,7 +3,7 @@ restore planning, when its estimate is stale (so a tier the plans priced out is 
 again once it got faster) or when a local disk holds blocks from an earlier run. Each
 size is read a few times and the fastest kept: noise (other work on the
 cores, the GIL) only adds time, so no probe waits for a quiet machine
-(:func:`~kvstore.speeds.fastest_reads`)."""
+(:func:`~kvstore.restore.speeds.fastest_reads`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvstore.datapath.mover import Mover
 from kvstore.datapath.reader import Reader
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.speeds import PROBE_LAYERS, fastest_reads
+from kvstore.restore import PROBE_LAYERS, fastest_reads
 
 __all__ = ["SpeedProbes", "declares_speed"]
 

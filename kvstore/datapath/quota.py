@@ -7,7 +7,9 @@ counts ``layout.block_nbytes``, whatever the medium adds).
 
 The data path asks one question, through the hook each store's
 :class:`~kvstore.datapath.room.RoomBooks` holds (:meth:`QuotaHook.must_evict`, under
-the ledger's lock, while a tier grants room): how many of *this store's own*
+the ledger's lock, while a tier grants room; the data path sees the hook as the
+:class:`~kvstore.datapath.contracts.QuotaSeat` protocol and the ledger as
+:class:`~kvstore.datapath.contracts.QuotaSeats`): how many of *this store's own*
 blocks must go before ``n`` more fit? The answer is the largest of
 
 - over the limit: the owner's bytes in that tier (all its stores, room
@@ -35,30 +37,11 @@ as found: an owner over its limit then frees at its next grant).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-
-class Level(Protocol):
-    """What the quota reads of a tier's books (:class:`kvstore.datapath.index.Level`)."""
-
-    @property
-    def kind(self) -> str:
-        """The tier's kind (its pool)."""
-
-    @property
-    def resident(self) -> int:
-        """Blocks in the tier, room reserved included."""
-
-    @property
-    def leaving(self) -> int:
-        """Of ``resident``, blocks on their way out (evicted, their room not free yet)."""
-
-    @property
-    def policy(self) -> Sized:
-        """The tier's eviction policy: ``len`` is the count of blocks it holds."""
-
+from kvstore.datapath.contracts import QuotaLevel
 
 __all__ = ["Quota", "QuotaHook", "QuotaLedger", "Reclaim"]
 
@@ -114,7 +97,7 @@ class QuotaLedger:
         """``owner``'s quota in tier ``kind`` (None: unbounded there)."""
         return self._quotas.get((owner, kind))
 
-    def hook(self, owner: str, levels: Sequence[Level], block_nbytes: int) -> QuotaHook:
+    def hook(self, owner: str, levels: Sequence[QuotaLevel], block_nbytes: int) -> QuotaHook:
         """A hook for a store of ``owner`` whose tiers are ``levels``."""
         made = QuotaHook(self, owner, levels, block_nbytes)
         with self.lock:
@@ -133,7 +116,7 @@ class QuotaLedger:
         hooks = list(self._hooks)
         return sum(h.bytes_in(kind, leaving) for h in hooks if owner in (None, h.owner))
 
-    def overflow(self, hook: QuotaHook, level: Level, n: int) -> int:
+    def overflow(self, hook: QuotaHook, level: QuotaLevel, n: int) -> int:
         """Blocks ``hook``'s store must free in ``level`` for ``n`` more (lock held).
         Where the pool stays past its capacity even so, others must give back: pressure."""
         block = hook.block_nbytes
@@ -214,7 +197,7 @@ class QuotaHook:
     """One store's seat at a :class:`QuotaLedger` (see the module docstring)."""
 
     def __init__(
-        self, ledger: QuotaLedger, owner: str, levels: Sequence[Level], block_nbytes: int
+        self, ledger: QuotaLedger, owner: str, levels: Sequence[QuotaLevel], block_nbytes: int
     ) -> None:
         self.ledger = ledger
         self.owner = owner
@@ -222,6 +205,11 @@ class QuotaHook:
         self.block_nbytes = block_nbytes
         #: Blocks not stored because the owner's quota left no room for them.
         self.refused = 0
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The ledger's lock (held while a tier grants room)."""
+        return self.ledger.lock
 
     def bytes_in(self, kind: str, leaving: bool = True) -> int:
         """This store's bytes (held and reserved) in its tiers of ``kind``; ``leaving``
@@ -231,7 +219,7 @@ class QuotaHook:
         )
         return blocks * self.block_nbytes
 
-    def must_evict(self, level: Level, n: int) -> int:
+    def must_evict(self, level: QuotaLevel, n: int) -> int:
         """Own blocks of ``level`` to free before ``n`` more fit (the ledger's lock held)."""
         return self.ledger.overflow(self, level, n)
 

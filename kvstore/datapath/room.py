@@ -24,7 +24,7 @@ from kvstore.keys import BlockKey
 from kvstore.placement import Placement
 
 if TYPE_CHECKING:
-    from kvstore.quota import QuotaHook
+    from kvstore.datapath.contracts import QuotaSeat
 
 #: How long a demotion waits for reads and copies of its blocks to end; blocks still
 #: in use then keep their place (a demotion is a hint). Bounded: it waits on a mover
@@ -62,7 +62,7 @@ class Reservation:
 
 
 def reserve(
-    level: Level, n: int, find: Callable[[int], Victims], quota: QuotaHook | None = None
+    level: Level, n: int, find: Callable[[int], Victims], quota: QuotaSeat | None = None
 ) -> Reservation:
     """Reserve room for up to ``n`` blocks in ``level``; pick (and claim) the victims
     that must go first, with ``find(count)``.
@@ -72,7 +72,7 @@ def reserve(
     brought down to its low one later, in the background.
 
     ``quota``: the owner accounting of a store that shares its tiers with others
-    (:mod:`kvstore.quota`): it may ask for more of this store's own blocks to go
+    (:mod:`kvstore.datapath.quota`): it may ask for more of this store's own blocks to go
     (its owner past its limit, or past its share under pressure); blocks that
     cannot be freed for it are not granted, and counted as refused.
     """
@@ -226,10 +226,10 @@ class RoomBooks:
         self._counters = parts.counters
         self._pins = pins
         #: Owner accounting shared with other stores (None: this store's tiers are its own).
-        self._quota: QuotaHook | None = None
+        self._quota: QuotaSeat | None = None
 
-    def use_quota(self, hook: QuotaHook | None) -> None:
-        """Grant room in every tier through ``hook`` from now on (:mod:`kvstore.quota`)."""
+    def use_quota(self, hook: QuotaSeat | None) -> None:
+        """Grant room in every tier through ``hook`` from now on (:mod:`kvstore.datapath.quota`)."""
         with self._guard.locked():
             self._quota = hook
 
@@ -255,7 +255,7 @@ class RoomBooks:
         with self._guard.locked():
             self._pins(None, 0)
             quota = self._quota
-            shared = quota.ledger.lock if quota is not None else contextlib.nullcontext()
+            shared = quota.lock if quota is not None else contextlib.nullcontext()
             with shared:  # the books' lock, then the ledger's: never the other way
                 return reserve(self._levels[level], n, self._victim_finder(level), quota)
 

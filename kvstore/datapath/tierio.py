@@ -27,8 +27,7 @@ from kvstore.errors import AccessDeniedError, ProtocolError, StoreLimitError, Ti
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.restore_stats import LoadSample
-from kvstore.speeds import ReadSpeed, SpeedEstimate
+from kvstore.restore import LoadSample, ReadSpeed, SpeedEstimate
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["Health", "TierIO", "tier_ids"]

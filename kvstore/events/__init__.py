@@ -42,28 +42,88 @@ when they are missing.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvstore.events._deps import EventsUnavailableError
+from kvstore.runtime import load_export
 
 if TYPE_CHECKING:
+    from kvstore.events.blocks import LOCAL, REMOTE, BlockMapper, medium_of, parent_first
     from kvstore.events.book import TokenBook
-    from kvstore.events.publisher import EventPublisher
+    from kvstore.events.format import (
+        MEDIUM_CPU,
+        MEDIUM_GPU,
+        MEDIUM_STORAGE,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        Event,
+        EventBatch,
+        KVCacheEvent,
+        KVEventBatch,
+        decode_batch,
+        encode_batch,
+    )
+    from kvstore.events.owner import StoreEventsOwner
+    from kvstore.events.publisher import END_SEQ, SNAPSHOT_BATCH_EVENTS, EventPublisher, Source
     from kvstore.events.source import StoreEvents
 
-__all__ = ["EventPublisher", "EventsUnavailableError", "StoreEvents", "TokenBook"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockMapper",
+    "BlockRemoved",
+    "BlockStored",
+    "END_SEQ",
+    "Event",
+    "EventBatch",
+    "EventPublisher",
+    "EventsUnavailableError",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "LOCAL",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "REMOTE",
+    "SNAPSHOT_BATCH_EVENTS",
+    "Source",
+    "StoreEvents",
+    "StoreEventsOwner",
+    "TokenBook",
+    "decode_batch",
+    "encode_batch",
+    "medium_of",
+    "parent_first",
+]
 
-_LAZY = {
-    "TokenBook": "kvstore.events.book",
+_EXPORTS = {
+    "AllBlocksCleared": "kvstore.events.format",
+    "BlockMapper": "kvstore.events.blocks",
+    "BlockRemoved": "kvstore.events.format",
+    "BlockStored": "kvstore.events.format",
+    "END_SEQ": "kvstore.events.publisher",
+    "Event": "kvstore.events.format",
+    "EventBatch": "kvstore.events.format",
     "EventPublisher": "kvstore.events.publisher",
+    "KVCacheEvent": "kvstore.events.format",
+    "KVEventBatch": "kvstore.events.format",
+    "LOCAL": "kvstore.events.blocks",
+    "MEDIUM_CPU": "kvstore.events.format",
+    "MEDIUM_GPU": "kvstore.events.format",
+    "MEDIUM_STORAGE": "kvstore.events.format",
+    "REMOTE": "kvstore.events.blocks",
+    "SNAPSHOT_BATCH_EVENTS": "kvstore.events.publisher",
+    "Source": "kvstore.events.publisher",
     "StoreEvents": "kvstore.events.source",
+    "StoreEventsOwner": "kvstore.events.owner",
+    "TokenBook": "kvstore.events.book",
+    "decode_batch": "kvstore.events.format",
+    "encode_batch": "kvstore.events.format",
+    "medium_of": "kvstore.events.blocks",
+    "parent_first": "kvstore.events.blocks",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Load the public classes on first use (pyzmq and msgspec only then)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore.events' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    """Each name imported on first use (see the module docstring)."""
+    return load_export(globals(), _EXPORTS, name)

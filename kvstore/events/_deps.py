@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvstore._dist import install_hint
 from kvstore.errors import ConfigError
+from kvstore.runtime import install_hint
 
 __all__ = ["EventsUnavailableError", "require"]
 

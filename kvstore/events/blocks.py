@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
-from kvstore.config.events import EventsConfig
+from kvstore.config import EventsConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.events.format import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from kvstore.keys import BlockKey

@@ -13,7 +13,7 @@ import contextlib
 
 import numpy as np
 
-from kvstore.config.events import EventsConfig
+from kvstore.config import EventsConfig
 from kvstore.datapath.contracts import DataPath
 from kvstore.events.book import TokenBook
 from kvstore.events.publisher import EventPublisher

@@ -56,8 +56,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvstore.config.events import EventsConfig
-from kvstore.config.server import is_loopback
+from kvstore.config import EventsConfig, is_loopback
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.format import AllBlocksCleared, Event, encode_batch
 

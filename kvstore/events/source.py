@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from typing import Protocol
 
-from kvstore.config.events import EventsConfig
+from kvstore.config import EventsConfig
 from kvstore.datapath.contracts import ChangeFeed, DataPath, Medium
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.blocks import BlockMapper, parent_first

@@ -1,6 +1,6 @@
 """The self-describing block format used wherever a block leaves process memory.
 
-An encoded block is a header (:mod:`kvstore.block_header`: its layout, the
+An encoded block is a header (:mod:`kvstore.format.header`: its layout, the
 encrypted variant, parsing and checks; re-exported here) followed by the
 payload: layer 0, layer 1, ... (each compressed on its own). This module
 encodes and decodes that payload.
@@ -29,7 +29,15 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.block_header import (
+from kvstore.copies import engine_for
+from kvstore.errors import (
+    CorruptBlockError,
+    DecryptError,
+    InvalidInputError,
+    LayoutMismatchError,
+)
+from kvstore.format.codecs import LayerCodec, codec_numbered
+from kvstore.format.header import (
     FLAG_SEALED,
     HEADER_ALIGN,
     KEY_ID_BYTES,
@@ -44,14 +52,6 @@ from kvstore.block_header import (
     header_size,
     parse_header,
     read_header,
-)
-from kvstore.codecs import LayerCodec, codec_numbered
-from kvstore.copies import engine_for
-from kvstore.errors import (
-    CorruptBlockError,
-    DecryptError,
-    InvalidInputError,
-    LayoutMismatchError,
 )
 from kvstore.layout import KVLayout
 
@@ -415,7 +415,7 @@ def _builtin(codec: Codec) -> LayerCodec:
     return LayerCodec(int(codec), compress, decompress)
 
 
-#: The built-in codecs, as :data:`kvstore.codecs.CODECS` names them.
+#: The built-in codecs, as :data:`kvstore.format.codecs.CODECS` names them.
 RAW_CODEC = LayerCodec(int(Codec.RAW), _raw_compress, _raw_decompress)
 LZ4_CODEC = _builtin(Codec.LZ4)
 SHUFFLE_LZ4_CODEC = _builtin(Codec.SHUFFLE_LZ4)

@@ -1,11 +1,11 @@
 """The codec registry: how a block's layers may be stored, by name (``codec:`` in a tier's
 config).
 
-Built in: ``raw``, ``lz4`` and ``shuffle-lz4`` (:mod:`kvstore.codec`; a tier's
+Built in: ``raw``, ``lz4`` and ``shuffle-lz4`` (:mod:`kvstore.format.codec`; a tier's
 ``codec: auto`` picks between ``shuffle-lz4`` and ``raw`` per block). A codec of your own
 is a :class:`LayerCodec`, registered before the config is read::
 
-    CODECS.register("zstd", "mypkg.codecs:ZSTD")    # or the LayerCodec itself
+    register_codec("zstd", "mypkg.codecs:ZSTD")    # or the LayerCodec itself
 
 or declared by an installed package in the ``kvstore.codecs`` entry-point group (naming
 the :class:`LayerCodec`, or a function that registers). Its ``number`` is written in every
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
-from kvstore.registry import Registry
+from kvstore.runtime import Registry
 
 if TYPE_CHECKING:  # numpy is there whenever a codec runs; naming one needs none
     import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "codec_names",
     "codec_numbered",
     "plugin_codec",
+    "register_codec",
 ]
 
 #: The codec numbers below this one are kvstore's own.
@@ -72,9 +73,19 @@ def _check_name(name: str) -> None:
 #: The codecs by name: the built-in ones, those registered, and (once a config names one
 #: not registered) those installed packages declare in ``kvstore.codecs`` entry points.
 CODECS: Registry[LayerCodec] = Registry("codec", "kvstore.codecs", _is_codec, _check_name)
-CODECS.register("raw", "kvstore.codec:RAW_CODEC")
-CODECS.register("lz4", "kvstore.codec:LZ4_CODEC")
-CODECS.register("shuffle-lz4", "kvstore.codec:SHUFFLE_LZ4_CODEC")
+CODECS.register("raw", "kvstore.format.codec:RAW_CODEC")
+CODECS.register("lz4", "kvstore.format.codec:LZ4_CODEC")
+CODECS.register("shuffle-lz4", "kvstore.format.codec:SHUFFLE_LZ4_CODEC")
+
+
+def register_codec(
+    name: str, target: LayerCodec | str, install_hint: str = "", *, clobber: bool = False
+) -> None:
+    """Register codec ``name`` as a :class:`LayerCodec` or ``"package.module:ATTR"``
+    (imported when a config first names it; ``install_hint``: what the error says when
+    that import fails), so a tier's ``codec:`` may name it. A name registered already
+    raises :class:`ConfigError` unless ``clobber=True``."""
+    CODECS.register(name, target, install_hint=install_hint, clobber=clobber)
 
 
 #: kvstore's own codecs, in the order the docs list them.

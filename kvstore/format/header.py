@@ -1,6 +1,6 @@
 """The block header: how an encoded block describes itself, parsed and checked.
 
-Apart from :mod:`kvstore.codec` (which encodes and decodes the payload) because
+Apart from :mod:`kvstore.format.codec` (which encodes and decodes the payload) because
 readers that only look at what a block says about itself (sizes, layout, key,
 codec number, encryption) need the header and nothing of the payload transforms.
 
@@ -21,7 +21,7 @@ Layout of an encoded block (all integers little-endian)::
     ...           zero padding to a multiple of 64
     H             payload: layer 0, layer 1, ... (each compressed on its own)
 
-An encrypted block (:mod:`kvstore.crypt`, encryption at rest) has format
+An encrypted block (:mod:`kvstore.format.sealing`, encryption at rest) has format
 version 3 and flag bit 0 set; 44 more bytes follow the layer table, before
 the header checksum::
 
@@ -52,7 +52,6 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.codecs import CODECS, codec_numbered, plugin_codec
 from kvstore.errors import (
     ConfigError,
     CorruptBlockError,
@@ -60,6 +59,7 @@ from kvstore.errors import (
     InvalidInputError,
     LayoutMismatchError,
 )
+from kvstore.format.codecs import CODECS, codec_numbered, plugin_codec
 from kvstore.layout import KVLayout
 
 __all__ = [
@@ -83,7 +83,7 @@ __all__ = [
 MAGIC = b"KVSB"
 VERSION = 1
 #: The format version of encrypted blocks (the key id and nonce follow the layer table;
-#: each layer's associated data binds the namespace: :mod:`kvstore.crypt`).
+#: each layer's associated data binds the namespace: :mod:`kvstore.format.sealing`).
 SEALED_VERSION = 3
 #: The encrypted formats whose headers parse: 2 (no namespace in the associated data,
 #: refused by the cipher) and the current one.
@@ -140,7 +140,7 @@ def header_size(num_layers: int, sealed: bool = False) -> int:
 @dataclass(frozen=True)
 class BlockHeader:
     """A parsed, verified block header (``codec``: a :class:`Codec`, or a plug-in
-    codec's number: :mod:`kvstore.codecs`)."""
+    codec's number: :mod:`kvstore.format.codecs`)."""
 
     codec: int
     layout_fp: bytes
@@ -278,7 +278,7 @@ def _codec_or_corrupt(value: int) -> int:
 def codec_number(codec: str | int | Codec) -> int:
     """The number a block's header gives ``codec``: a built-in one's :class:`Codec`
     (see :meth:`Codec.parse`), or a registered plug-in codec's number
-    (:mod:`kvstore.codecs`). Unknown: :class:`InvalidInputError`."""
+    (:mod:`kvstore.format.codecs`). Unknown: :class:`InvalidInputError`."""
     try:
         return Codec.parse(codec)
     except InvalidInputError:

@@ -72,7 +72,7 @@ from kvstore.format.codec import (
 from kvstore.format.header import SEALED_VERSION
 from kvstore.format.keyring import KeyringSource, TenantKeys
 from kvstore.layout import KVLayout
-from kvstore.runtime.dist import install_hint
+from kvstore.runtime import install_hint
 
 __all__ = [
     "DEFAULT_NAMESPACE",

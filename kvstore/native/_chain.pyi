@@ -1,4 +1,4 @@
-"""Types of the compiled ``kvstore._chain`` (csrc/chain.c), built by the install."""
+"""Types of the compiled ``kvstore.native._chain`` (csrc/chain.c), built by the install."""
 
 from _typeshed import ReadableBuffer
 

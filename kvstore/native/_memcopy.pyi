@@ -1,4 +1,4 @@
-"""Types of the compiled ``kvstore._memcopy`` (csrc/memcopy.c), built by the install."""
+"""Types of the compiled ``kvstore.native._memcopy`` (csrc/memcopy.c), built by the install."""
 
 from _typeshed import ReadableBuffer
 

@@ -6,7 +6,7 @@
 - :mod:`kvstore.policy.arc` -- ARC, adaptive recency/frequency (``policy: arc``).
 - :mod:`kvstore.policy.watermark` -- high/low watermark arithmetic.
 
-:data:`POLICIES` is the registry of policies by name (:mod:`kvstore.registry`):
+:data:`POLICIES` is the registry of policies by name (:mod:`kvstore.runtime.registry`):
 ``register_policy``, a ``kvstore.policies`` entry point, or ``POLICIES.register``.
 Where copies of a block live is not the policies' business: :mod:`kvstore.placement`.
 """

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar, overload
 
 from kvstore.errors import ConfigError
-from kvstore.registry import Registry
+from kvstore.runtime import Registry
 
 if TYPE_CHECKING:  # keys import torch; policies need only the type
     from kvstore.keys import BlockKey
@@ -81,7 +81,7 @@ def _is_policy_class(obj: object) -> bool:
 
 #: The eviction policies by name: the built-in ones (imported on first use), those
 #: registered, and (once a config names one not registered) those installed packages
-#: declare in the ``kvstore.policies`` entry points (:mod:`kvstore.registry`).
+#: declare in the ``kvstore.policies`` entry points (:mod:`kvstore.runtime.registry`).
 POLICIES: Registry[type[EvictionPolicy]] = Registry(
     "eviction policy", "kvstore.policies", _is_policy_class
 )

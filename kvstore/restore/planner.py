@@ -93,7 +93,7 @@ class RestorePlan:
     ``warm``: indexes of stored chunks left on slow tiers.
     ``reason``: ``pays`` (planned), ``all`` (every stored chunk pays), ``off``
     (planning off), ``unknown`` (no prefill speed yet), ``none`` (nothing stored).
-    The pipeline the engine waits in (:class:`~kvstore.restore_stats.PlannedLoad`): read
+    The pipeline the engine waits in (:class:`~kvstore.restore.stats.PlannedLoad`): read
     ``tier_calls`` per level; ``compute_s``, the prefill after the load (None: unknown),
     in ``groups`` of layers (1: after the load) behind ``staged_s`` read up front.
     """

@@ -78,7 +78,7 @@ class LoadSample:
     """A restore's reads of one tier: the seconds they cost the engine, their bytes and
     calls (priced again by the fit as it is after them), and the seconds its plan priced
     them at; what corrects the tier's price (:meth:`ReadSpeed.correct
-    <kvstore.speeds.ReadSpeed.correct>`). Samples add up (several loads, workers)."""
+    <kvstore.restore.speeds.ReadSpeed.correct>`). Samples add up (several loads, workers)."""
 
     actual_s: float
     nbytes: float

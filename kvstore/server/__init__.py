@@ -11,21 +11,31 @@ Importing this package imports nothing else; names load on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Server", "ServerThread"]
-
-_EXPORTS = {"Server": "kvstore.server.daemon", "ServerThread": "kvstore.server.daemon"}
+from kvstore.runtime import load_export
 
 if TYPE_CHECKING:
+    from kvstore.server.cli import add_arguments, main, run
     from kvstore.server.daemon import Server, ServerThread
+
+__all__ = [
+    "Server",
+    "ServerThread",
+    "add_arguments",
+    "main",
+    "run",
+]
+
+_EXPORTS = {
+    "Server": "kvstore.server.daemon",
+    "ServerThread": "kvstore.server.daemon",
+    "add_arguments": "kvstore.server.cli",
+    "main": "kvstore.server.cli",
+    "run": "kvstore.server.cli",
+}
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    """Each name imported on first use (see the module docstring)."""
+    return load_export(globals(), _EXPORTS, name)

@@ -107,7 +107,7 @@ def _describe(config: Any, addresses: dict[str, str], cluster: Any = None) -> st
 def _describe_cluster(cluster: Any) -> str:
     """The banner's cluster line: its name, the Redis of its index, this node's id and
     where its peers reach it."""
-    from kvstore.masking import mask_url
+    from kvstore.runtime import mask_url
 
     # Where, not who: the user and password (and a password= parameter) stay out.
     redis = mask_url(cluster.redis_url or "", userinfo=False)
@@ -203,7 +203,7 @@ class _MemoryGrowth:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore-server`` console script."""
-    from kvstore.cli_args import OneLineParser
+    from kvstore.runtime import OneLineParser
 
     parser = OneLineParser(prog="kvstore-server", description=__doc__)
     add_arguments(parser)

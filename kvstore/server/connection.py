@@ -29,8 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from kvstore.config.server import Credential
-from kvstore.config.tiers import check_namespace
+from kvstore.config import Credential, check_namespace
 from kvstore.datapath.contracts import Loan
 from kvstore.errors import (
     AccessDeniedError,
@@ -50,8 +49,7 @@ from kvstore.server.session import Refused, Reservation, ServerContext
 from kvstore.server.stores import HostedStore
 from kvstore.server.tenants import check_scope
 from kvstore.version import __version__
-from kvstore.wire import auth, shm
-from kvstore.wire.protocol import (
+from kvstore.wire import (
     FRAME,
     MAGIC,
     MAX_JSON_META,
@@ -60,7 +58,9 @@ from kvstore.wire.protocol import (
     Op,
     Status,
     decode_json,
+    describe_segment,
     encode_json,
+    new_nonce,
 )
 
 __all__ = ["Connection"]
@@ -102,7 +102,7 @@ class Connection:
         self.chan = chan
         self.loop = asyncio.get_running_loop()
         self.state = State.NEW
-        self.nonce = auth.new_nonce()
+        self.nonce = new_nonce()
         self.credential: Credential | None = None
         self.hosted: HostedStore | None = None
         self.loans: dict[int, Loan] = {}
@@ -462,7 +462,7 @@ class Connection:
         segment = self.store.segment
         if segment is None:
             raise Refused(Status.BAD_REQUEST, "this store has no shared memory")
-        described = shm.describe_segment(segment.fd, segment.nbytes)
+        described = describe_segment(segment.fd, segment.nbytes)
         info = encode_json({**described, "id": self.store.segment_id})
         self.attached = True
         if self.chan.unix:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.config import DiskTierConfig, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.memory import trim_heap
+from kvstore.runtime import trim_heap
 from kvstore.server import handlers
 from kvstore.server.channel import Channel, RawChannel, StreamChannel
 from kvstore.server.connection import Connection
@@ -49,11 +49,11 @@ from kvstore.server.session import ByteBudget, ServerContext
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
 from kvstore.server.tenants import AdminDesk
-from kvstore.tiers.disk_lock import DirectoryLock
-from kvstore.wire.auth import Authenticator
+from kvstore.tiers import DirectoryLock
+from kvstore.wire import Authenticator
 
 if TYPE_CHECKING:
-    from kvstore.events.publisher import EventPublisher
+    from kvstore.events import EventPublisher
 
 __all__ = ["Server", "ServerThread"]
 
@@ -82,7 +82,7 @@ def _publisher(config: StoreConfig) -> EventPublisher | None:
     """The server's KV-event publisher, when ``events.enabled`` (needs kvstore-tiers[events])."""
     if not config.events.enabled:
         return None
-    from kvstore.events.publisher import EventPublisher
+    from kvstore.events import EventPublisher
 
     return EventPublisher(config.events)
 
@@ -100,8 +100,7 @@ def _check_tiers(config: StoreConfig) -> None:
     if not tiers:
         return
     from kvstore.layout import KVLayout  # torch and the tiers: only when used
-    from kvstore.tiers import create_tier
-    from kvstore.tiers.disk import check_path
+    from kvstore.tiers import check_path, create_tier
 
     probe = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=1)
     for tier in tiers:
@@ -123,7 +122,8 @@ def _check_keys(config: StoreConfig, auth: Authenticator) -> None:
     are said at start, not per client)."""
     if not config.encryption.enabled:
         return
-    from kvstore.crypt import store_keys, use_tenant_resolver
+    from kvstore.format import use_tenant_resolver
+    from kvstore.tiers import store_keys
 
     if config.server.tenants:
         use_tenant_resolver(auth.tenant_of)
@@ -251,7 +251,7 @@ class Server:
 
     def _join_cluster(self) -> None:
         """Publish this server's blocks in the cluster (if peers can reach it)."""
-        from kvstore.cluster.node import ClusterNode  # redis is imported only for clusters
+        from kvstore.cluster import ClusterNode  # redis is imported only for clusters
 
         cluster = self.config.cluster
         advertise = cluster.advertise or self._default_advertise()
@@ -278,7 +278,7 @@ class Server:
     def _start_tenant_events(self) -> None:
         """Bind each tenant's own event sockets (``events_endpoint``): its stores publish
         there, and only there."""
-        from kvstore.events.publisher import EventPublisher
+        from kvstore.events import EventPublisher
 
         for tenant in self.config.server.tenants:
             if tenant.events_endpoint is None:

@@ -39,10 +39,10 @@ from kvstore.server.channel import Buffer
 from kvstore.server.session import Refused, Reservation, Session
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore
-from kvstore.wire.blocks import HeaderCache, encode_span, read_header, verify_span, wire_nbytes
-from kvstore.wire.protocol import (
+from kvstore.wire import (
     Flag,
     Frame,
+    HeaderCache,
     Op,
     SlotStatus,
     Status,
@@ -58,11 +58,15 @@ from kvstore.wire.protocol import (
     encode_json,
     encode_put_reply,
     encode_reserve_reply,
+    encode_span,
+    read_header,
+    verify_span,
+    wire_nbytes,
 )
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore
-    from kvstore.tiers.slab import SharedSegment
+    from kvstore.tiers import SharedSegment
 
 __all__ = [
     "CONCURRENT",

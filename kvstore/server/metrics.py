@@ -245,7 +245,7 @@ _STORE_GAUGES = (
 )
 
 
-#: A tier's live read-speed estimate (kvstore/speeds.py): stats key, label.
+#: A tier's live read-speed estimate (kvstore/restore/speeds.py): stats key, label.
 _SPEEDS = (("read_gbps_estimate", "gbps"), ("read_latency_ms_estimate", "latency_ms"))
 
 
@@ -285,7 +285,7 @@ def _store_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
     _crypt_metrics(lines, stores)
 
 
-#: The closed loop that prices each tier (kvstore/speeds.py): stats key, metric name.
+#: The closed loop that prices each tier (kvstore/restore/speeds.py): stats key, metric name.
 _LOOP = (
     ("read_correction", "kvstore_tier_read_correction"),
     ("read_estimate_error", "kvstore_tier_read_estimate_error"),
@@ -307,7 +307,7 @@ def _tier_figures(stores: list[dict[str, Any]], key: str) -> list[tuple[str, flo
     return samples
 
 
-#: Restore planning counters (kvstore/restore.py): stats key, metric name.
+#: Restore planning counters (kvstore/restore/planner.py): stats key, metric name.
 _RESTORE = (
     ("plans", "kvstore_restore_plans_total"),
     ("tokens_planned_load", "kvstore_restore_tokens_planned_load_total"),
@@ -368,7 +368,7 @@ def _cluster_metrics(lines: list[str], stores: list[dict[str, Any]]) -> None:
     _metric(lines, "kvstore_cluster_unreachable_peers", "gauge", unreachable)
 
 
-#: Encryption at rest (kvstore/crypt.py), per tier: stats key, metric name, about.
+#: Encryption at rest (kvstore/format/sealing.py), per tier: stats key, metric name, about.
 _CRYPT = (
     (
         "decrypt_failures",

@@ -4,7 +4,7 @@ per-tenant figures (stats and ``/metrics``).
 The server's tiers are the pools: tier kind ``host`` of capacity 8 GiB means the
 tenants' stores together hold 8 GiB of blocks there (each store still has its
 own tier objects). A tenant's ``quotas`` give it a share and a limit per kind;
-:mod:`kvstore.quota` keeps them as its stores grant room. The stores of a
+:mod:`kvstore.datapath.quota` keeps them as its stores grant room. The stores of a
 server with ``server.tenants`` all take part (namespaces no tenant owns belong
 to tenant ``default``, which has no quota: it yields nothing and is bounded
 only by its tiers). A namespace keeps the tenant it had when its store opened.
@@ -27,10 +27,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import StoreConfig
-from kvstore.config.server import ServerConfig
+from kvstore.config import ServerConfig, StoreConfig
+from kvstore.datapath import Quota, QuotaHook, QuotaLedger, Reclaim
 from kvstore.errors import CapacityError, ConfigError, KVStoreError
-from kvstore.quota import Quota, QuotaHook, QuotaLedger, Reclaim
 from kvstore.server.stores import HostedStore
 from kvstore.store import KVStore
 

@@ -21,8 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from kvstore.config import StoreConfig
-from kvstore.config.server import ServerConfig
+from kvstore.config import ServerConfig, StoreConfig
 from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
@@ -31,8 +30,7 @@ from kvstore.server.quotas import TenantQuotas
 from kvstore.server.staging import StagingPool
 from kvstore.server.stores import HostedStore, StoreRegistry
 from kvstore.server.tenants import AdminDesk
-from kvstore.wire.auth import Authenticator
-from kvstore.wire.protocol import Frame, Status
+from kvstore.wire import Authenticator, Frame, Status
 
 __all__ = ["ByteBudget", "Refused", "Reservation", "ServerContext", "Session"]
 

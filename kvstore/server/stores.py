@@ -23,22 +23,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.config import StoreConfig
-from kvstore.config.tiers import (
+from kvstore.config import (
     DiskTierConfig,
     HostTierConfig,
     RedisTierConfig,
     S3TierConfig,
+    StoreConfig,
     TierConfig,
 )
 from kvstore.errors import CapacityError, ClosedError
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
-from kvstore.tiers.slab import SharedSegment, SlabTier
-from kvstore.wire.blocks import HeaderCache
+from kvstore.tiers import SharedSegment, SlabTier
+from kvstore.wire import HeaderCache
 
 if TYPE_CHECKING:
-    from kvstore.events.publisher import EventPublisher
+    from kvstore.events import EventPublisher
 
 __all__ = ["HostedStore", "StoreRegistry", "namespaced_config"]
 

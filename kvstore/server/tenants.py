@@ -25,9 +25,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import StoreConfig
-from kvstore.config.server import Credential, ServerConfig
-from kvstore.config.tenants import (
+from kvstore.config import (
+    Credential,
+    ServerConfig,
+    StoreConfig,
     TenantConfig,
     TenantToken,
     check_tenant_name,
@@ -35,8 +36,7 @@ from kvstore.config.tenants import (
     parse_token,
 )
 from kvstore.errors import AccessDeniedError, ConfigError, InvalidInputError, ScopeError
-from kvstore.wire.auth import Authenticator
-from kvstore.wire.protocol import Op
+from kvstore.wire import Authenticator, Op
 
 __all__ = ["OP_SCOPES", "AdminDesk", "check_scope", "describe"]
 

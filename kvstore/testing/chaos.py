@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from kvstore.cli import DUMMY_AWS_ENV, S3Server
 from kvstore.testing.chaos_cluster import SoakCluster
 from kvstore.testing.chaos_config import FAULT_KINDS, SoakConfig
 from kvstore.testing.chaos_events import EventWatch
 from kvstore.testing.chaos_faults import FaultDriver
 from kvstore.testing.chaos_work import Ledger, Outcome, Tally, Tracker, Workload, final_check
-from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
 
 __all__ = ["FAULT_KINDS", "SoakConfig", "SoakReport", "run_soak"]
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.cli import DUMMY_AWS_ENV, KVStoreServerProcess, RedisServer, S3Server
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex
 from kvstore.config import ClusterConfig
@@ -28,9 +29,7 @@ from kvstore.layout import KVLayout
 from kvstore.store import KVStore
 from kvstore.testing.chaos_events import event_ports, node_events_config
 from kvstore.testing.data import small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
 from kvstore.testing.proxy import FaultProxy
-from kvstore.testing.servers import DUMMY_AWS_ENV, RedisServer, S3Server
 
 if TYPE_CHECKING:
     from kvstore.testing.chaos_config import SoakConfig

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli import free_port
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.testing.event_view import EventView, compare
-from kvstore.testing.servers import free_port
 
 __all__ = ["EventWatch", "chunk_tokens", "node_events_config"]
 

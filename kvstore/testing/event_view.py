@@ -26,9 +26,15 @@ from typing import Any
 import zmq
 
 from kvstore.datapath.contracts import Medium
-from kvstore.events.blocks import BlockMapper, medium_of
-from kvstore.events.format import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from kvstore.events.publisher import END_SEQ
+from kvstore.events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockMapper,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    medium_of,
+)
 from kvstore.keys import BlockKey
 from kvstore.tiers.base import Tier
 

@@ -21,8 +21,8 @@ import torch
 
 from kvstore.errors import TierError
 from kvstore.keys import BlockKey
+from kvstore.tiers import Buffer, FileOps
 from kvstore.tiers.base import LayerRange, Tier
-from kvstore.tiers.files import Buffer, FileOps
 
 __all__ = ["DAMAGES", "FaultyFileOps", "FaultyTier", "wait_for_tier"]
 

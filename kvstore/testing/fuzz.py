@@ -4,7 +4,7 @@ mutated, sent to a live server process, every answer judged.
 >>> report = run_fuzz(FuzzSettings(frames=10_000, seed=1), workdir)
 >>> report.failed      # crashes, wrong answers, missed refusals, log lines out of place
 
-It starts a real ``kvstore-server`` (:class:`~kvstore.testing.kvserver.KVStoreServerProcess`,
+It starts a real ``kvstore-server`` (:class:`~kvstore.cli.kvserver.KVStoreServerProcess`,
 with an admin token and a restricted one), stores reference blocks through the real client
 (:class:`~kvstore.client.Client`), then opens connection after connection
 (:mod:`kvstore.testing.fuzz_cases`): well-behaved ones, mutated fields, bad headers,
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvstore.cli import HOST, KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
@@ -42,9 +43,7 @@ from kvstore.testing.data import small_layout
 from kvstore.testing.fuzz_cases import CASES, HOME, OTHER, Cases, Pool, Step
 from kvstore.testing.fuzz_model import Expect, Header, Peer, Phase, Truth
 from kvstore.testing.fuzz_oracle import expect
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import HOST
-from kvstore.wire.protocol import FRAME, MAGIC, VERSION, Flag, Op, Status
+from kvstore.wire import FRAME, MAGIC, VERSION, Flag, Op, Status
 
 __all__ = ["FuzzReport", "FuzzSettings", "fuzz_server_config", "run_fuzz"]
 

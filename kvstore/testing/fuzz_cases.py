@@ -26,21 +26,22 @@ from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks
 from kvstore.testing.fuzz_model import SPECS, Header, Peer, Phase
 from kvstore.testing.fuzz_mutate import bad_header, mutate_fields, mutate_json
-from kvstore.wire import auth
-from kvstore.wire.blocks import encode_span
-from kvstore.wire.protocol import (
+from kvstore.wire import (
     MAGIC,
     Flag,
     Op,
     SlotStatus,
+    answer,
     encode_commit_request,
     encode_count,
     encode_get_request,
     encode_hint_request,
     encode_json,
     encode_keys,
+    encode_span,
     encode_tokens,
     encode_u64,
+    new_nonce,
 )
 
 __all__ = ["CASES", "Cases", "Pool", "Step"]
@@ -152,7 +153,7 @@ class Cases:
         if upto >= Phase.GREETED:
             yield self.step("valid", Op.HELLO, encode_json({"client": "fuzz", "protocol": 1}))
         if upto >= Phase.AUTHED:
-            yield self.step("valid", Op.AUTH, auth.answer(self.tokens[who], peer.nonce))
+            yield self.step("valid", Op.AUTH, answer(self.tokens[who], peer.nonce))
         if upto >= Phase.OPEN:
             yield self.step("valid", Op.OPEN, self.open_meta(HOME if who == "admin" else OTHER))
 
@@ -246,7 +247,7 @@ class Cases:
         if peer.phase == Phase.NEW:
             yield from self.handshake(peer, Phase.AUTHED)
         elif peer.phase == Phase.GREETED:
-            yield self.step("valid", Op.AUTH, auth.answer(self.tokens["admin"], peer.nonce))
+            yield self.step("valid", Op.AUTH, answer(self.tokens["admin"], peer.nonce))
         if self.rng.random() < 0.3:
             yield self.mutate(self.step("valid", Op.OPEN, self.open_meta(HOME)))
         if peer.phase == Phase.AUTHED:
@@ -296,7 +297,7 @@ class Cases:
             if roll < 0.3:
                 yield self.step("order", Op.HELLO, encode_json({"client": "again"}))
             elif roll < 0.45:
-                yield self.step("order", Op.AUTH, auth.answer(self.tokens["admin"], peer.nonce))
+                yield self.step("order", Op.AUTH, answer(self.tokens["admin"], peer.nonce))
             elif roll < 0.6:
                 yield self.step("order", Op.OPEN, self.open_meta(HOME))
             else:
@@ -314,15 +315,15 @@ class Cases:
         if roll < 0.6:
             wrong = rng.choice(
                 [
-                    auth.answer(b"not-the-token-0123456789", peer.nonce),
-                    auth.answer(self.tokens["admin"], auth.new_nonce()),  # a replayed answer
+                    answer(b"not-the-token-0123456789", peer.nonce),
+                    answer(self.tokens["admin"], new_nonce()),  # a replayed answer
                     rng.randbytes(32),
                     rng.randbytes(rng.choice([0, 31, 33, 64])),
                 ]
             )
             yield self.step("auth", Op.AUTH, wrong)
             return
-        yield self.step("valid", Op.AUTH, auth.answer(self.tokens["team"], peer.nonce))
+        yield self.step("valid", Op.AUTH, answer(self.tokens["team"], peer.nonce))
         yield self.step("auth", Op.OPEN, self.open_meta(HOME))  # forbidden: FORBIDDEN, stays
         yield self.step("valid", Op.OPEN, self.open_meta(OTHER))
         for _ in range(rng.randint(1, 6)):  # HOME's blocks are not there

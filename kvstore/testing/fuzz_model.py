@@ -16,12 +16,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.codec import header_size, parse_header
 from kvstore.errors import KVStoreError
+from kvstore.format import header_size, parse_header
 from kvstore.layout import KVLayout
-from kvstore.wire.blocks import read_header, verify_span
-from kvstore.wire.protocol import FRAME, MAGIC, MAX_JSON_META, VERSION, Op, SlotStatus, Status
-from kvstore.wire.shm import Mapping
+from kvstore.wire import (
+    FRAME,
+    MAGIC,
+    MAX_JSON_META,
+    VERSION,
+    Mapping,
+    Op,
+    SlotStatus,
+    Status,
+    read_header,
+    verify_span,
+)
 
 __all__ = [
     "SPECS",

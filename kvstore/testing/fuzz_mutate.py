@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvstore.testing.fuzz_model import SPECS, Header, Peer
-from kvstore.wire.protocol import MAGIC, VERSION, Flag, Op
+from kvstore.wire import MAGIC, VERSION, Flag, Op
 
 __all__ = ["bad_header", "mutate_fields", "mutate_json"]
 

@@ -18,9 +18,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.codec import header_size
-from kvstore.config.tiers import check_namespace
+from kvstore.config import check_namespace
 from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.format import header_size
 from kvstore.layout import KVLayout
 from kvstore.testing.fuzz_model import (
     SPECS,
@@ -33,14 +33,15 @@ from kvstore.testing.fuzz_model import (
     judge_stored,
     wire_blocks,
 )
-from kvstore.wire import auth, shm
-from kvstore.wire.protocol import (
+from kvstore.wire import (
     MAGIC,
     VERSION,
     Flag,
     Op,
     SlotStatus,
     Status,
+    answer,
+    attach,
     decode_commit_request,
     decode_count,
     decode_get_reply,
@@ -121,7 +122,7 @@ def _auth(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool) -
     match = [
         spaces
         for token, spaces in peer.secrets.values()
-        if peer.nonce and meta == auth.answer(token, peer.nonce)
+        if peer.nonce and meta == answer(token, peer.nonce)
     ]
     if not match:
         return _refuse(Status.UNAUTHENTICATED, True)
@@ -204,7 +205,7 @@ def _attach(peer: Peer, head: Header, meta: bytes, payload: bytes, strict: bool)
             return f"SHM_ATTACH names {info.get('nbytes')} bytes, OPEN said {peer.segment}"
         if peer.mapping is None:
             try:  # over TCP on this host: the server's memfd through /proc
-                peer.mapping = shm.attach(info, None)
+                peer.mapping = attach(info, None)
             except (OSError, KVStoreError):
                 peer.mapping = None
         return None

@@ -1,4 +1,4 @@
-"""Keyrings for tests and benchmarks of encryption at rest (:mod:`kvstore.crypt`)."""
+"""Keyrings for tests and benchmarks of encryption at rest (:mod:`kvstore.format.sealing`)."""
 
 from __future__ import annotations
 

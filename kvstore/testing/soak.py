@@ -11,7 +11,7 @@ What runs (:mod:`kvstore.testing.soak_work` has the operations):
   threads put, get, get_prefix, prefetch, write layer by layer (a quarter abandoned
   half-way: they expire), hint, pin with leases never released, lend, evict and look up;
   every ``restart_s`` the store is closed and reopened on its disk directory;
-- a **kvstore-server** (a child, :class:`~kvstore.testing.kvserver.KVStoreServerProcess`)
+- a **kvstore-server** (a child, :class:`~kvstore.cli.kvserver.KVStoreServerProcess`)
   with the same tiers, and ``clients`` client threads in this process (half over the
   Unix socket with shared memory, half over TCP), each with its own connections: put,
   get, get of a layer range, lookup, hint, delete;
@@ -58,12 +58,12 @@ from typing import Any
 
 import torch
 
+from kvstore.cli import KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.store import KVStore
 from kvstore.testing.chaos_events import chunk_tokens
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.testing.soak_events import EVENT_FIELDS, SoakEvents, server_events_config
 from kvstore.testing.soak_work import (
     LAYOUT,

@@ -26,7 +26,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers import DiskTier
 
 __all__ = ["WORKER_LAYOUT", "block_for", "key_for"]
 

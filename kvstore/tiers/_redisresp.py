@@ -13,7 +13,7 @@ from typing import Any
 
 import redis.exceptions
 
-from kvstore.codec import EncodedBlock
+from kvstore.format import EncodedBlock
 
 __all__ = ["set_frame", "set_pipelined"]
 

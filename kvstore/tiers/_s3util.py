@@ -26,13 +26,19 @@ import botocore.exceptions
 import botocore.loaders
 import botocore.session
 
-from kvstore.codec import BlockHeader
 from kvstore.config import S3TierConfig
 from kvstore.errors import CorruptBlockError, TierError
+from kvstore.format import BlockHeader
 from kvstore.keys import BlockKey
-from kvstore.masking import mask_text, mask_url
-from kvstore.pools import call_or_inline, map_or_inline
-from kvstore.retry import Backoff, Breaker, retry_call
+from kvstore.runtime import (
+    Backoff,
+    Breaker,
+    call_or_inline,
+    map_or_inline,
+    mask_text,
+    mask_url,
+    retry_call,
+)
 from kvstore.tiers.remote_common import Counters
 
 __all__ = [

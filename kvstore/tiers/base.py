@@ -59,7 +59,7 @@ class Tier(ABC):
     #: False for a tier whose blocks the manager must not copy up on reads by
     #: itself (another node's blocks: the cluster decides where copies go).
     promotable: bool = True
-    #: The :class:`~kvstore.crypt.BlockCipher` sealing what this tier stores
+    #: The :class:`~kvstore.format.sealing.BlockCipher` sealing what this tier stores
     #: (encryption at rest, set by :meth:`encrypt_with`); None: blocks are stored plain.
     cipher: Any = None
 
@@ -69,7 +69,7 @@ class Tier(ABC):
 
     def encrypt_with(self, cipher: Any) -> None:
         """Seal every block stored from now on with ``cipher`` (a
-        :class:`~kvstore.crypt.BlockCipher`), and open only sealed ones; set before
+        :class:`~kvstore.format.sealing.BlockCipher`), and open only sealed ones; set before
         the store indexes the tier. Tiers that keep blocks at rest override this."""
         raise ConfigError(f"the {self.kind} tier does not encrypt (it is not at rest)")
 

@@ -56,7 +56,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvstore.codec import (
+from kvstore.config import DiskTierConfig, TierConfig
+from kvstore.errors import ConfigError, CorruptBlockError, DecryptError, LayoutMismatchError
+from kvstore.format import (
     BlockHeader,
     Codec,
     choose_codec,
@@ -68,11 +70,9 @@ from kvstore.codec import (
     parse_header,
     verify_layers,
 )
-from kvstore.config import DiskTierConfig, TierConfig
-from kvstore.errors import ConfigError, CorruptBlockError, DecryptError, LayoutMismatchError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.pools import map_or_inline
+from kvstore.runtime import map_or_inline
 from kvstore.tiers.base import LayerRange, Tier
 from kvstore.tiers.disk_layouts import MAX_NAMED, foreign_layouts, mismatch_line, record_layout
 from kvstore.tiers.disk_open import (

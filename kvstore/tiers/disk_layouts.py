@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.codec import header_size, read_header
 from kvstore.errors import CorruptBlockError, InvalidInputError
+from kvstore.format import header_size, read_header
 from kvstore.layout import KVLayout
 from kvstore.tiers.files import BLOCK_SUFFIX, FORMAT_DIR
 

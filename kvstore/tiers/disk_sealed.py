@@ -1,4 +1,4 @@
-"""Encrypted block files of the disk tier (encryption at rest, :mod:`kvstore.crypt`).
+"""Encrypted block files of the disk tier (encryption at rest, :mod:`kvstore.format.sealing`).
 
 A sealed block file is the sealed header, zero padding to a page, then each
 layer's ciphertext and tag, zero-padded to a page. It is built in one
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from kvstore.codec import TAG_BYTES, EncodedBlock, header_size, parse_header
 from kvstore.errors import CorruptBlockError
+from kvstore.format import TAG_BYTES, EncodedBlock, header_size, parse_header
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import LayerRange
@@ -56,7 +56,7 @@ class SealedFiles:
 
     def image(self, encoded: EncodedBlock) -> tuple[EncodedBlock, memoryview]:
         """``encoded`` sealed, and its whole file (in this thread's staging buffer)."""
-        from kvstore.crypt import seal  # imports cryptography: only where a tier encrypts
+        from kvstore.format import seal  # imports cryptography: only where a tier encrypts
 
         view = self.buffers("staging", self.file_nbytes)
         start = self.data_offset

@@ -12,9 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.config.encryption import EncryptionConfig
-from kvstore.format.keyring import TenantKeys
-from kvstore.format.sealing import BlockCipher, aead_module, tenant_of
+from kvstore.config import EncryptionConfig
+from kvstore.format import BlockCipher, TenantKeys, aead_module, tenant_of
 
 __all__ = ["StoreKeys", "encrypt_tiers", "store_keys"]
 

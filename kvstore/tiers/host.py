@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvstore.config import HostTierConfig, TierConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
-from kvstore.memory import cuda_available
+from kvstore.runtime import cuda_available
 from kvstore.tiers.slab import SlabTier
 
 __all__ = ["HostTier"]
@@ -17,7 +17,7 @@ class HostTier(SlabTier):
     to and from the GPU run at full PCIe speed without a bounce buffer.
 
     Memory that is not pinned is faulted in on a background thread from open
-    (``prefault: true``, the default): see :class:`~kvstore.memory.SlabAllocator`."""
+    (``prefault: true``, the default): see :class:`~kvstore.runtime.memory.SlabAllocator`."""
 
     kind = "host"
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.config import StoreConfig
-from kvstore.config.kinds import peer_tier_class
-from kvstore.crypt import encrypt_tiers, store_keys
+from kvstore.config import StoreConfig, peer_tier_class
 from kvstore.layout import KVLayout
 from kvstore.tiers import create_tier
 from kvstore.tiers.base import Tier
+from kvstore.tiers.encryption import encrypt_tiers, store_keys
 
 __all__ = ["OpenedTiers", "open_tiers"]
 

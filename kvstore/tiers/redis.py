@@ -1,7 +1,7 @@
 """Redis tier: standalone Redis or Redis Cluster as a shared warm tier.
 
 One value per block under ``<key_prefix>:<layout fingerprint hex>:<key hex>``,
-holding the encoded block (:mod:`kvstore.codec`: header with per-layer
+holding the encoded block (:mod:`kvstore.format.codec`: header with per-layer
 checksums, then the payload), verified on every get. Batches are pipelined:
 one round trip per batch (per node for a cluster, whose pipeline groups
 commands by slot), in pipelines of at most ~64 MiB so memory stays bounded.
@@ -16,7 +16,7 @@ its books for when Redis is back -- and one call every ``retry_interval``
 seconds probes the connection. The
 first probe that succeeds closes the breaker: the tier is back. A pooled
 connection that went stale across a server restart fails once and is
-retried once at once (through :func:`kvstore.retry.retry_call`).
+retried once at once (through :func:`kvstore.runtime.retry.retry_call`).
 
 Redis may outlive the process, so the tier is ``persistent``: on open the
 manager re-indexes what ``SCAN`` finds under this layout's prefix (at most
@@ -39,7 +39,6 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.codec import TAG_BYTES, BlockHeader, EncodedBlock, parse_header
 from kvstore.config import RedisTierConfig, TierConfig
 from kvstore.errors import (
     ClosedError,
@@ -49,10 +48,10 @@ from kvstore.errors import (
     LayoutMismatchError,
     TierError,
 )
+from kvstore.format import TAG_BYTES, BlockHeader, EncodedBlock, parse_header
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.masking import mask_text, mask_url
-from kvstore.retry import Backoff, retry_call
+from kvstore.runtime import Backoff, mask_text, mask_url, retry_call
 from kvstore.tiers._redisresp import set_pipelined
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.remote_common import (
@@ -173,7 +172,7 @@ class RedisTier(ValueTier):
 
     def _seal(self, block: EncodedBlock, bufs: list[bytearray]) -> EncodedBlock:
         """``block`` sealed into a reused buffer (kept in ``bufs`` until sent)."""
-        from kvstore.crypt import seal  # imports cryptography: only where a tier encrypts
+        from kvstore.format import seal  # imports cryptography: only where a tier encrypts
 
         size = block.header.payload_nbytes + TAG_BYTES * block.header.num_layers
         buf = self._buffers.take(size)
@@ -510,7 +509,7 @@ class RedisTier(ValueTier):
             cfg.url,
             max_connections=cfg.pool_size,
             timeout=cfg.socket_timeout,  # wait this long for a free pooled connection
-            retry=Retry(NoBackoff(), 0),  # retries go through kvstore.retry
+            retry=Retry(NoBackoff(), 0),  # retries go through kvstore.runtime.retry
             **timeouts,
         )
         return redis.Redis(connection_pool=pool)

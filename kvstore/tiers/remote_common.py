@@ -7,7 +7,7 @@ Public helpers for tier implementations: the S3 and Redis tiers
 - :class:`Counters`, :class:`BufferPool`: thread-safe counters and reused buffers;
 - :func:`check_put_args`, :func:`check_get_args`: bad input raises before any I/O;
 - :func:`encode_value`, :func:`decode_value`, :func:`decode_span`, :func:`pack_into`:
-  a block stored as one value in the self-describing format of :mod:`kvstore.codec`
+  a block stored as one value in the self-describing format of :mod:`kvstore.format.codec`
   (header with per-layer checksums, then the payload), verified on every read;
 - :func:`key_from_hex`: a key back from the hex of an object or entry name;
 - :class:`ValueTier`: the base of a tier that keeps each block as one such value (S3,
@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.codec import (
+from kvstore.config import TierConfig
+from kvstore.errors import ClosedError, CorruptBlockError, InvalidInputError, LayoutMismatchError
+from kvstore.format import (
     BlockHeader,
     EncodedBlock,
     choose_codec,
@@ -34,15 +36,13 @@ from kvstore.codec import (
     header_size,
     parse_header,
 )
-from kvstore.config import TierConfig
-from kvstore.errors import ClosedError, CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.layout import KVLayout
-from kvstore.retry import Breaker
+from kvstore.runtime import Breaker
 from kvstore.tiers.base import LayerRange, Tier
 
 if TYPE_CHECKING:
-    from kvstore.crypt import BlockCipher
+    from kvstore.format import BlockCipher
 
 __all__ = [
     "Breaker",
@@ -132,7 +132,7 @@ def pack_into(block: EncodedBlock, buf: bytearray) -> memoryview:
 def encode_value(key: BlockKey, layout: KVLayout, block: torch.Tensor, codec: str) -> EncodedBlock:
     """Encode ``block`` for a remote store with the tier's ``codec`` setting.
 
-    ``"auto"`` asks :func:`~kvstore.codec.choose_codec` per block (it keeps
+    ``"auto"`` asks :func:`~kvstore.format.codec.choose_codec` per block (it keeps
     byte-shuffled lz4 only where it saves at least 10%).
     """
     chosen = choose_codec(block, layout) if codec == "auto" else codec_number(codec)
@@ -192,13 +192,13 @@ def decode_layers(
     layers: LayerRange,
     cipher: BlockCipher | None,
 ) -> None:
-    """:func:`~kvstore.codec.decode_into` for a tier that may encrypt: ``payload``
+    """:func:`~kvstore.format.codec.decode_into` for a tier that may encrypt: ``payload``
     holds exactly ``layers``' stored bytes; a sealed one is opened with ``cipher``
     (:class:`DecryptError` without one, or for a plain block with one)."""
     if cipher is None:
         decode_into(header, payload, layout, out, layers)
         return
-    from kvstore.crypt import open_into  # imports cryptography: only where a tier encrypts
+    from kvstore.format import open_into  # imports cryptography: only where a tier encrypts
 
     open_into(header, payload, layout, out, layers, cipher)
 
@@ -279,7 +279,7 @@ class ValueTier(Tier):
         return self._capacity
 
     def encrypt_with(self, cipher: Any) -> None:
-        """Seal values with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`)."""
+        """Seal values with ``cipher`` (encryption at rest, :mod:`kvstore.format.sealing`)."""
         self.cipher = cipher
         self._header_nbytes = header_size(self.layout.num_layers, sealed=True)
 

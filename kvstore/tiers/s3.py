@@ -9,7 +9,7 @@ lists only this layout's directory); the two-digit fan-out keeps any one
 listing level small. Keys already fold in the namespace (model, adapter,
 rank), so two stores share an object only when they share the KV.
 
-Each object is an encoded block (:mod:`kvstore.codec`): header with per-layer
+Each object is an encoded block (:mod:`kvstore.format.codec`): header with per-layer
 checksums, then the payload. Every get verifies what it returns; a corrupt or
 foreign object is a miss, counted, and deleted once a second read shows that the
 stored bytes are bad (bytes damaged on the way delete nothing: the bucket is shared).
@@ -26,7 +26,7 @@ parallel ranged GETs of ``part_size`` bytes.
 
 Failures: botocore's own retries are off; every request goes through
 :meth:`S3Requests.call <kvstore.tiers._s3util.S3Requests.call>`, which retries
-(:func:`kvstore.retry.retry_call`: backoff with full jitter) on throttling,
+(:func:`kvstore.runtime.retry.retry_call`: backoff with full jitter) on throttling,
 5xx, connection errors and timeouts, inside the batch's ``deadline``. Past
 it, the block is a miss (``deadline_exceeded`` counts it). Connect and read
 timeouts come from the config, so no request waits unbounded. Credentials
@@ -44,15 +44,6 @@ from typing import Any
 import botocore.exceptions
 import torch
 
-from kvstore.codec import (
-    TAG_BYTES,
-    BlockHeader,
-    Codec,
-    EncodedBlock,
-    layer_pieces,
-    parse_header,
-    verify_layers,
-)
 from kvstore.config import S3TierConfig, TierConfig
 from kvstore.errors import (
     ConfigError,
@@ -61,10 +52,18 @@ from kvstore.errors import (
     LayoutMismatchError,
     TierError,
 )
+from kvstore.format import (
+    TAG_BYTES,
+    BlockHeader,
+    Codec,
+    EncodedBlock,
+    layer_pieces,
+    parse_header,
+    verify_layers,
+)
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.masking import mask_text
-from kvstore.pools import call_or_inline
+from kvstore.runtime import call_or_inline, mask_text
 from kvstore.tiers._s3util import (
     CORRUPT_CODES,
     MISSING_CODES,
@@ -152,7 +151,7 @@ class S3Tier(ValueTier):
             raise
 
     def encrypt_with(self, cipher: Any) -> None:
-        """Seal objects with ``cipher`` (encryption at rest, :mod:`kvstore.crypt`); a
+        """Seal objects with ``cipher`` (encryption at rest, :mod:`kvstore.format.sealing`); a
         sealed block carries a tag a layer, which may make it a multipart one."""
         super().encrypt_with(cipher)
         tags = TAG_BYTES * self.layout.num_layers
@@ -262,7 +261,7 @@ class S3Tier(ValueTier):
         if self.cipher is None:
             pack_into(encoded, buf)
             return
-        from kvstore.crypt import seal  # imports cryptography: only where a tier encrypts
+        from kvstore.format import seal  # imports cryptography: only where a tier encrypts
 
         start = self._header_nbytes
         sealed = seal(encoded, self.cipher, memoryview(buf)[start:])
@@ -272,7 +271,7 @@ class S3Tier(ValueTier):
         try:
             encoded = encode_value(key, self.layout, block, self.cfg.codec)
             if self.cipher is not None:
-                from kvstore.crypt import seal
+                from kvstore.format import seal
 
                 encoded = seal(encoded, self.cipher)
             data = encoded.tobytes()

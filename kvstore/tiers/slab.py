@@ -1,6 +1,6 @@
 """Shared implementation of the memory media (host DRAM, device HBM).
 
-A memory tier is a :class:`~kvstore.memory.SlabAllocator` with one slot per
+A memory tier is a :class:`~kvstore.runtime.memory.SlabAllocator` with one slot per
 block and a map from key to slot. Copies run outside the lock, so many
 threads move blocks at once; ``_lock`` (owned by the tier) guards only the
 map, the reader counts and the allocator calls. Bytes move through the copy
@@ -24,7 +24,7 @@ from kvstore.copies import engine_for_pairs
 from kvstore.errors import CapacityError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.memory import SlabAllocator
+from kvstore.runtime import SlabAllocator
 from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = ["SharedSegment", "SlabTier"]

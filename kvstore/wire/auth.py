@@ -14,7 +14,7 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
-from kvstore.config.server import Credential
+from kvstore.config import Credential
 
 __all__ = ["NONCE_BYTES", "Authenticator", "answer", "new_nonce"]
 

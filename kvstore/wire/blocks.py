@@ -1,4 +1,4 @@
-"""Blocks on the wire: a raw block header (:mod:`kvstore.codec`), then the bytes.
+"""Blocks on the wire: a raw block header (:mod:`kvstore.format.codec`), then the bytes.
 
 Both ends verify what they receive: the server checks every layer of a
 block a client puts before the block becomes visible, and a client checks
@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-from kvstore.codec import (
+from kvstore.errors import CorruptBlockError
+from kvstore.format import (
     BlockHeader,
     Codec,
     checksum_pieces,
@@ -22,7 +23,6 @@ from kvstore.codec import (
     parse_header,
     verify_layers,
 )
-from kvstore.errors import CorruptBlockError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 

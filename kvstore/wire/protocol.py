@@ -18,7 +18,7 @@ Control ops (HELLO, AUTH's reply, OPEN, SHM_ATTACH, STATS) carry a small JSON
 object as meta; data ops carry packed binary (key lists are ``u32 count`` then
 ``count`` raw 16-byte keys); HINT carries both (its fields as JSON, then keys).
 An error reply carries a UTF-8 message as meta. Block bytes on the wire are a
-block header of :mod:`kvstore.codec` (raw codec) followed by the payload, so
+block header of :mod:`kvstore.format.codec` (raw codec) followed by the payload, so
 both ends verify what they receive.
 
 Nothing read off the wire is unpickled or evaluated: every decoder checks

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvstore.client.sync as client_sync
+from kvstore.cli.kvserver import server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.config import StoreConfig
 from kvstore.copies.base import CopyEngine
@@ -23,7 +24,6 @@ from kvstore.errors import KVStoreError
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import block_list, empty_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 
 LAYOUT = small_layout()
 LEASE_S = 0.3

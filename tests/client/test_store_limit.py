@@ -18,8 +18,8 @@ import torch
 import yaml
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
 
 LAYOUT = small_layout()
 

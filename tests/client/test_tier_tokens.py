@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess
 from kvstore.errors import AccessDeniedError, BlockNotFoundError
 from kvstore.server import ServerThread
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()

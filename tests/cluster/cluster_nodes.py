@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess
+from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex, Router
 from kvstore.config import ClusterConfig
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
 
 LAYOUT = small_layout(head_dim=32)
 HEARTBEAT = 0.3

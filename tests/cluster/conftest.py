@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cluster_nodes import Nodes
 
-from kvstore.testing.servers import RedisCluster, RedisServer, S3Server
+from kvstore.cli.servers import RedisCluster, RedisServer, S3Server
 
 
 @pytest.fixture(scope="module", params=["redis", "redis-cluster"])

@@ -18,12 +18,12 @@ import torch
 import yaml
 
 from kvstore import KVLayout, KVStore
+from kvstore.cli.servers import RedisServer
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.node import ClusterNode
 from kvstore.config import StoreConfig
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout
-from kvstore.testing.servers import RedisServer
 
 SMALL = small_layout()  # 3 layers x 2 KV heads x 16, 8 tokens, bfloat16
 OTHER = small_layout(num_layers=2)

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server
 from kvstore.testing.chaos import FAULT_KINDS, SoakConfig, SoakReport, run_soak
 from kvstore.testing.proxy import FaultProxy, flip_bytes
-from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
 
 #: The short form: about 40 s of workload, 75-90 s in all on a 2-core machine.
 SHORT = SoakConfig(seconds=40.0, seed=7, fault_interval_s=3.0)

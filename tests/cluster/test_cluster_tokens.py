@@ -16,6 +16,7 @@ import torch
 from cluster_nodes import eventually
 
 from kvstore import KVStore
+from kvstore.cli.servers import RedisServer
 from kvstore.cluster import ClusterIndex
 from kvstore.cluster.index import NodeInfo
 from kvstore.config import ClusterConfig
@@ -23,7 +24,6 @@ from kvstore.errors import BlockNotFoundError
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout
-from kvstore.testing.servers import RedisServer
 
 Start = Callable[..., ServerThread]
 LAYOUT = small_layout()

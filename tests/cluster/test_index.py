@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvstore.cli.servers import RedisCluster, RedisServer
 from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.config import ClusterConfig
 from kvstore.errors import TierError
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import RedisCluster, RedisServer
 
 _names = itertools.count()
 FP = "0123456789abcdef"

@@ -16,12 +16,12 @@ import torch
 from cluster_nodes import LAYOUT, blocks, eventually
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess
+from kvstore.cli.servers import RedisServer
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex, ClusterTier
 from kvstore.config import ClusterConfig
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import RedisServer
 
 _names = itertools.count()
 FP = LAYOUT.fingerprint_hex

@@ -20,9 +20,9 @@ import torch
 from cluster_nodes import HEARTBEAT, LAYOUT, Nodes, blocks, eventually, read
 
 from kvstore import KVStore
+from kvstore.cli.servers import RedisServer
 from kvstore.cluster.router import NodeRank
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import RedisServer
 from kvstore.wire.protocol import SlotStatus
 
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.cli.servers import RedisServer
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
 from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
@@ -16,7 +17,6 @@ from kvstore.errors import InvalidInputError
 from kvstore.keys import Namespace, chain_keys, tokens_to_bytes
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import small_layout
-from kvstore.testing.servers import RedisServer
 
 LAYOUT = small_layout()
 _names = itertools.count()

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from cluster_nodes import LAYOUT, NodeOptions, Nodes, blocks, eventually, read
 
+from kvstore.cli.servers import RedisServer, S3Server
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import AccessDeniedError
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import RedisServer, S3Server
 
 OPERATOR = "operator-token-0123456789abcdef"
 A = "team-a-token-0123456789abcdef"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from cluster_nodes import NodeOptions, Nodes, blocks, eventually, read
 
+from kvstore.cli.servers import RedisServer, S3Server
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import RedisServer, S3Server
 
 
 def test_redis_restart_resets_heat_and_no_replica_takes_s3_with_it(

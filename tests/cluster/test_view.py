@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import redis
 
+from kvstore.cli.servers import RedisCluster, RedisServer
 from kvstore.cluster.index import ClusterIndex, NodeInfo
 from kvstore.cluster.view import IndexView
 from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.servers import RedisCluster, RedisServer
 
 _names = itertools.count()
 FP = "0123456789abcdef"

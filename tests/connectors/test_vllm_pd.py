@@ -31,9 +31,9 @@ import torch
 from vllm_venv import DRIVER, ROOT, VLLM_PYTHON, engine_env, run_engine, vllm_marks
 
 from kvstore import KVLayout
+from kvstore.cli.kvserver import KVStoreServerProcess
+from kvstore.cli.servers import RedisServer
 from kvstore.client import Client, ClientOptions
-from kvstore.testing.kvserver import KVStoreServerProcess
-from kvstore.testing.servers import RedisServer
 
 SERVER_EXAMPLE = ROOT / "examples" / "server_prefill_decode.py"
 CLUSTER_EXAMPLE = ROOT / "examples" / "cluster_prefill_decode.py"

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import pytest
 from vllm_venv import EXAMPLES, VLLM_CLI, VLLM_PYTHON, vllm_marks
 
-from kvstore.testing.servers import free_port
+from kvstore.cli.servers import free_port
 
 pytestmark = vllm_marks(1800)
 

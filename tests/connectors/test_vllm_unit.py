@@ -31,7 +31,7 @@ from kvstore.connectors.settings import ConnectorSettings, Counters, shared_tier
 from kvstore.connectors.speeds import EngineSpeeds, loads_as_counters
 from kvstore.connectors.transfer import TransferWorker
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
-from kvstore.restore_stats import PlannedLoad
+from kvstore.restore.stats import PlannedLoad
 
 H, D, N = 2, 16, 8  # heads, head_dim, engine block (page) size in tokens
 
@@ -572,9 +572,9 @@ def test_saves_tell_a_kvstore_server_their_tokens_for_its_events(mode: str) -> N
     (``TransferSpec.token_ids``): the server's KV events then carry them."""
     zmq = pytest.importorskip("zmq")
     pytest.importorskip("msgspec")
+    from kvstore.cli.kvserver import server_test_config
     from kvstore.events.format import BlockStored, decode_batch
     from kvstore.server import ServerThread
-    from kvstore.testing.kvserver import server_test_config
 
     work = tempfile.mkdtemp(prefix="kvs-tok-", dir="/tmp")
     data = server_test_config(work)

@@ -347,7 +347,7 @@ class MotoProcess:
     one bucket; this venv needs only boto3 (the kvstore S3 tier's client)."""
 
     def __init__(self, python: str, bucket: str = "kvstore-vllm-tier") -> None:
-        from kvstore.testing.servers import DUMMY_AWS_ENV, HOST, free_port
+        from kvstore.cli.servers import DUMMY_AWS_ENV, HOST, free_port
 
         os.environ.update(DUMMY_AWS_ENV)
         self.bucket, self.port = bucket, free_port()

@@ -1,4 +1,4 @@
-"""Batches of contiguous host copies in one C call (``kvstore._memcopy``), and when not."""
+"""Batches of contiguous host copies in one C call (``kvstore.native._memcopy``), and when not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kvstore.copies import coalescing, engine_for
 
 memcopy = coalescing.memcopy
 if memcopy is None:
-    pytest.skip("kvstore._memcopy is not built", allow_module_level=True)
+    pytest.skip("kvstore.native._memcopy is not built", allow_module_level=True)
 
 
 def separate_blocks(n: int, numel: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

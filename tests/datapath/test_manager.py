@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
+from kvstore.cli.servers import RedisServer
 from kvstore.config import DeviceTierConfig, HostTierConfig
 from kvstore.datapath import BlockManager
 from kvstore.datapath.contracts import Medium
@@ -21,7 +22,6 @@ from kvstore.layout import KVLayout
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
-from kvstore.testing.servers import RedisServer
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier

@@ -16,7 +16,7 @@ from kvstore import KVStore
 from kvstore.config import StoreConfig
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
-from kvstore.speeds import PROBE_READS
+from kvstore.restore.speeds import PROBE_READS
 from kvstore.testing.data import random_blocks
 from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier

@@ -38,8 +38,8 @@ from deploy_clients import (
 from deploy_podman import IMAGES, REPO, Podman, build, build_server_image, build_standins
 
 from kvstore import KVStore
+from kvstore.cli.servers import HOST, free_port
 from kvstore.errors import AccessDeniedError
-from kvstore.testing.servers import HOST, free_port
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(2400)]
 
@@ -95,7 +95,7 @@ def test_image_has_cpu_torch_a_user_and_a_health_check(podman: Podman, image: st
     assert config["Cmd"] == ["kvstore-server", "--config", "/etc/kvstore/server.yaml"]
     assert info["Size"] < MAX_IMAGE_BYTES, f"image of {info['Size'] / 1e9:.2f} GB"
     probe = (
-        "id -u; python -c 'import torch, kvstore._chain; print(torch.__version__, "
+        "id -u; python -c 'import torch, kvstore.native._chain; print(torch.__version__, "
         "torch.version.cuda)'; pip list --format=freeze"
     )
     out = podman("run", "--rm", image, "sh", "-c", probe).stdout.splitlines()

@@ -18,9 +18,9 @@ import boto3
 import pytest
 import yaml
 
+from kvstore.cli.local_cluster import BUCKET, LocalClusterSettings
+from kvstore.cli.servers import DUMMY_AWS_ENV, HOST, free_port
 from kvstore.config import StoreConfig
-from kvstore.local_cluster import BUCKET, LocalClusterSettings
-from kvstore.testing.servers import DUMMY_AWS_ENV, HOST, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = (REPO / "deploy" / "Dockerfile").read_text()

@@ -26,8 +26,8 @@ import torch
 import yaml
 from deploy_clients import CHUNKS, put_chunks, read_chunks, remote, wait_healthy
 
+from kvstore.cli.servers import HOST, free_port
 from kvstore.config import StoreConfig, parse_size
-from kvstore.testing.servers import HOST, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "deploy" / "kubernetes"

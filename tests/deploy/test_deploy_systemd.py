@@ -34,8 +34,8 @@ from deploy_clients import CHUNKS, LAYOUT, block_files, put_chunks, read_chunks,
 from deploy_clients import wait_healthy as wait_healthy_url
 
 from kvstore import KVStore
+from kvstore.cli.servers import HOST, free_port
 from kvstore.errors import AccessDeniedError
-from kvstore.testing.servers import HOST, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "deploy" / "systemd"

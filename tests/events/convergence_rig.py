@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvstore import KVStore
+from kvstore.cli.servers import free_port
 from kvstore.config import StoreConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.errors import CapacityError
@@ -22,7 +23,6 @@ from kvstore.keys import BlockKey
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.event_view import EventView, compare, held_media
 from kvstore.testing.faults import FaultyTier
-from kvstore.testing.servers import free_port
 from kvstore.tiers import create_tier
 
 LAYOUT = small_layout()

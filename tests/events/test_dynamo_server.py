@@ -14,9 +14,9 @@ import torch
 from dynamo_indexer import DynamoIndexer, WorkerMatch, dynamo_marks
 
 from kvstore import KVLayout, KVStore, StoreConfig
+from kvstore.cli.kvserver import server_test_config
 from kvstore.server import ServerThread
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")

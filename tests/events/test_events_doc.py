@@ -39,8 +39,8 @@ import torch
 from dynamo_indexer import DYNAMO_VENV, dynamo_marks
 
 from kvstore import KVStore
+from kvstore.cli.servers import free_port
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.servers import free_port
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")

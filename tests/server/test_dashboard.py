@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.cli.servers import RedisServer
 from kvstore.client import Client, ClientOptions
-from kvstore.codec import Codec, encode_block
 from kvstore.errors import AccessDeniedError
+from kvstore.format.codec import Codec, encode_block
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import RedisServer
 from kvstore.wire.protocol import (
     FRAME,
     Frame,

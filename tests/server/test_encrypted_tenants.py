@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from kvstore import StoreConfig
+from kvstore.cli.kvserver import server_test_config
 from kvstore.client import Client, ClientOptions
-from kvstore.codec import read_header
-from kvstore.crypt import use_tenant_resolver
+from kvstore.format.codec import read_header
+from kvstore.format.sealing import use_tenant_resolver
 from kvstore.keys import BlockKey
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import block_list, small_layout
 from kvstore.testing.keyring import new_key
-from kvstore.testing.kvserver import server_test_config
 from kvstore.tiers.files import BLOCK_SUFFIX
 
 LAYOUT = small_layout()

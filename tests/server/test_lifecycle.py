@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore.cli.kvserver import KVStoreServerProcess
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import KVStoreError
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess
 from kvstore.wire.protocol import SlotStatus
 
 LAYOUT = small_layout(num_layers=4, head_dim=64, block_tokens=64)  # 64 KiB blocks

@@ -21,14 +21,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstore.cli.kvserver import server_test_config
 from kvstore.client import Client, ClientOptions
-from kvstore.codec import Codec, encode_block
 from kvstore.config import StoreConfig
 from kvstore.errors import TierError
+from kvstore.format.codec import Codec, encode_block
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 from kvstore.wire.protocol import (
     FRAME,
     MAGIC,

@@ -15,7 +15,7 @@ import torch
 
 from kvstore import KVStore
 from kvstore.client import Client, ClientOptions
-from kvstore.restore_stats import LoadSample
+from kvstore.restore.stats import LoadSample
 from kvstore.server import ServerThread
 from kvstore.server.metrics import LATENCY_BUCKETS, MetricsEndpoint, ServerMetrics
 from kvstore.testing.conformance import make_keys
@@ -303,7 +303,7 @@ def test_the_server_gives_its_free_heap_back_periodically(
     import time
 
     import kvstore.server.daemon as daemon
-    from kvstore.memory import trim_heap
+    from kvstore.runtime.memory import trim_heap
 
     if not trim_heap():
         pytest.skip("no malloc_trim in this C library")

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.cli.servers import RedisServer
 from kvstore.client import Client, ClientOptions
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import RedisServer
 
 TOY = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_tokens=16, dtype=torch.float16)
 KVSTORE = str(Path(sys.executable).with_name("kvstore"))

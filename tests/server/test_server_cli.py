@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main as kvstore_main
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import free_port
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.cli.servers import free_port
 
 
 def env_with(tmp_path: Path, **extra: str) -> dict[str, str]:

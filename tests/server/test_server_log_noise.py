@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore import KVStore
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
+from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
-from kvstore.testing.servers import DUMMY_AWS_ENV, S3Server
 
 LAYOUT = small_layout()
 

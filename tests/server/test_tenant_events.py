@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvstore import KVStore, StoreConfig
+from kvstore.cli.kvserver import server_test_config
 from kvstore.server import ServerThread
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgspec")

@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
+from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.client.admin import AdminClient
 from kvstore.errors import AccessDeniedError, InvalidInputError
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import KVStoreServerProcess, server_test_config
 
 LAYOUT = small_layout()
 OPS = "ops-token-0123456789abcdef"

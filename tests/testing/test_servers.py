@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvstore.cli.servers import RedisServer, S3Server, free_port, redis_command
 from kvstore.errors import ConfigError
-from kvstore.testing.servers import FaultProxy, RedisServer, S3Server, free_port, redis_command
+from kvstore.testing.proxy import FaultProxy
 
 
 def _threads_settle(before: set[threading.Thread], timeout: float = 3.0) -> set[threading.Thread]:

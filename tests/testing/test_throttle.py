@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore
+from kvstore.cli.servers import S3Server
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.servers import S3Server
 from kvstore.testing.throttle import ThrottlingProxy
 
 MB = 1_000_000

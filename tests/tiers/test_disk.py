@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.codec import Codec, parse_header
 from kvstore.config import DiskTierConfig, HostTierConfig
 from kvstore.errors import ConfigError
+from kvstore.format.codec import Codec, parse_header
 from kvstore.layout import KVLayout
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout

@@ -15,7 +15,10 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.codec import (
+from kvstore.cli.servers import RedisServer, S3Server
+from kvstore.config import DiskTierConfig, RedisTierConfig, S3TierConfig
+from kvstore.errors import DecryptError
+from kvstore.format.codec import (
     SEALED_VERSION,
     TAG_BYTES,
     encode_block,
@@ -23,17 +26,14 @@ from kvstore.codec import (
     parse_header,
     read_header,
 )
-from kvstore.config import DiskTierConfig, RedisTierConfig, S3TierConfig
-from kvstore.config.encryption import TenantKeys
-from kvstore.crypt import BlockCipher, open_into, seal
-from kvstore.errors import DecryptError
+from kvstore.format.keyring import TenantKeys
+from kvstore.format.sealing import BlockCipher, open_into, seal
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import block_list as blocks_of
 from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.servers import RedisServer, S3Server
 from kvstore.tiers.base import Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_sealed import SealedFiles

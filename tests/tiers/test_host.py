@@ -115,7 +115,8 @@ def test_closing_a_store_while_its_host_tier_prefaults(monkeypatch: pytest.Monke
     import threading
     import time
 
-    from kvstore import KVStore, memory
+    from kvstore import KVStore
+    from kvstore.runtime import memory
 
     gate = threading.Event()
 

@@ -19,9 +19,10 @@ import redis
 import torch
 
 from kvstore import KVLayout, KVStore
-from kvstore.codec import header_size
+from kvstore.cli.servers import RedisCluster, RedisServer, free_port, redis_command
 from kvstore.config import HostTierConfig, RedisTierConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
+from kvstore.format.codec import header_size
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import block_list as blocks_of
@@ -29,7 +30,6 @@ from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import DAMAGES
 from kvstore.testing.faults import wait_for_tier as wait_for
-from kvstore.testing.servers import RedisCluster, RedisServer, free_port, redis_command
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.redis import RedisTier
 

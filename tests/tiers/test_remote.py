@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore import KVStore, StoreConfig
+from kvstore.cli.kvserver import server_test_config
 from kvstore.client.tier import RemoteTier
 from kvstore.config import RemoteTierConfig
 from kvstore.errors import ConfigError
@@ -20,7 +21,6 @@ from kvstore.layout import KVLayout
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.kvserver import server_test_config
 from kvstore.testing.tcpproxy import CorruptingProxy
 
 Start = Callable[..., ServerThread]

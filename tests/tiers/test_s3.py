@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVStore
-from kvstore.codec import header_size
+from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server, free_port
 from kvstore.config import S3TierConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError, TierError
+from kvstore.format.codec import header_size
 from kvstore.keys import BlockKey
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import block_list as blocks_of
@@ -29,7 +30,7 @@ from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import DAMAGES
 from kvstore.testing.faults import wait_for_tier as wait_for
-from kvstore.testing.servers import DUMMY_AWS_ENV, FaultProxy, S3Server, free_port
+from kvstore.testing.proxy import FaultProxy
 from kvstore.tiers.s3 import S3Tier
 
 MiB = 1024**2
