@@ -22,15 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.datapath import (
-    BlockManager,
-    DataPath,
-    Hinting,
-    Loan,
-    PendingPut,
-    Pin,
-    PrefetchHandle,
-)
+from kvstore.datapath import BlockManager, DataPath, Hinting, Loan, PendingPut, Pin, PrefetchHandle
 from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
