@@ -582,6 +582,7 @@ def _restorer(manager: BlockManager, tiers: Sequence[Tier]) -> Restorer:
         warm_now=manager.warm_now,
         media=tuple(medium_of(t) for t in tiers),
         probe=manager.probes.probe,
+        probe_tier=manager.probes.probe_tier,
         find=manager.find,
         later=manager.mover.submit_later,
         # Where CUDA exists the engine's KV is on the GPU, and a prefetch into it reads
