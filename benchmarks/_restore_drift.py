@@ -11,11 +11,17 @@ a tier the plans price out is probed again once its estimate is that old, which 
 the plans find it faster. The run is cut in phases (``--drift-gbps``, default 20 MB/s,
 then 200 MB/s, then 20 MB/s, 50 ms a request throughout); in each, every engine asks the
 same ``--drift-requests`` prompts (the stored prefixes in turn, each with a new suffix),
-the engines taking turns phase by phase. Per phase: the planned engine's median TTFT over
-the better of the other two engines' medians (``planned_vs_best``, the bar 1.10; the
-figure is the worst phase), which of loading or recomputing was right (the faster of the
-unplanned and the no-cache engine) and after how many requests every plan of the planned
-engine made that choice (``follow_requests``, the bar 10).
+the engines taking turns a cycle of prompts at a time (one prompt of each prefix; who
+goes first rotates every cycle), so that a spell of a slower machine falls on all three.
+``--drift-rounds`` rounds (2) of new engines: a vLLM process runs 10-30% faster or slower
+than the next one, and two identical no-cache engines in the planned engine's place
+differed by 0.75x-0.89x in a phase (2026-12-08). Per phase: the engine that was right
+(the unplanned or the no-cache one, whichever has the lower median TTFT over the rounds)
+and the planned engine's TTFT over that engine's at the same place (round and request),
+the median over those pairs (``planned_vs_best``, the bar 1.10; the figure is the worst
+phase; ``planned_vs_best_of_medians``, the ratio of the two medians, is kept beside it),
+and after how many requests every plan of the planned engine made the right choice
+(``follow_requests``, the most over the rounds; the bar 10).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 from _common import log, median
 from _restore_lockstep import SPIN_S, Engine
-from _restore_runs import WARMUP, Run, RunFailed, collect, launch, rounded
+from _restore_runs import WARMUP, Run, RunFailed, collect, launch, merged, rounded
 
 #: Engines of the drift round: no cache, planning off, planning on.
 DRIFT_ENGINES = ("nocache_drift", "unplanned_drift", "planned_drift")
@@ -67,16 +73,20 @@ def drift_requests(bench: Any, name: str, phases: int, per_phase: int) -> list[l
     return requests
 
 
-def drift_round(bench: Any, configs: dict[str, Any], speeds: list[float]) -> dict[str, Any]:
-    """The three engines (``configs``: name -> store config, None: no connector) through
-    the phases of ``speeds`` (GB/s of the link); each engine's result."""
+def drift_round(bench: Any, configs: dict[str, Any], speeds: list[float], r: int) -> dict[str, Any]:
+    """Round ``r``: the three engines (``configs``: name -> store config, None: no
+    connector) through the phases of ``speeds`` (GB/s of the link); each engine's
+    result."""
     args, work, proxy = bench.args, bench.work, bench.proxy
     per_phase = args.drift_requests
+    cycle = max(1, min(len(bench.workload.prefixes), per_phase))
     engines, began = [], time.perf_counter()
     try:
         for name in DRIFT_ENGINES:
-            run = Run(name, drift_requests(bench, name, len(speeds), per_phase), configs[name])
-            directory = work / f"lockstep-{name}"
+            # The round's own warm-up prompt: a miss everywhere, so it teaches no S3 speed.
+            requests = drift_requests(bench, f"{name}.{r}", len(speeds), per_phase)
+            run = Run(f"{name}.{r}", requests, configs[name])
+            directory = work / f"lockstep-{run.name}"
             engines.append(Engine(run, launch(run, work, args, directory), directory))
         deadline = time.monotonic() + 2 * args.timeout  # three engines start at once
         while not all(e.ready() for e in engines):
@@ -87,13 +97,16 @@ def drift_round(bench: Any, configs: dict[str, Any], speeds: list[float]) -> dic
         for engine in engines:
             engine.take(WARMUP, args.timeout)
             time.sleep(SPIN_S)
+        turn = r
         for p, gbps in enumerate(speeds):
             proxy.set(gbps=gbps, latency_ms=args.slow_latency_ms)
-            log(f"bench_restore: drift phase {p + 1} of {len(speeds)}: {gbps * 1e3:g} MB/s")
-            for engine in engines[p % 3 :] + engines[: p % 3]:  # who goes first rotates
-                engine.take(per_phase, args.timeout)
-                time.sleep(SPIN_S)
-        out = {e.run.name: collect(e.run, e.proc, work, 120) for e in engines}
+            log(f"bench_restore: drift round {r + 1}, phase {p + 1}: {gbps * 1e3:g} MB/s")
+            for first in range(0, per_phase, cycle):
+                for engine in engines[turn % 3 :] + engines[: turn % 3]:  # who goes first
+                    engine.take(min(cycle, per_phase - first), args.timeout)
+                    time.sleep(SPIN_S)
+                turn += 1
+        out = {e.run.name.split(".")[0]: collect(e.run, e.proc, work, 120) for e in engines}
         for result in out.values():
             result["process_s"] = round(time.perf_counter() - began, 1)  # the round's
         return out
@@ -103,44 +116,65 @@ def drift_round(bench: Any, configs: dict[str, Any], speeds: list[float]) -> dic
                 os.killpg(e.proc.pid, signal.SIGKILL)
 
 
-def drift_figures(results: dict[str, Any], speeds: list[float], per_phase: int) -> dict[str, Any]:
-    """Per phase: the engines' median TTFTs, the planned engine's over the better other,
-    the right choice and after how many requests the planned engine kept to it; the
-    worst phase's ratio and the slowest follow after a change."""
-    phases = []
-    for p, gbps in enumerate(speeds):
-        lo = WARMUP + p * per_phase
-        ttft = {
-            name: [r["ttft_s"] for r in results[name]["repetitions"][0][lo : lo + per_phase]]
-            for name in DRIFT_ENGINES
-        }
-        med = {name: median(values) for name, values in ttft.items()}
-        load_pays = med["unplanned_drift"] < med["nocache_drift"]
-        planned = results["planned_drift"]["repetitions"][0][lo : lo + per_phase]
-        right = [(r["num_cached_tokens"] > 0) == load_pays for r in planned]
-        follow = next((i for i in range(len(right) + 1) if all(right[i:])), len(right))
-        best = min(med["unplanned_drift"], med["nocache_drift"])
-        phases.append(
-            {
-                "gbps": gbps,
-                "ttft_ms_median": {name: round(m * 1e3, 1) for name, m in med.items()},
-                "planned_vs_best": rounded(med["planned_drift"] / best),
-                "load_pays": load_pays,
-                "planned_loaded": [r["num_cached_tokens"] for r in planned],
-                "follow_requests": follow,
-            }
-        )
+def drift_figures(
+    rounds: list[dict[str, Any]], speeds: list[float], per_phase: int
+) -> dict[str, Any]:
+    """Per phase, over the rounds (each a name -> result of :func:`drift_round`): the
+    engines' median TTFTs, the engine that was right, the planned engine's TTFT over its
+    at the same place (median of the pairs; and the ratio of the medians), after how
+    many requests the planned engine kept to the right choice in each round; the worst
+    phase's ratio and the slowest follow after a change."""
+    phases = [_phase(rounds, p, gbps, per_phase) for p, gbps in enumerate(speeds)]
     return {
         "phases": phases,
         "planned_vs_best_worst_phase": max(p["planned_vs_best"] for p in phases),
         "follow_requests_worst": max(p["follow_requests"] for p in phases[1:] or phases),
         "requests_per_phase": per_phase,
+        "rounds": len(rounds),
+    }
+
+
+def _phase(rounds: list[dict[str, Any]], p: int, gbps: float, per_phase: int) -> dict[str, Any]:
+    """Phase ``p``'s figures (see :func:`drift_figures`)."""
+    lo = WARMUP + p * per_phase
+
+    def requests(result: dict[str, Any]) -> list[dict[str, Any]]:
+        return list(result["repetitions"][0][lo : lo + per_phase])
+
+    ttft = {
+        name: [[x["ttft_s"] for x in requests(out[name])] for out in rounds]
+        for name in DRIFT_ENGINES
+    }
+    med = {name: median([t for rs in runs for t in rs]) for name, runs in ttft.items()}
+    load_pays = med["unplanned_drift"] < med["nocache_drift"]
+    best = "unplanned_drift" if load_pays else "nocache_drift"
+    pairs = [
+        a / b
+        for planned, other in zip(ttft["planned_drift"], ttft[best], strict=True)
+        for a, b in zip(planned, other, strict=True)
+        if b > 0
+    ]
+    loaded = [[x["num_cached_tokens"] for x in requests(out["planned_drift"])] for out in rounds]
+    follows = []
+    for tokens in loaded:
+        right = [(n > 0) == load_pays for n in tokens]
+        follows.append(next((i for i in range(len(right) + 1) if all(right[i:])), len(right)))
+    return {
+        "gbps": gbps,
+        "ttft_ms_median": {name: round(m * 1e3, 1) for name, m in med.items()},
+        "load_pays": load_pays,
+        "planned_vs_best": rounded(median(pairs)),
+        "planned_vs_best_of_medians": rounded(med["planned_drift"] / med[best]),
+        "planned_vs_best_pairs": [rounded(x) for x in pairs],
+        "planned_loaded": loaded,
+        "follow_requests": max(follows),
+        "follow_requests_per_round": follows,
     }
 
 
 def run_drift(bench: Any, table: list[list[float]], restore_section: Any, s3_tier: Any) -> None:
-    """The drift round (the module docstring): its figures in ``bench.extra["drift"]``,
-    each engine's result in ``bench.results``."""
+    """The drift rounds (the module docstring): their figures in ``bench.extra["drift"]``,
+    each engine's results, merged over the rounds, in ``bench.results``."""
     args, proxy = bench.args, bench.proxy
     speeds = args.drift_gbps
     declared = (speeds[0], args.slow_latency_ms)
@@ -150,20 +184,25 @@ def run_drift(bench: Any, table: list[list[float]], restore_section: Any, s3_tie
         "unplanned_drift": {"tiers": [s3_tier(proxy.url, declared)], **_off(restore_section)},
         "planned_drift": {"tiers": [s3_tier(proxy.url, declared)], "restore": planned},
     }
-    began = time.perf_counter()
-    log(f"bench_restore: drift over {[f'{g * 1e3:g} MB/s' for g in speeds]} ...")
-    try:
-        results = drift_round(bench, configs, speeds)
-    except RunFailed as exc:
-        log(f"bench_restore: drift FAILED: {exc}")
-        bench.errors["drift"] = str(exc)
+    rounds = []
+    for r in range(args.drift_rounds):
+        began = time.perf_counter()
+        log(f"bench_restore: drift round {r + 1} of {args.drift_rounds} over {speeds} GB/s ...")
+        try:
+            rounds.append(drift_round(bench, configs, speeds, r))
+        except RunFailed as exc:
+            log(f"bench_restore: drift round {r + 1} FAILED: {exc}")
+            bench.errors[f"drift round {r + 1}"] = str(exc)
+            continue
+        log(f"bench_restore: drift round {r + 1} done in {time.perf_counter() - began:.0f} s")
+    if not rounds:
         return
-    bench.results.update(results)
+    for name in DRIFT_ENGINES:
+        bench.results[name] = merged([out[name] for out in rounds])
     bench.extra["drift"] = {
-        **drift_figures(results, speeds, args.drift_requests),
+        **drift_figures(rounds, speeds, args.drift_requests),
         "speed_stale_s": args.drift_stale_s,
     }
-    log(f"bench_restore: drift done in {time.perf_counter() - began:.0f} s")
 
 
 def _off(restore_section: Any) -> dict[str, Any]:

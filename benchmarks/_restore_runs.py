@@ -63,9 +63,11 @@ DEFINITIONS = {
         "spinning on the CPUs throughout (both engines under the same contention)"
     ),
     "drift_planned_vs_best": (
-        "per drift phase (the link's speed changed): the planned engine's median TTFT over "
-        "the lesser of the unplanned and the no-cache engines' on the same prompts; the "
-        "worst phase"
+        "per drift phase (the link's speed changed): the median over every (round, request) "
+        "of the planned engine's TTFT over that of the engine that was right at the same "
+        "place (the unplanned or the no-cache one, whichever has the lower median TTFT in "
+        "the phase); the worst phase (each phase's planned_vs_best_of_medians is the ratio "
+        "of the two engines' median TTFTs)"
     ),
     "drift_follow_requests": (
         "per drift phase after the first: how many requests of the planned engine came "
@@ -337,6 +339,18 @@ def drive(run: Run, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     result = collect(run, launch(run, work, args), work, args.timeout)
     result["process_s"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several processes of one configuration as one result: their repetitions in turn,
+    their counters and metrics side by side (``processes``)."""
+    return {
+        "repetitions": [rep for r in parts for rep in r["repetitions"]],
+        "process_s": [r["process_s"] for r in parts],
+        "counters": [r["counters"] for r in parts],
+        "kv_metrics": [x for r in parts for x in r["kv_metrics"]],
+        "processes": len(parts),
+    }
 
 
 def summarize(result: dict[str, Any], reps: Sequence[int] | None = None) -> dict[str, Any]:

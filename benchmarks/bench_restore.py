@@ -60,10 +60,11 @@ The runs, in order (a vLLM process each):
 8. ``drift`` (``--no-drift`` skips it; ``_restore_drift.py`` says how): a no-cache, an
    unplanned and a planned engine in lockstep over the bucket alone while the link
    changes speed, ``--drift-gbps`` (0.02,0.2,0.02 GB/s) for ``--drift-requests`` (12)
-   requests each: ``drift_planned_vs_best`` (the worst phase's median TTFT of the planned
-   engine over the better of the other two; target <= 1.10) and
-   ``drift_follow_requests`` (the most requests after a change before every plan chose
-   as the faster engine did; target <= 10).
+   requests each, in ``--drift-rounds`` (2) rounds of new engines:
+   ``drift_planned_vs_best`` (per phase, the median over the rounds' requests of the
+   planned engine's TTFT over the better of the other two engines' at the same place;
+   the worst phase; target <= 1.10) and ``drift_follow_requests`` (the most requests
+   after a change before every plan chose as the faster engine did; target <= 10).
 
 Figures. A configuration's TTFT for a prompt is the median over its repetitions; a ratio
 is the median over the prompts of that prompt's TTFT / its nocache TTFT. The headline
@@ -103,7 +104,10 @@ Run (from the main venv; vLLM runs in ``.venv-vllm``)::
 One JSON line on stdout (``--out`` also writes it); progress and the headline figures on
 stderr. ``--quick`` (one 512-token prefix; the nocache and store processes, one paired round,
 one contended round and a drift of 3 requests a phase; one repetition) checks that it all
-runs, in ~8 minutes: its ratios mean nothing.
+runs, in ~8 minutes: its ratios mean nothing. ``--only drift`` (or ``slow``, ``fast``,
+``contended``, comma-separated) runs nocache and store, then only those rounds (a
+targeted experiment: ``fast`` alone tops up a fresh disk directory from the bucket);
+the figures of the rounds left out are null, and ``not_run`` names them.
 Without ``.venv-vllm``: ``{"skipped": true, ...}``.
 """
 
@@ -158,6 +162,7 @@ from _restore_runs import (  # noqa: F401  (re-exported: tests and readers use b
     get_prefix_errors,
     kv_metrics,
     learned_speed,
+    merged,
     prefill_samples,
     read_counters,
     restore_section,
@@ -172,6 +177,9 @@ from _restore_runs import (  # noqa: F401  (re-exported: tests and readers use b
 
 if TYPE_CHECKING:
     from kvstore.keys import BlockKey
+
+#: The rounds after nocache and store, as ``--only`` names them.
+ROUNDS = ("slow", "fast", "contended", "drift")
 
 # --------------------------------------------------------------------------- the benchmark
 
@@ -241,9 +249,11 @@ def run_phases(bench: Bench) -> list[list[float]] | None:
     store = {"tiers": [s3_tier(proxy.url, None)], "restore": {"planning": False}}
     bench.run(Run("store", bench.requests("store", "store"), store))
 
-    warmed = _slow_phases(bench, table)
+    warmed = bench.work / f"disk-slow_planned.{max(args.paired_rounds - 1, 0)}"
+    if args.slow:
+        warmed = _slow_phases(bench, table)
     proxy.set(gbps=None, latency_ms=0.0)
-    if bench.wanted("fast_planned"):
+    if args.fast and bench.wanted("fast_planned"):
         _fast_phases(bench, table, warmed)
     if args.contended:
         _contended_phase(bench, table)
@@ -327,7 +337,8 @@ def _fast_phases(bench: Bench, table: list[list[float]], warmed: Path) -> None:
     """The runs over the unthrottled link (6 of the module docstring): ``warmed``
     topped up with what the warming left on the bucket, then the paired rounds."""
     proxy, all_keys = bench.proxy, bench.prefix_keys()
-    bench.extra["warming"]["on_disk_after_top_up"] = top_up(proxy.url, bench.keys, warmed, all_keys)
+    warming = bench.extra.setdefault("warming", {"prefix_chunks": len(all_keys)})
+    warming["on_disk_after_top_up"] = top_up(proxy.url, bench.keys, warmed, all_keys)
     host = {"kind": "host", "capacity": "512MiB"}
     fast_tiers = [host, disk_tier(warmed), s3_tier(proxy.url, None)]
     fast = Pair(
@@ -340,18 +351,6 @@ def _fast_phases(bench: Bench, table: list[list[float]], warmed: Path) -> None:
         "fast",
     )
     bench.paired(fast, bench.args.fast_rounds)
-
-
-def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several processes of one configuration as one result: their repetitions in turn,
-    their counters and metrics side by side (``processes``)."""
-    return {
-        "repetitions": [rep for r in parts for rep in r["repetitions"]],
-        "process_s": [r["process_s"] for r in parts],
-        "counters": [r["counters"] for r in parts],
-        "kv_metrics": [x for r in parts for x in r["kv_metrics"]],
-        "processes": len(parts),
-    }
 
 
 def _restore(table: list[list[float]] | None) -> dict[str, Any]:
@@ -440,6 +439,9 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
         not_run["slow_planned_contended"] = "--no-contended"
     if not args.drift:
         not_run["drift"] = "--no-drift"
+    for name in ROUNDS if args.only else ():
+        if name not in args.only:  # the contended round under its configuration's name
+            not_run["slow_planned_contended" if name == "contended" else name] = "--only"
     notes = [
         "estimate_error_median: the connector's workers' restore_planned_s / restore_actual_s "
         "over slow_unplanned's loads, per logged one-second interval; null where the "
@@ -498,7 +500,7 @@ def figures(bench: Bench, table: list[list[float]] | None, wall: float) -> dict[
                 "slow_planned_undeclared": 1,
                 "fast": f"2 in each of {args.fast_rounds} paired rounds",
                 "slow_planned_contended": f"1 in each of {args.contended_rounds} paired rounds",
-                "drift": f"{args.drift_requests} a phase",
+                "drift": f"{args.drift_requests} a phase in each of {args.drift_rounds} rounds",
             },
             "busy_processes": args.busy,
             "drift_gbps": args.drift_gbps,
@@ -586,21 +588,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--drift-requests", type=int, default=None, help="a phase (12; quick 3)")
     parser.add_argument(
+        "--drift-rounds", type=int, default=None, help="drift rounds of new engines (2; quick 1)"
+    )
+    parser.add_argument(
         "--drift-stale-s",
         type=float,
         default=5.0,
         help="the drift's planned engine: restore.speed_stale_s (how soon a tier priced "
         "out is probed again)",
     )
+    parser.add_argument(
+        "--only",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=None,
+        help="run only these rounds, comma-separated: slow (slow_unplanned, the paired "
+        "slow rounds, slow_planned_undeclared), fast, contended, drift; nocache (the "
+        "calibration) and store always run; a round left out is reported as not run",
+    )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per vLLM process")
     args = parser.parse_args(argv)
     quick = {"prefix_tokens": [512], "suffix_tokens": 32, "warmup_tokens": 300}
     quick.update(nocache_reps=1, slow_reps=1, paired_rounds=1, timeout=150.0)
-    quick.update(contended_rounds=1, drift_requests=3)
+    quick.update(contended_rounds=1, drift_requests=3, drift_rounds=1)
     full = {"prefix_tokens": [1536, 1792, 2048, 2304], "suffix_tokens": 64}
     full.update(warmup_tokens=1056, nocache_reps=args.rounds or 4, slow_reps=2)
-    full.update(paired_rounds=4, contended_rounds=2, drift_requests=12)
+    full.update(paired_rounds=4, contended_rounds=2, drift_requests=12, drift_rounds=2)
     full.update(timeout=600.0)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -611,6 +624,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--prefix-tokens: whole chunks of {CHUNK} tokens")
     if not 0 < args.suffix_tokens < CHUNK:
         parser.error(f"--suffix-tokens: 1..{CHUNK - 1} (the stored chunks are the prefix's)")
+    unknown = sorted(set(args.only or ()) - set(ROUNDS))
+    if unknown or args.only == []:
+        parser.error(f"--only: one or more of {', '.join(ROUNDS)}, got {unknown or 'none'}")
+    chosen = set(args.only or ROUNDS)
+    args.slow, args.fast = "slow" in chosen, "fast" in chosen
+    args.contended = args.contended and "contended" in chosen
+    args.drift = args.drift and "drift" in chosen
     if len(args.drift_gbps) < 2 or any(g <= 0 for g in args.drift_gbps):
         parser.error("--drift-gbps: at least two speeds > 0, comma-separated")
     return args

@@ -106,6 +106,42 @@ def test_paired_figures_pair_each_round_prompt_by_prompt() -> None:
     assert figures["all_pairs"] == [1.0, 1.1, 0.5, 0.5, 1.5, 1.0, 0.5, 0.5]
 
 
+def test_drift_figures_pair_the_planned_engine_with_the_right_one_place_by_place() -> None:
+    import _restore_drift
+
+    def result(ttft: list[float], cached: list[int] | None = None) -> dict[str, Any]:
+        warm = [{"ttft_s": 9.0, "num_cached_tokens": 0}] * bench_restore.WARMUP
+        cached = cached or [0] * len(ttft)
+        reqs = [{"ttft_s": t, "num_cached_tokens": n} for t, n in zip(ttft, cached, strict=True)]
+        return {"repetitions": [warm + reqs]}
+
+    # Two phases of two requests, two rounds. Phase 1: recomputing is right (nocache
+    # faster); phase 2: loading is, and round 2's planned engine followed a request late.
+    rounds = [
+        {
+            "nocache_drift": result([1.0, 2.0, 1.0, 2.0]),
+            "unplanned_drift": result([3.0, 3.0, 0.5, 0.5], [256] * 4),
+            "planned_drift": result([1.1, 2.0, 0.5, 0.6], [0, 0, 256, 256]),
+        },
+        {
+            "nocache_drift": result([2.0, 2.0, 1.0, 1.0]),
+            "unplanned_drift": result([3.0, 3.0, 0.5, 0.5], [256] * 4),
+            "planned_drift": result([2.0, 3.0, 1.0, 0.5], [0, 0, 0, 256]),
+        },
+    ]
+    figures = _restore_drift.drift_figures(rounds, [0.02, 0.2], per_phase=2)
+    first, second = figures["phases"]
+    assert first["load_pays"] is False and second["load_pays"] is True
+    assert first["planned_vs_best_pairs"] == [1.1, 1.0, 1.0, 1.5]
+    assert first["planned_vs_best"] == pytest.approx(1.05)
+    assert first["planned_vs_best_of_medians"] == pytest.approx(2.0 / 2.0)
+    assert second["planned_vs_best_pairs"] == [1.0, 1.2, 2.0, 1.0]
+    assert second["follow_requests_per_round"] == [0, 1] and second["follow_requests"] == 1
+    assert second["planned_loaded"] == [[256, 256], [0, 256]]
+    assert figures["planned_vs_best_worst_phase"] == pytest.approx(1.1)
+    assert figures["follow_requests_worst"] == 1 and figures["rounds"] == 2
+
+
 def test_lockstep_turns_are_taken_one_request_at_a_time(tmp_path: Path) -> None:
     """The bench's side of ``--lockstep`` (``Engine.take``) against the driver's
     (``vllm_offline.Lockstep``): each request starts only when its turn is given."""
@@ -218,9 +254,11 @@ def test_quick_run_reports_every_field(tmp_path: Path) -> None:
     assert result["paired"]["slow_planned_contended"]["rounds"] == 1
     drift = result["drift"]
     assert [p["gbps"] for p in drift["phases"]] == [0.02, 0.2, 0.02]
+    assert drift["rounds"] == 1
     for phase in drift["phases"]:
         assert phase["planned_vs_best"] > 0 and 0 <= phase["follow_requests"] <= 3
-        assert len(phase["planned_loaded"]) == 3
+        assert len(phase["planned_loaded"]) == 1 and len(phase["planned_loaded"][0]) == 3
+        assert len(phase["planned_vs_best_pairs"]) == 3
     assert result["drift_planned_vs_best"] == max(p["planned_vs_best"] for p in drift["phases"])
     assert isinstance(result["pass"]["drift_follow_requests"], bool)
     assert cached["unplanned_drift"][0][0] in (256, 512)  # planning off: every chunk loads

@@ -57,7 +57,7 @@ def throttle(s3_server: S3Server, aws_env: None) -> Iterator[ThrottlingProxy]:
 
 
 def test_the_plan_follows_a_link_that_slows_and_a_stale_estimate_is_probed(
-    s3_server: S3Server, throttle: ThrottlingProxy
+    s3_server: S3Server, throttle: ThrottlingProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = Clock()
     kv = random_blocks(LAYOUT, N, seed=5)
@@ -81,7 +81,14 @@ def test_the_plan_follows_a_link_that_slows_and_a_stale_estimate_is_probed(
         assert store.get_prefix(keys, out) == 0
         throttle.set(gbps=None, latency_ms=0)  # the link recovers; nothing reads it ...
         clock.now += 61  # ... until the estimate goes stale: the plan probes the tier
+        asked = calls_by_thread(store.datapath.io.tiers[0], monkeypatch)
         assert store.plan(keys).load == 0
+        assert store.stats()["restore"]["stale_probes"] == 1
+        # Not on the plan's own thread (a round trip over the slow link, each request the
+        # estimate stayed stale): the probe asks the tier for a chunk in the background.
+        me = threading.get_ident()
+        assert [what for thread, what in asked if thread == me] == []
+        store.plan(keys)  # one probe of a tier at a time (or none: it measured it)
         assert store.stats()["restore"]["stale_probes"] == 1
         store.drain(10.0)
         clock.now += 5  # the probe's fast read outweighs the old slow ones

@@ -5,6 +5,7 @@ again once it got faster; the correction stays within its bounds whatever the no
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from kvstore import KVStore
 from kvstore.config import DiskTierConfig
 from kvstore.restore.planner import RestorePlan
-from kvstore.restore.speeds import CORRECTION_BOUNDS, ReadSpeed
+from kvstore.restore.speeds import CORRECTION_BOUNDS, PROBE_READS, ReadSpeed, fastest_reads
 from kvstore.restore.stats import LoadSample, PlannedLoad
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyTier
@@ -131,6 +132,65 @@ def test_a_probe_of_a_stale_tier_starts_its_price_over() -> None:
     est = speed.estimate()
     assert (est.correction, est.source) == (1.0, "measured")
     assert est.gbps == pytest.approx(1.0, rel=1e-6)
+
+
+def test_a_probe_that_finds_the_medium_as_it_was_keeps_half_the_correction() -> None:
+    """Restores that cost three times their reads priced the tier out; its stale probe
+    finds the medium as the fit had it, so the correction moves halfway (in log space)
+    towards 1, not back to 1: the next plan does not load the tier at once again (before,
+    every stale probe threw the restores' evidence away)."""
+    clock = Clock()
+    speed = ReadSpeed(1.0, 1.0, half_life_s=10.0, stale_s=60.0, clock=clock)
+    for _ in range(6):
+        speed.observe(1e6, 0.002)
+        speed.correct(3 * speed.fitted().seconds_for(1e6), 1e6, 1, 0.002)
+    k = speed.estimate().correction
+    assert k == pytest.approx(3.0, rel=0.05)
+    clock.now = 100.0  # stale
+    speed.probed([(1e6, 0.002), (4e6, 0.0051)])  # the same medium, read again
+    est = speed.estimate()
+    assert est.source == "measured"
+    assert est.correction == pytest.approx(math.sqrt(k), rel=1e-6)
+
+
+def test_a_probe_behind_a_links_latency_sees_its_bandwidth() -> None:
+    """bench_restore's drift at 200 MB/s behind 50 ms: a probe's layer (256 KiB) and
+    four layers took 76 and 70 ms. The fit made that an 18 MB/s link (the bytes given
+    all the time but the prior's latency), and the plans never loaded it; sizes four
+    times apart that cost the same say the bytes are cheap."""
+    clock = Clock()
+    speed = ReadSpeed(0.02, 50.0, half_life_s=30.0, stale_s=5.0, clock=clock)
+    clock.now = 10.0  # never read: stale
+    speed.probed([(262144.0, 0.0759), (1048576.0, 0.0696)])
+    est = speed.estimate()
+    assert est.gbps > 0.05 and 50 < est.latency_ms < 80  # not 0.018
+    # What a restore of 9 chunks of 3 MiB then costs: under half a second (at the old
+    # figures, 1.5 s: more than the 1 s prefill it replaces).
+    assert est.seconds_for(9 * 3 * 2**20) < 0.5
+
+
+def test_a_probe_reads_a_whole_block_where_its_sizes_took_about_as_long() -> None:
+    """Behind 20 ms a call, a layer (1 ms) and four take 21 and 24 ms: the bytes do not
+    show, so the probe reads the whole block too, and the fit sees the bandwidth."""
+    sizes: list[int] = []
+
+    def read(layers: int) -> bool:
+        sizes.append(layers)
+        time.sleep(0.02 + 0.001 * layers)
+        return True
+
+    samples = fastest_reads(read, [1, 4, 12], layer_nbytes=10**6, until_seen=True)
+    assert samples is not None and [int(n) // 10**6 for n, _ in samples] == [1, 4, 12]
+    assert sizes == [1] * PROBE_READS + [4] * PROBE_READS + [12] * PROBE_READS
+    speed = ReadSpeed(0.001, 1.0, half_life_s=30.0, stale_s=300.0, clock=Clock())
+    speed.probed(samples)
+    assert 0.5 < speed.estimate().gbps < 1.5  # 1 GB/s: a layer of 1 MB a millisecond
+    # Where the second size's bytes show (a call's latency 1 ms), the third is not read.
+    sizes.clear()
+    slow = fastest_reads(
+        lambda n: time.sleep(0.001 + 0.004 * n) is None, [1, 4, 12], 10**6, 1, True
+    )
+    assert slow is not None and len(slow) == 2
 
 
 def test_a_tier_never_read_goes_stale_on_the_same_timer() -> None:

@@ -71,7 +71,7 @@ class _Load:
     scattered: dict[int, int] = field(default_factory=dict)  # layer -> token end scattered
     #: (group, start, end) -> whole kernel pages of those tokens, or None (see PagedKV.pages)
     pages: dict[tuple[int, int, int], torch.Tensor | None] = field(default_factory=dict)
-    waited_s: float = 0.0  # the engine's seconds in this load's layers and its end
+    waited_s: float = 0.0  # the engine's seconds in this load's call, layers and end
 
 
 @dataclass
@@ -218,8 +218,12 @@ class TransferWorker:
             try:
                 with self.counters.timed("load_seconds"):
                     if self.layerwise and not spec.whole:
+                        # The engine waits for the call too (it asks shared tiers which
+                        # blocks they hold: a round trip to a bucket).
+                        began = time.perf_counter()
                         handle = self.store.prefetch(keys, out=self._load_buffer(len(keys)))
-                        self._loads.append(_Load(spec, handle))
+                        called_s = time.perf_counter() - began
+                        self._loads.append(_Load(spec, handle, waited_s=called_s))
                     else:
                         start = time.perf_counter()
                         self._load_sync(spec, keys)

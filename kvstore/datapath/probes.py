@@ -8,6 +8,7 @@ cores, the GIL) only adds time, so no probe waits for a quiet machine
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -43,10 +44,32 @@ class SpeedProbes:
         self.restore = restore
 
     def probe(self, key: BlockKey) -> bool:
-        """Read ``key`` in the background to measure its tier; False if a probe of it is
-        queued already. The tier's estimate starts over from what the probe read unless
-        reads measured it meanwhile (then the probe's figures join theirs)."""
-        return self.mover.submit(lambda: self._run(key), key=("probe", key))
+        """Read ``key`` in the background to measure the tier of its fastest copy; False
+        if ``key`` is not stored or a probe of that tier is queued or running already
+        (one at a time: a second would only load the tier, and the link, with the same
+        figures). The tier's estimate starts over from what the probe read unless reads
+        measured it meanwhile (then the probe's figures join theirs)."""
+        where = self.reader.books.queries.where(key)
+        if not where:
+            return False
+        return self.mover.submit(lambda: self._run(key), key=("probe", where[0]))
+
+    def probe_tier(self, keys: Sequence[BlockKey], level: int) -> bool:
+        """Probe tier ``level`` with the first of ``keys`` whose fastest copy it holds,
+        found by asking that tier in the background (a plan that did not ask a slow tier
+        keeps its round trip off the caller's path); False if a probe of it is queued or
+        running already."""
+        keys = list(keys)
+        others = ~(1 << level)
+
+        def job() -> None:
+            self.reader.finder.discover(keys, skip=others)
+            where = self.reader.books.queries.where
+            key = next((k for k in keys if where(k)[:1] == [level]), None)
+            if key is not None:
+                self._run(key)
+
+        return self.mover.submit(job, key=("probe", level))
 
     def _run(self, key: BlockKey) -> None:
         books, io = self.reader.books, self.reader.io
@@ -58,14 +81,16 @@ class SpeedProbes:
     def _fastest_reads(self, key: BlockKey) -> list[tuple[float, float]] | None:
         layout, io = self.layout, self.reader.io
         out = torch.zeros(layout.block_shape, dtype=layout.dtype)  # touched: no first-touch
-        sizes = sorted({1, min(PROBE_LAYERS, layout.num_layers)})
+        # One layer and a few; the whole block where those took about as long (a link's
+        # latency hiding its bandwidth), as the loads of such a tier read a block a call.
+        sizes = sorted({1, min(PROBE_LAYERS, layout.num_layers), layout.num_layers})
 
         def read(layers: int) -> bool:
             span = (0, layers) if layers < layout.num_layers else None
             return bool(self.reader.load([key], [out[:layers]], span, True).count)
 
         with io.unobserved():
-            return fastest_reads(read, sizes, layout.layer_nbytes)
+            return fastest_reads(read, sizes, layout.layer_nbytes, until_seen=True)
 
     def probe_at_open(self) -> int:
         """Probe each tier of this machine below memory that holds blocks from an earlier

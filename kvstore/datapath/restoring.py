@@ -116,6 +116,10 @@ class RestoreSide:
         """A background read of ``key`` that measures its tier."""
         return self._probes.probe(key)
 
+    def probe_tier(self, keys: Sequence[BlockKey], level: int) -> bool:
+        """A background probe of tier ``level`` with one of ``keys`` it holds."""
+        return self._probes.probe_tier(keys, level)
+
     def find(self, keys: Sequence[BlockKey], levels: int) -> int:
         """The manager's find."""
         return self._lookups.find(keys, levels)

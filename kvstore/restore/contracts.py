@@ -61,6 +61,11 @@ class RestorerParts(Protocol):
         """Read one block in the background (refreshes a stale or unread estimate of its
         tier); False if not queued."""
 
+    def probe_tier(self, keys: Sequence[BlockKey], level: int) -> bool:
+        """:meth:`probe` of tier ``level`` with the first of ``keys`` it holds, which the
+        background job asks it for (a tier the plan did not ask); False if a probe of it
+        is queued or running already."""
+
     def find(self, keys: Sequence[BlockKey], levels: int) -> int:
         """Ask the tiers in the bit mask ``levels`` which of ``keys`` they hold (on the
         caller's thread); how many leading ``keys`` are stored after."""

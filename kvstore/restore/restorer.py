@@ -11,10 +11,11 @@ background so the next request finds them fast; so are those it loads from a slo
 (another machine's storage always; below memory when it leaves chunks behind), or the
 next request would find the prompt's head on the slow tier again.
 
-A shared tier so slow that even a prompt stored whole on it would be recomputed
-(its estimate fresh, not stale) is not asked during the plan at all: asking costs a
-round trip over the same slow link, and the answer could not change the plan. It is
-asked in the background instead, and what it holds is warmed (``lookups_deferred``).
+A shared tier so slow that even a prompt stored whole on it would be recomputed is not
+asked during the plan at all: asking costs a round trip over the same slow link, and the
+answer could not change the plan. It is asked in the background instead, and what it
+holds is warmed (``lookups_deferred``); where its estimate is stale, a background probe
+looks for one of the prompt's chunks there and measures the tier with it.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Restorer:
             self._after_compute(self._warm_job([keys[i] for i in warm]))
         if hopeless and self.warming and self._search_later(list(keys), hopeless):
             self.stats.add("lookups_deferred")
-        self._probe_stale(keys, levels, plan, costs)
+        self._probe_stale(keys, levels, plan, (costs, hopeless))
         return plan
 
     def observe_prefill_step(self, tokens: int, seconds: float) -> None:
@@ -243,16 +244,17 @@ class Restorer:
 
     def _hopeless(self, n: int, request: RestoreRequest, costs: RestoreCosts) -> int:
         """Bit mask of the slow tiers from which no load of these ``n`` chunks pays: a
-        plan with all ``n`` stored there would recompute them all. Only fresh estimates
-        count (a stale one is asked, so that its probe can refresh it). A load that
-        gains anything at all keeps the tier asked: what asking costs is not a read's
-        latency (a local disk answers from a stat, a bucket from a HEAD), so it is not
-        weighed against the gain."""
+        plan with all ``n`` stored there would recompute them all. A stale estimate
+        counts as it stands (the plan would price the tier by it anyway); its probe finds
+        a chunk there in the background (:meth:`_probe_stale`). A load that gains
+        anything at all keeps the tier asked: what asking costs is not a read's latency
+        (a local disk answers from a stat, a bucket from a HEAD), so it is not weighed
+        against the gain."""
         mask = 0
         if not request.planning or n == 0:
             return 0
-        for level, speed in enumerate(costs.speeds):
-            if level in costs.fast or speed.source == "stale":
+        for level in range(len(costs.speeds)):
+            if level in costs.fast:
                 continue
             plan = plan_restore(dataclasses.replace(request, levels=(level,) * n), costs)
             if plan.reason == "pays" and plan.load == plan.first:
@@ -260,18 +262,29 @@ class Restorer:
         return mask
 
     def _probe_stale(
-        self, keys: Sequence[BlockKey], levels: list[int], plan: RestorePlan, costs: RestoreCosts
+        self,
+        keys: Sequence[BlockKey],
+        levels: list[int],
+        plan: RestorePlan,
+        priced: tuple[RestoreCosts, int],
     ) -> None:
         """A tier the plan skipped on an estimate nobody refreshed for ``speed_stale_s``
         (no read since): read one of its chunks in the background, so the next plan
-        weighs what the tier does now, not what it did then."""
+        weighs what the tier does now, not what it did then. ``priced``: the costs the
+        plan weighed and the tiers it did not ask (:meth:`_hopeless`), whose chunk the
+        probe looks for there itself."""
+        costs, unasked = priced
+        stale = {level for level, s in enumerate(costs.speeds) if s.source == "stale"}
         probed: set[int] = set()
         for i in range(plan.load, len(levels)):
             level = levels[i]
-            if level not in probed and costs.speeds[level].source == "stale":
+            if level in stale and level not in probed:
                 probed.add(level)
                 if self.parts.probe(keys[i]):
                     self.stats.add("stale_probes")
+        for level in sorted(stale - probed):
+            if unasked >> level & 1 and self.parts.probe_tier(keys, level):
+                self.stats.add("stale_probes")
 
     def chunk_pays(self, level: int, nbytes: int, tokens: tuple[int, int]) -> bool | None:
         """Whether reading one chunk of ``nbytes`` from tier ``level`` beats recomputing

@@ -6,7 +6,8 @@ wall time of its recent read calls (weights halve every ``half_life_s``; the con
 prior until a read; ``stale`` after ``stale_s`` without one), and prices it at ``k`` times
 that fit: after each restore, ``k`` moves halfway (in log space) towards the seconds the
 restore's reads of the tier cost the engine over what the fit says now, within
-:data:`CORRECTION_BOUNDS`. So whatever slows a restore and not the fit's reads (other
+:data:`CORRECTION_BOUNDS` (a probe of a stale tier moves it towards 1:
+:meth:`ReadSpeed.probed`). So whatever slows a restore and not the fit's reads (other
 processes on the cores, the GIL, a link shared with the engine's own copies) prices the
 tier right within a few restores, the same on any machine. The engine's side, its
 prefill speed, is :mod:`kvstore.restore.prefill`.
@@ -47,18 +48,42 @@ CORRECTION_BOUNDS = (0.5, 20.0)
 #: How far each restore moves ``log k`` towards its own ratio: 3x is priced within 10%
 #: after 4 restores; one restore's noise moves the price by its square root.
 _CORRECTION_STEP = 0.5
+#: A probe that prices a read within this factor of the fit it replaces found the medium
+#: as it was (:meth:`ReadSpeed.probed`).
+_SAME_MEDIUM = 2.0
 #: A probe's reads of each size, and its sizes: one layer and this many (two sizes let
-#: the fit tell a call's latency from the bandwidth).
+#: the fit tell a call's latency from the bandwidth), then the whole block where those
+#: two took about as long (:func:`fastest_reads`' ``until_seen``).
 PROBE_READS, PROBE_LAYERS = 3, 4
+#: A larger read shows its bytes when it takes this many times the smallest one's time.
+#: Below it the call's latency hides the bandwidth: behind a 50 ms link at 200 MB/s a
+#: layer (256 KiB) and four took 70 and 76 ms, in either order, and the fit made the
+#: link 18 MB/s; at 20 MB/s they took 76 and 112 ms (1.47x: seen, no block read).
+_BYTES_SEEN = 1.25
+#: Sizes whose spread (standard deviation over mean) is at least this tell a flat line
+#: from noise: read times that do not grow across them mean bytes too cheap to see.
+_WIDE = 0.5
+#: Such bytes are priced as if the mean read's took this share of its time: a price too
+#: low is set right by the first restore's reads, one too high by none (no plan reads
+#: the tier).
+_UNSEEN_SHARE = 0.1
 
 
 def fastest_reads(
-    read: Callable[[int], bool], sizes: Sequence[int], layer_nbytes: int, reads: int = PROBE_READS
+    read: Callable[[int], bool],
+    sizes: Sequence[int],
+    layer_nbytes: int,
+    reads: int = PROBE_READS,
+    until_seen: bool = False,
 ) -> list[tuple[float, float]] | None:
     """``(bytes, fastest wall seconds)`` of ``reads`` calls of ``read(layers)`` for each
-    size in layers (noise only adds time); None if a read failed (returned False)."""
-    samples = []
+    size in layers (noise only adds time); None if a read failed (returned False).
+    ``until_seen``: past the second size, the next is read only while none so far took
+    :data:`_BYTES_SEEN` times the first size's time (the bytes did not show yet)."""
+    samples: list[tuple[float, float]] = []
     for layers in sizes:
+        if until_seen and len(samples) >= 2 and samples[-1][1] >= _BYTES_SEEN * samples[0][1]:
+            break
         took = []
         for _ in range(reads):
             start = time.perf_counter()
@@ -192,7 +217,10 @@ class ReadSpeed:
         weight, mx, my, vxx, vxy, age = moments
         per_byte = vxy / vxx if vxx > (SPREAD * mx) ** 2 and vxy > 0 else 0.0
         latency = my - per_byte * mx
-        if per_byte <= 0 or latency < 0:  # sizes alike: keep the prior's latency
+        if per_byte <= 0 and vxx >= (_WIDE * mx) ** 2:  # sizes far apart, alike in time
+            per_byte = _UNSEEN_SHARE * my / mx
+            latency = my - per_byte * mx
+        elif per_byte <= 0 or latency < 0:  # sizes alike: keep the prior's latency
             latency = min(self.prior.latency_ms / 1e3, my / 2)
             per_byte = (my - latency) / mx
         source = "stale" if age > self.stale_s else "measured"
@@ -221,14 +249,25 @@ class ReadSpeed:
 
     def probed(self, samples: Sequence[tuple[float, float]]) -> None:
         """A probe's fastest ``(bytes, seconds)``: they join a fresh fit; a stale or
-        unread one starts over from them, and the correction from 1 (both described a
-        medium nobody read for a while)."""
-        if self.fitted().source != "measured":
+        unread one starts over from them (it described the medium as it was). The
+        correction, what restores cost beyond their reads, is kept apart from the medium:
+        where the probe prices its largest read within :data:`_SAME_MEDIUM` of the old
+        fit, ``k`` moves halfway towards 1 (the probe counts as one restore that cost
+        what its reads did: a tier priced out by restores that cost more than their
+        reads is not loaded again at once, and is, once a few probes say so); where the
+        medium changed, ``k`` starts over from 1."""
+        before = self.fitted()
+        if before.source != "measured":
             self._fit.reset()
-            with self._lock:
-                self._log_k = 0.0
         for nbytes, seconds in samples:
             self._fit.observe(nbytes, seconds)
+        if before.source == "measured" or not samples:
+            return
+        size = max(nbytes for nbytes, _ in samples)
+        change = self.fitted().seconds_for(size) / before.seconds_for(size)
+        with self._lock:
+            same = 1 / _SAME_MEDIUM <= change <= _SAME_MEDIUM
+            self._log_k = (1 - _CORRECTION_STEP) * self._log_k if same else 0.0
 
     def stats(self) -> dict[str, Any]:
         """The price as ``stats()`` shows it, with the median of planned / actual - 1 over

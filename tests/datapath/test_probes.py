@@ -76,13 +76,16 @@ def test_a_probe_keeps_the_fastest_of_its_reads(tmp_path: Path) -> None:
     with KVStore(LAYOUT, config, tiers=tiers) as store:  # probes the disk at open
         assert store.drain(30.0)
         speed = _disk(store)
-        assert disk.reads == 2 * PROBE_READS  # two sizes, three reads each
+        # Two sizes, three reads each (a third size, the whole block, where the second's
+        # bytes did not show yet).
+        sizes, rest = divmod(disk.reads, PROBE_READS)
+        assert sizes in (2, 3) and rest == 0
         assert speed["read_speed_source"] == "measured"
-        assert speed["read_speed_samples"] == pytest.approx(2, rel=1e-3)
+        assert speed["read_speed_samples"] == pytest.approx(sizes, rel=1e-3)
         # Each size's stalled read (0.5 s) left out: a page-cached disk reads 3 MiB in
         # milliseconds, not in half a second.
         assert speed["read_gbps_estimate"] * 1e9 * 0.25 > LAYOUT.block_nbytes
-        assert store.stats()["blocks_read"] == 2 * PROBE_READS  # probes' reads count
+        assert store.stats()["blocks_read"] == disk.reads  # probes' reads count
 
 
 def test_a_probe_measures_at_once_however_busy_its_process_is(tmp_path: Path) -> None:
@@ -113,9 +116,33 @@ def test_a_probe_of_a_block_gone_meanwhile_measures_nothing(tmp_path: Path) -> N
     with KVStore(LAYOUT, {**_config(tmp_path), "restore": {}}) as store:  # no probe at open
         store.delete([key])
         probe = store.datapath.probes
-        assert probe.probe(key)
+        assert not probe.probe(key)  # not stored: nothing to read, nothing queued
+        assert probe.probe_tier([key], 1)  # the tier is asked for it in the background
         store.drain(5.0)
         assert _disk(store)["read_speed_source"] == "configured"
+
+
+def test_one_probe_of_a_tier_at_a_time_and_one_found_in_the_background(tmp_path: Path) -> None:
+    """Two plans in a row of a stale tier queued two probes of it (one per prompt), which
+    read it side by side on the link the engine's own loads share; now the second is
+    refused while the first is queued or runs. A probe of a tier the plan did not ask
+    finds a chunk there itself, off the caller's thread."""
+    keys = _stored(tmp_path, 2)
+    config = _config(tmp_path)
+    host_config, disk_config = StoreConfig.load(config).tiers
+    disk = _Jittery(create_tier(disk_config, LAYOUT), 0.2)  # the first read waits 0.2 s
+    tiers = [create_tier(host_config, LAYOUT), disk]
+    with KVStore(LAYOUT, {**config, "restore": {}}, tiers=tiers) as store:  # none at open
+        probe = store.datapath.probes
+        assert store.datapath.where(keys[0]) == [1]
+        assert probe.probe(keys[0])
+        assert not probe.probe(keys[1]) and not probe.probe_tier(keys, 1)  # one at a time
+        assert store.drain(30.0)
+        first = disk.reads
+        assert _disk(store)["read_speed_source"] == "measured"
+        store.datapath.io.speeds[1].stale_s = 0.0  # stale at once: probed again
+        assert probe.probe_tier(keys, 1) and store.drain(30.0)
+        assert disk.reads > first and _disk(store)["read_speed_source"] == "stale"
 
 
 def test_a_speed_declared_in_tier_speeds_counts_as_declared(tmp_path: Path) -> None:
