@@ -524,6 +524,6 @@ def top_up(url: str, keys: Keys, directory: Path, all_keys: list[BlockKey]) -> i
 
     config = StoreConfig.load({"tiers": [disk_tier(directory), s3_tier(url, None)]})
     with KVStore(keys.layout, config) as store:
-        store.warm(all_keys)
+        store.hint(all_keys, prefetch=True)
         store.drain(timeout=120)
     return keys.on_disk(directory, all_keys)

@@ -70,7 +70,7 @@ the turn's TTFT when positive (``prefetch_wait``).
 
 Figures: ``turn_ttft_p50_hinted_vs_plain`` and ``turn_ttft_p99_hinted_vs_plain``
 (percentiles over all turns of each mode; target p99 <= 0.7), ``fast_tier_hit_rate_*``
-(of the chunks restored, the fraction the host tier held, ``store.datapath.where(key)``
+(of the chunks restored, the fraction the host tier held, ``store.engine.datapath.where(key)``
 just before the restore), ``restore_p50/p99_hinted_vs_plain`` (the restore alone),
 ``ttft_ms`` / ``restore_ms`` per mode, the prefix hit rate (restored tokens / prompt
 tokens), hint answers by kind and status, the store's tier counters, and per mode the
@@ -162,7 +162,7 @@ def store_config(w: Workload, directory: Path, total_chunks: int) -> dict[str, A
 
 def in_memory(store: KVStore, keys: Sequence[BlockKey]) -> list[bool]:
     """Which of ``keys`` the host tier (level 0) holds now."""
-    where = store.datapath.where
+    where = store.engine.datapath.where
     return [0 in where(k) for k in keys]
 
 
@@ -233,7 +233,7 @@ class Mode:
             return 0
         tokens = self.schedule.tokens[turn.session][: turn.prompt_tokens].tolist()
         sizes = (self.w.block_tokens, ENGINE_BLOCK)
-        tail = find_tail(self.store.contains, {0: list(keys)}, tokens, n, sizes)
+        tail = find_tail(self.store.engine.datapath.contains, {0: list(keys)}, tokens, n, sizes)
         if tail is None or self.store.get([tail.keys[0]], self.tail_out.view(1)).shape[2] == 0:
             return 0
         return tail.tokens

@@ -220,7 +220,7 @@ def measure_recovery(root: Path, blocks: int, reps: int = 3) -> float:
         with KVStore(layout, config) as store:
             found = store.lookup(keys[-1:])
             seconds.append(time.perf_counter() - start)
-            assert found == 1 and len(store.datapath) == blocks
+            assert found == 1 and len(store.engine.datapath) == blocks
     return median(seconds)
 
 

@@ -411,7 +411,7 @@ def prefetch_all(reps: int, raw: dict[str, float]) -> dict[str, Any]:
         for n in (8, 32):
             out[f"blocks_{n}"] = bench_prefetch(store, n, reps, raw)
         out.update(bench_concurrent(store, 16, reps, raw))
-    engine = store.datapath.copies  # the store's host engine; the GPU one reports its path
+    engine = store.engine.datapath.copies  # the store's host engine; the GPU one reports its path
     from kvstore.copies import engine_for
 
     gpu = engine_for("cuda")

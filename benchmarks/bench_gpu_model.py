@@ -283,7 +283,7 @@ def planned_restores(bench: Bench, case: Case, disk_dir: Path, full_ms: float) -
                 row.update(ttft_planned_first_ms=ms, planned_first=plan.as_dict())
         row.update(planned_load_chunks=plan.load, plan=plan.as_dict())
         row["planned_check"] = compare(logits, case.oracle if plan.load else case.full)
-        row["disk_speed"] = store.restore_speeds()
+        row["disk_speed"] = store.engine.restore_speeds()
     row.update(ttft_planned_disk_ms=median(times[1:]), ttft_planned_disk_ms_all=times[1:])
     row["plan_ms"] = median(plan_times[1:])
     with open_planned_store(bench, len(case.keys), disk_dir, rate) as store:

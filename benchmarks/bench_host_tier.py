@@ -104,7 +104,7 @@ class HostTierBench:
         tier = {"kind": "host", "capacity": capacity, "prefault": prefault}
         self.store = KVStore(layout, StoreConfig.from_dict({"tiers": [tier]}, environ={}))
         # Steady state: every page the reps touch is committed before timing.
-        self.store.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
+        self.store.engine.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
         self._counter = itertools.count()
         self.get_keys = [self._fresh_keys() for _ in range(self.nbatches)]
         for keys, kv in zip(self.get_keys, self.kv, strict=True):
@@ -205,7 +205,7 @@ class FirstFill:
             store = KVStore(self.bench.layout, StoreConfig.from_dict({"tiers": [tier]}, environ={}))
             try:
                 if wait:
-                    store.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
+                    store.engine.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
                 batches = [self._fresh_keys() for _ in self.bench.kv]
                 start = time.perf_counter()
                 for keys, kv in zip(batches, self.bench.kv, strict=True):

@@ -143,7 +143,7 @@ class HostPhase:
         self.out = [torch.full_like(kv, 1.0) for kv in self.kv]  # written: prefaulted
         self.dst = [torch.full_like(kv, 1.0) for kv in self.kv]
         self.kvs = host_store(layout, capacity)
-        self.kvs.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
+        self.kvs.engine.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
         self.lmc = LmcStore(api, layout, cpu_options(capacity))
         self._gen = itertools.count(1)
         self.kv_get_keys = [kv_keys(next(self._gen), batch) for _ in self.kv]
@@ -208,7 +208,7 @@ class HostPhase:
             opened = time.perf_counter()
             try:
                 if wait:
-                    store.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
+                    store.engine.datapath.tiers[0].wait_prefault()  # type: ignore[attr-defined]
                     self.open_s["kvstore"].append(opened - start)
                     self.open_s["prefault"].append(time.perf_counter() - opened)
                 batches = [kv_keys(next(self._gen), self.sizes.batch) for _ in self.kv]

@@ -30,9 +30,25 @@ _EXPORTS = {
     "TierConfig": "kvstore.config",
     "HostTierConfig": "kvstore.config",
     "DeviceTierConfig": "kvstore.config",
+    "DiskTierConfig": "kvstore.config",
+    "S3TierConfig": "kvstore.config",
+    "RedisTierConfig": "kvstore.config",
+    "RemoteTierConfig": "kvstore.config",
     "KVLayout": "kvstore.layout",
     "BlockKey": "kvstore.keys",
     "Namespace": "kvstore.keys",
+    "ChunkTokens": "kvstore.keys",
+    "Hint": "kvstore.hints",
+    "HintAnswer": "kvstore.hints",
+    "RestorePlan": "kvstore.restore",
+    "PlannedLoad": "kvstore.restore",
+    "LoadSample": "kvstore.restore",
+    "Pin": "kvstore.datapath",
+    "PrefetchHandle": "kvstore.datapath",
+    "Loan": "kvstore.datapath",
+    "PendingPut": "kvstore.datapath",
+    "EngineSide": "kvstore.datapath",
+    "DataPath": "kvstore.datapath",
     "KVStoreError": "kvstore.errors",
     "ConfigError": "kvstore.errors",
     "InvalidInputError": "kvstore.errors",
@@ -52,25 +68,51 @@ __all__ = [
     "BlockKey",
     "BlockNotFoundError",
     "CapacityError",
+    "ChunkTokens",
     "ClosedError",
     "ConfigError",
     "CorruptBlockError",
+    "DataPath",
     "DeviceTierConfig",
+    "DiskTierConfig",
+    "EngineSide",
+    "Hint",
+    "HintAnswer",
     "HostTierConfig",
     "InvalidInputError",
     "KVLayout",
     "KVStore",
     "KVStoreError",
     "LayoutMismatchError",
+    "LoadSample",
+    "Loan",
     "Namespace",
+    "PendingPut",
+    "Pin",
+    "PlannedLoad",
+    "PrefetchHandle",
     "ProtocolError",
+    "RedisTierConfig",
+    "RemoteTierConfig",
+    "RestorePlan",
+    "S3TierConfig",
     "StoreConfig",
     "TierConfig",
     "TierError",
 ]
 
 if TYPE_CHECKING:
-    from kvstore.config import DeviceTierConfig, HostTierConfig, StoreConfig, TierConfig
+    from kvstore.config import (
+        DeviceTierConfig,
+        DiskTierConfig,
+        HostTierConfig,
+        RedisTierConfig,
+        RemoteTierConfig,
+        S3TierConfig,
+        StoreConfig,
+        TierConfig,
+    )
+    from kvstore.datapath import DataPath, EngineSide, Loan, PendingPut, Pin, PrefetchHandle
     from kvstore.errors import (
         AccessDeniedError,
         BlockNotFoundError,
@@ -84,8 +126,10 @@ if TYPE_CHECKING:
         ProtocolError,
         TierError,
     )
-    from kvstore.keys import BlockKey, Namespace
+    from kvstore.hints import Hint, HintAnswer
+    from kvstore.keys import BlockKey, ChunkTokens, Namespace
     from kvstore.layout import KVLayout
+    from kvstore.restore import LoadSample, PlannedLoad, RestorePlan
     from kvstore.store import KVStore
 
 

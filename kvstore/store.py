@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.datapath import BlockManager, DataPath, Hinting, Loan, PendingPut, Pin, PrefetchHandle
+from kvstore.datapath import (
+    BlockManager,
+    DataPath,
+    Engine,
+    EngineSide,
+    Hinting,
+    Loan,
+    PendingPut,
+    Pin,
+    PrefetchHandle,
+)
 from kvstore.errors import ClosedError, InvalidInputError
 from kvstore.hints import Hint, HintAnswer, checked_hint
 from kvstore.keys import (
@@ -36,7 +46,7 @@ from kvstore.keys import (
 )
 from kvstore.layout import KVLayout
 from kvstore.restore import LoadSample, PlannedLoad, RestorePlan, Restoring, restore_request
-from kvstore.runtime import close_at_exit, cuda_available, forget, trim_heap
+from kvstore.runtime import close_at_exit, cuda_available, forget, trim_heap, warn_renamed
 from kvstore.tiers import open_tiers
 from kvstore.tiers.base import Tier
 
@@ -99,6 +109,7 @@ class KVStore:
             except BaseException:
                 self._manager.close()
                 raise
+        self._engine: EngineSide = Engine(self._manager, self._restorer, self._note_event_tokens)
         close_at_exit(self)  # a store left open is flushed when the process exits
 
     # -- keys ---------------------------------------------------------------
@@ -161,15 +172,6 @@ class KVStore:
         """
         return self._manager.lookup(check_keys(keys), recheck=recheck)
 
-    def contains(self, key: BlockKey) -> bool:
-        """Whether ``key`` is stored."""
-        return self._manager.contains(check_keys([key], "key")[0])
-
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Which of ``keys`` are stored, asking shared tiers (a disk directory, a
-        server, the cluster) about leading keys the index lacks."""
-        return self._manager.exists(check_keys(keys))
-
     def put(
         self,
         keys: Sequence[BlockKey],
@@ -204,28 +206,14 @@ class KVStore:
         checked = check_keys(keys)
         self.layout.check_tensor(kv, len(checked))
         if tokens is not None:
-            self.note_tokens(ChunkTokens.of(checked, tokens, parent, self.layout.block_tokens))
+            self._engine.note_tokens(
+                ChunkTokens.of(checked, tokens, parent, self.layout.block_tokens)
+            )
         elif parent is not None:
             raise InvalidInputError("parent: given without tokens")
         if kv.is_cuda and self.config.saves.mode == "async":
             return self._manager.save(checked, kv, donate)
         return self._manager.put(checked, self._chunks(kv, len(checked)))
-
-    def note_tokens(self, tokens: ChunkTokens) -> None:
-        """Record which tokens the chunks ``tokens.keys`` hold, for KV events: this
-        store's own publisher (``events:`` in the config) and a kvstore-server behind
-        a remote tier both carry them. Call before the chunks are put (``put(...,
-        tokens=...)`` does); build ``tokens`` with :meth:`ChunkTokens.of`."""
-        if not isinstance(tokens, ChunkTokens):
-            raise InvalidInputError(f"tokens must be ChunkTokens, got {type(tokens).__name__}")
-        if tokens.block_tokens != self.layout.block_tokens:
-            raise InvalidInputError(
-                f"tokens: chunks of {tokens.block_tokens} tokens; this layout's have "
-                f"{self.layout.block_tokens}"
-            )
-        if self._events is not None:
-            self._events.note(tokens)
-        self._manager.note_tokens(tokens)
 
     def get(
         self,
@@ -302,7 +290,7 @@ class KVStore:
 
         Weighs each stored chunk's tier at its live read speed against the engine's
         prefill speed (``restore.prefill_table`` / ``prefill_tokens_per_s``, or
-        learned: :meth:`note_prefill_step`) for a prompt of ``prompt_tokens`` whose
+        learned: ``engine.note_prefill_step``) for a prompt of ``prompt_tokens`` whose
         first ``computed_tokens`` the engine already holds; ``overlap``: the load runs
         layer by layer under compute; ``chunk_tokens``: the tokens a block holds where
         the layout does not say (an engine's opaque pages). Chunks it leaves on slow
@@ -312,44 +300,6 @@ class KVStore:
         checked = check_keys(keys)
         request = restore_request(prompt_tokens, computed_tokens, overlap, chunk_tokens)
         return self._restorer.plan(checked, request)
-
-    def warm(self, keys: Sequence[BlockKey]) -> int:
-        """Copy the stored ones of ``keys`` into the fastest tier in the background (what
-        a restore plan left on slow tiers, so the next request finds it fast); how many
-        copies were queued."""
-        checked = check_keys(keys)
-        stored = [k for k, ok in zip(checked, self._manager.exists(checked), strict=True) if ok]
-        return self._manager.copy_up(stored) if stored else 0
-
-    def read_totals(self) -> dict[str, tuple[float, float, int]]:
-        """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``."""
-        return self._manager.read_totals()
-
-    def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
-        """Feed another process's :meth:`read_totals` into this store's tier speeds."""
-        self._manager.observe_reads(dict(reads))
-
-    def planned_load(self, plan: RestorePlan) -> PlannedLoad[str]:
-        """What ``plan`` expects of its load, per tier id: for a process that loads it
-        (vLLM's workers), whose :class:`~kvstore.restore.speeds.LoadSample` come back here."""
-        load = PlannedLoad.of(plan, self.layout.block_nbytes)
-        return load.named(self._manager.tier_ids())
-
-    def observe_loads(self, loads: Mapping[str, LoadSample]) -> None:
-        """Restores another process loaded (``{tier id: LoadSample}``): the matching tiers'
-        prices follow what they cost (:mod:`kvstore.restore.speeds`)."""
-        self._manager.observe_tier_loads(dict(loads))
-
-    def waited(self, plan: RestorePlan, waited_s: float) -> None:
-        """The engine waited ``waited_s`` for a load of ``plan`` under compute (its
-        prefetch's ``handle.waited_s``): the tiers' prices follow what it cost."""
-        self._restorer.waited(plan, waited_s)
-
-    def restore_speeds(self) -> dict[str, Any]:
-        """What a cluster node publishes for routers: per kind of medium (``memory``,
-        ``disk``, ``shared`` storage such as S3) the live ``[GB/s, ms a call]`` of this
-        store's fastest tier of that kind, and ``prefill_tokens_per_s`` (None: unknown)."""
-        return self._restorer.published_speeds()
 
     # -- session hints -------------------------------------------------------
     def hint(
@@ -377,11 +327,6 @@ class KVStore:
             checked is not None, session, Hint(retain_s, priority, prefetch, demote)
         )
         return self._hints.apply(checked, session, hint)
-
-    def note_prefill_step(self, tokens: int, seconds: float) -> None:
-        """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
-        speed is fitted to (ignored when ``restore`` declares one)."""
-        self._restorer.observe_prefill_step(tokens, seconds)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Delete ``keys`` from every tier; return how many were stored."""
@@ -485,30 +430,14 @@ class KVStore:
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
         return self._manager.hold(check_keys(keys), lease_s)
 
-    # -- zero-copy access, for servers --------------------------------------
-    def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
-        """Pin the stored blocks among ``keys`` and lend views of the host memory
-        holding them, to send or copy in place; ``loan.release()`` when done (the
-        lease of ``lease_s`` seconds ends it otherwise). See
-        :class:`~kvstore.datapath.contracts.Loan`."""
-        if lease_s is not None and (not isinstance(lease_s, (int, float)) or lease_s <= 0):
-            raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
-        return self._manager.lend(check_keys(keys), lease_s)
-
-    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
-        """Reserve room for new blocks, to fill in place (``put.views``) and then
-        ``put.commit(ok)``: the two-step form of :meth:`put`."""
-        return self._manager.begin_put(check_keys(keys))
-
-    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Write ``keys`` to the first persistent tier now (where only memory holds
-        them); True for each key held by a persistent tier afterwards."""
-        return self._manager.persist(check_keys(keys))
-
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until background saves from GPU tensors land and background moves
         (write-through, promotion, eviction) finish; False on timeout."""
         return self._manager.drain(timeout)
+
+    def _note_event_tokens(self, tokens: ChunkTokens) -> None:
+        if self._events is not None:  # None after close: the book is gone
+            self._events.note(tokens)
 
     def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
         step = self.layout.block_tokens
@@ -535,11 +464,12 @@ class KVStore:
 
     # -- state --------------------------------------------------------------
     @property
-    def datapath(self) -> DataPath:
-        """What the server, cluster, events and connectors may ask of this store's data
-        path (:class:`~kvstore.datapath.contracts.DataPath`): its tiers, what is where, the
-        change feed, moves between tiers."""
-        return self._manager
+    def engine(self) -> EngineSide:
+        """This store's engine side (:class:`~kvstore.datapath.contracts.EngineSide`):
+        what the connectors, the server, a cluster node and the CLI ask of it beyond the
+        public face (the data path, restore feedback, KV-event tokens, loans, in-place
+        puts, re-encryption)."""
+        return self._engine
 
     def stats(self) -> dict[str, Any]:
         """Counters and per-tier usage as a JSON-friendly dict."""
@@ -560,19 +490,17 @@ class KVStore:
             **({"events": self._events.source.stats()} if self._events is not None else {}),
         }
 
-    def reencrypt(self) -> int:
-        """Rewrite blocks sealed under older keys with the active key, in the background
-        (a store does it at open when ``encryption.reencrypt`` is on); how many blocks
-        are queued to be checked. Progress: ``reencrypt_pending`` and ``reencrypted``
-        in each encrypting tier's ``stats()``."""
-        return self._manager.reencrypt()
-
-    def flush(self) -> int:
+    def flush(self, keys: Sequence[BlockKey] | None = None) -> int:
         """Copy blocks that only memory tiers hold into the first persistent tier.
 
-        Returns how many blocks were written. :meth:`close` flushes too.
+        Without ``keys``: every such block, after background saves and moves finish
+        (:meth:`drain`); returns how many blocks were written. :meth:`close` flushes
+        too. With ``keys``: those of ``keys`` now; returns how many of them a
+        persistent tier holds afterwards.
         """
-        return self._manager.flush()
+        if keys is None:
+            return self._manager.flush()
+        return sum(self._manager.persist(check_keys(keys)))
 
     def close(self) -> None:
         """Flush to persistent tiers, finish operations in flight, release every tier.
@@ -605,6 +533,90 @@ class KVStore:
         kinds = ",".join(t.kind for t in self._manager.tiers)
         layout = self.layout.fingerprint_hex
         return f"<KVStore tiers={kinds} blocks={len(self._manager)} layout={layout}>"
+
+    # -- deprecated names, kept one release: each warns and does what it did --------
+    def contains(self, key: BlockKey) -> bool:
+        """Deprecated: ``lookup([key]) == 1``."""
+        warn_renamed("KVStore.contains(key)", "KVStore.lookup([key]) == 1")
+        return self._manager.contains(check_keys([key], "key")[0])
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Deprecated: :meth:`lookup` (a prefix) or ``engine.datapath.exists``."""
+        warn_renamed("KVStore.exists", "KVStore.lookup or KVStore.engine.datapath.exists")
+        return self._manager.exists(check_keys(keys))
+
+    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Deprecated: :meth:`flush` with ``keys``."""
+        warn_renamed("KVStore.persist(keys)", "KVStore.flush(keys)")
+        return self._manager.persist(check_keys(keys))
+
+    def warm(self, keys: Sequence[BlockKey]) -> int:
+        """Deprecated: ``hint(keys, prefetch=True)``."""
+        warn_renamed("KVStore.warm(keys)", "KVStore.hint(keys, prefetch=True)")
+        checked = check_keys(keys)
+        stored = [k for k, ok in zip(checked, self._manager.exists(checked), strict=True) if ok]
+        return self._manager.copy_up(stored) if stored else 0
+
+    @property
+    def datapath(self) -> DataPath:
+        """Deprecated: ``engine.datapath``."""
+        warn_renamed("KVStore.datapath", "KVStore.engine.datapath")
+        return self._engine.datapath
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """Deprecated: ``engine.note_tokens``, or ``put(..., tokens=...)``."""
+        warn_renamed("KVStore.note_tokens", "KVStore.engine.note_tokens")
+        self._engine.note_tokens(tokens)
+
+    def note_prefill_step(self, tokens: int, seconds: float) -> None:
+        """Deprecated: ``engine.note_prefill_step``."""
+        warn_renamed("KVStore.note_prefill_step", "KVStore.engine.note_prefill_step")
+        self._engine.note_prefill_step(tokens, seconds)
+
+    def waited(self, plan: RestorePlan, waited_s: float) -> None:
+        """Deprecated: ``engine.waited``."""
+        warn_renamed("KVStore.waited", "KVStore.engine.waited")
+        self._engine.waited(plan, waited_s)
+
+    def planned_load(self, plan: RestorePlan) -> PlannedLoad[str]:
+        """Deprecated: ``engine.planned_load``."""
+        warn_renamed("KVStore.planned_load", "KVStore.engine.planned_load")
+        return self._engine.planned_load(plan)
+
+    def observe_loads(self, loads: Mapping[str, LoadSample]) -> None:
+        """Deprecated: ``engine.observe_loads``."""
+        warn_renamed("KVStore.observe_loads", "KVStore.engine.observe_loads")
+        self._engine.observe_loads(loads)
+
+    def read_totals(self) -> dict[str, tuple[float, float, int]]:
+        """Deprecated: ``engine.read_totals``."""
+        warn_renamed("KVStore.read_totals", "KVStore.engine.read_totals")
+        return self._engine.read_totals()
+
+    def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
+        """Deprecated: ``engine.observe_reads``."""
+        warn_renamed("KVStore.observe_reads", "KVStore.engine.observe_reads")
+        self._engine.observe_reads(reads)
+
+    def restore_speeds(self) -> dict[str, Any]:
+        """Deprecated: ``engine.restore_speeds``."""
+        warn_renamed("KVStore.restore_speeds", "KVStore.engine.restore_speeds")
+        return self._engine.restore_speeds()
+
+    def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
+        """Deprecated: ``engine.lend``."""
+        warn_renamed("KVStore.lend", "KVStore.engine.lend")
+        return self._engine.lend(keys, lease_s)
+
+    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
+        """Deprecated: ``engine.begin_put``."""
+        warn_renamed("KVStore.begin_put", "KVStore.engine.begin_put")
+        return self._engine.begin_put(keys)
+
+    def reencrypt(self) -> int:
+        """Deprecated: ``engine.reencrypt``."""
+        warn_renamed("KVStore.reencrypt", "KVStore.engine.reencrypt")
+        return self._engine.reencrypt()
 
 
 def _open_events(

@@ -222,10 +222,17 @@ def test_disk_page_cache_keeps_by_default_and_follows_o_direct(monkeypatch):
 
     assert disk().page_cache == "keep" and not disk().bypass_page_cache
     assert disk(page_cache="bypass").bypass_page_cache
-    assert disk(o_direct=True).page_cache == "bypass"  # the older spelling
-    assert disk(o_direct=True, page_cache="bypass").bypass_page_cache
-    plain = from_dict({"tiers": [{"kind": "disk", "o_direct": True}]}).to_dict()
-    assert plain["tiers"][0]["page_cache"] == "bypass" and from_dict(plain).to_dict() == plain
+    with pytest.warns(
+        DeprecationWarning, match=r"tiers\[0\]\.o_direct: true is deprecated.*page_cache: bypass"
+    ):
+        assert disk(o_direct=True).page_cache == "bypass"  # the older spelling
+    with pytest.warns(DeprecationWarning):
+        assert disk(o_direct=True, page_cache="bypass").bypass_page_cache
+    with pytest.warns(DeprecationWarning):
+        plain = from_dict({"tiers": [{"kind": "disk", "o_direct": True}]}).to_dict()
+    assert plain["tiers"][0]["page_cache"] == "bypass"
+    with pytest.warns(DeprecationWarning):
+        assert from_dict(plain).to_dict() == plain
     monkeypatch.setenv("KVSTORE_DISK_PAGE_CACHE", "bypass")
     assert StoreConfig.from_dict({}).tiers[1].page_cache == "bypass"
 

@@ -105,10 +105,10 @@ def test_abort_layers_frees_the_room_at_once() -> None:
     keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
     kv = random_blocks(layout, 2)
     store.put_layer(keys, 0, kv[0])
-    tier = store.datapath.tiers[0]
+    tier = store.engine.datapath.tiers[0]
     assert tier.free_blocks == 2
     assert store.abort_layers(keys) == 2
-    assert tier.free_blocks == 4 and store.datapath.pinned_blocks() == 0
+    assert tier.free_blocks == 4 and store.engine.datapath.pinned_blocks() == 0
     assert store.abort_layers(keys) == 0  # nothing left to abort
     store.put_layer(keys, 0, kv[0])  # starting over works
     for layer in range(1, layout.num_layers):

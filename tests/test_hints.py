@@ -43,7 +43,7 @@ def session(store: KVStore, n: int, seed: int) -> list[Any]:
 
 
 def in_memory(store: KVStore, keys: list[Any]) -> int:
-    return sum(0 in store.datapath.where(k) for k in keys)
+    return sum(0 in store.engine.datapath.where(k) for k in keys)
 
 
 def test_retained_blocks_are_evicted_last(tmp_path: Path) -> None:
@@ -84,7 +84,7 @@ def test_demote_frees_memory_and_keeps_the_blocks_on_disk(tmp_path: Path) -> Non
         assert (answer.status, answer.demoted) == ("accepted", 3)  # queued
         store.drain(5.0)
         assert in_memory(store, keys) == 0
-        assert all(1 in store.datapath.where(k) for k in keys)  # on disk
+        assert all(1 in store.engine.datapath.where(k) for k in keys)  # on disk
         # the next turn is near: name the session alone
         answer = store.hint(session="agent-1", prefetch=True)
         assert (answer.status, answer.prefetching) == ("accepted", 3)
@@ -105,7 +105,7 @@ def test_demote_leaves_hot_blocks_other_sessions_read(tmp_path: Path) -> None:
         answer = store.hint(keys, demote=True)
         assert answer.demoted == 2
         store.drain(5.0)
-        assert [0 in store.datapath.where(k) for k in keys] == [True, False, False]
+        assert [0 in store.engine.datapath.where(k) for k in keys] == [True, False, False]
 
 
 def test_retain_zero_ends_a_retention(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_hints_are_clipped_and_rejected_with_reasons(tmp_path: Path) -> None:
         assert answer.status == "clipped" and answer.retain_s == 10.0
         assert "2 of 6 blocks are not stored" in answer.reason
         assert "retention capped at 10 s" in answer.reason
-        cap = store.datapath.retention.max_blocks
+        cap = store.engine.datapath.retention.max_blocks
         assert f"retains at most {cap} blocks" in answer.reason
         assert store.hint(other, retain_s=5).as_dict()["status"] == "rejected"
         assert store.hint(session="unknown").reason == "unknown session 'unknown'"
@@ -205,11 +205,11 @@ def under_pressure(store: KVStore, bottom: int) -> tuple[list[Any], list[Any]]:
 def survived(store: KVStore, agent: list[Any], bystander: list[Any], bottom: int) -> None:
     """The retained session is still in tier ``bottom`` (asked of the medium itself) and
     reads back whole; the newer session nobody retained was evicted from every tier."""
-    medium = store.datapath.io.tiers[bottom]
-    assert all(bottom in store.datapath.where(k) for k in agent)
+    medium = store.engine.datapath.io.tiers[bottom]
+    assert all(bottom in store.engine.datapath.where(k) for k in agent)
     assert medium.contains(agent) == [True] * 4
     assert medium.contains(bystander) == [False] * 4
-    assert not any(store.datapath.where(k) for k in bystander)
+    assert not any(store.engine.datapath.where(k) for k in bystander)
     assert torch.equal(store.get(agent), random_blocks(LAYOUT, 4, seed=1))
 
 

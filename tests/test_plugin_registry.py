@@ -127,7 +127,7 @@ def test_a_policy_registered_from_outside_the_package_works_from_yaml(tmp_path: 
         keys = store.hash_tokens(range(3 * LAYOUT.block_tokens), "m")
         store.put(keys[:2], random_blocks(LAYOUT, 2))
         store.evict(1)
-        assert store.exists(keys[:2]) == [True, False]
+        assert store.engine.datapath.exists(keys[:2]) == [True, False]
 
 
 POLICY_PLUGIN = """
@@ -171,7 +171,7 @@ def test_a_policy_from_an_installed_packages_entry_point_works_from_yaml(
         keys = store.hash_tokens(range(3 * LAYOUT.block_tokens), "m")
         store.put(keys[:2], random_blocks(LAYOUT, 2))
         store.evict(1)
-        assert store.exists(keys[:2]) == [True, False]
+        assert store.engine.datapath.exists(keys[:2]) == [True, False]
     assert issubclass(POLICIES.load("backwards"), EvictionPolicy)
 
 

@@ -37,7 +37,7 @@ def stores() -> Iterator[list[KVStore]]:
 def seated(made: list[KVStore], ledger: QuotaLedger, owner: str) -> KVStore:
     store = KVStore(LAYOUT, HOST)
     made.append(store)
-    room = store.datapath.books.room
+    room = store.engine.datapath.books.room
     room.use_quota(ledger.hook(owner, room.levels, BLOCK))
     return store
 
@@ -65,7 +65,7 @@ def test_a_limit_holds_under_concurrent_puts(stores: list[KVStore]) -> None:
         t.join()
     done.set()
     watcher.join()
-    held = len(a.datapath) + len(b.datapath)
+    held = len(a.engine.datapath) + len(b.engine.datapath)
     assert peak[0] <= 24 * BLOCK  # room reserved included, at every moment watched
     assert held * BLOCK == ledger.used("host", "t") <= 24 * BLOCK
     figures = ledger.figures()["t"]
@@ -86,8 +86,10 @@ def test_a_flood_does_not_evict_a_quiet_owner_within_its_share(stores: list[KVSt
         noisy.put(make_keys(4, salt=100 + i), kv(4, seed=i))
     assert quiet.lookup(mine) == 16
     assert ledger.used("host") <= POOL
-    assert len(noisy.datapath) <= 40 - 16  # it yields to the pool, keeping at least its share
-    assert len(noisy.datapath) >= 10
+    assert (
+        len(noisy.engine.datapath) <= 40 - 16
+    )  # it yields to the pool, keeping at least its share
+    assert len(noisy.engine.datapath) >= 10
     more = make_keys(4, salt=2)  # the quiet owner grows to its share whatever the flood did
     assert quiet.put(more, kv(4, seed=2)) == 4
     assert quiet.lookup(mine + more) == 20
@@ -129,7 +131,9 @@ def test_a_quiet_owners_growth_is_pressure_that_reclaims_an_idle_floods_blocks(
     assert {p.hook.owner for p in plans} == {"noisy"} and {p.tier for p in plans} == {0}
     assert plans[0].blocks >= plans[-1].blocks  # the bigger store gives first
     for plan in plans:
-        store = next(s for s in noisy if s.datapath.books.room.levels[0] is plan.hook.levels[0])
+        store = next(
+            s for s in noisy if s.engine.datapath.books.room.levels[0] is plan.hook.levels[0]
+        )
         assert len(store.evict(plan.blocks, plan.tier)) == plan.blocks
     assert ledger.used("host") == POOL
     assert ledger.reclaims() == []
@@ -166,7 +170,7 @@ def test_demotions_count_against_the_owner_in_the_tier_they_land_in(
     }
     store = KVStore(LAYOUT, config)
     stores.append(store)
-    room = store.datapath.books.room
+    room = store.engine.datapath.books.room
     room.use_quota(ledger.hook("t", room.levels, BLOCK))
     keys = make_keys(10, salt=1)
     assert store.put(keys, kv(10, seed=1)) == 10

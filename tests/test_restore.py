@@ -523,9 +523,11 @@ def on_disk_only(store: KVStore, keys: list[Any], kv: torch.Tensor, head: int) -
     store.put(keys, kv)
     store.flush()
     assert store.evict(len(keys), tier=0)
-    assert store.datapath.promote(keys[:head], tier=0) == head  # back into memory
-    assert [0 in store.datapath.where(k) for k in keys] == [i < head for i in range(len(keys))]
-    assert all(1 in store.datapath.where(k) for k in keys)
+    assert store.engine.datapath.promote(keys[:head], tier=0) == head  # back into memory
+    assert [0 in store.engine.datapath.where(k) for k in keys] == [
+        i < head for i in range(len(keys))
+    ]
+    assert all(1 in store.engine.datapath.where(k) for k in keys)
 
 
 def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> None:
@@ -544,7 +546,7 @@ def test_get_prefix_follows_the_plan_and_warms_what_it_skips(tmp_path: Path) -> 
             out[:, :, : 3 * layout.block_tokens], kv[:, :, : 3 * layout.block_tokens]
         )
         store.drain(5.0)
-        assert all(0 in store.datapath.where(k) for k in keys)  # warmed into memory
+        assert all(0 in store.engine.datapath.where(k) for k in keys)  # warmed into memory
         assert store.plan(keys).load == 6  # the next request finds them fast
         stats = store.stats()["restore"]
         assert stats["plans_pays"] == 1 and stats["plans_all"] == 1
@@ -580,9 +582,9 @@ def test_without_a_prefill_speed_every_stored_chunk_is_a_hit(tmp_path: Path) -> 
         assert store.get_prefix(keys, out) == 4
         restore = store.stats()["restore"]
         assert restore["plans_unknown"] == 1 and restore["prefill_source"] == "unknown"
-        store.note_prefill_step(512, 0.05)  # the store learns the engine's rate
+        store.engine.note_prefill_step(512, 0.05)  # the store learns the engine's rate
         for tokens in (1024, 256, 2048):
-            store.note_prefill_step(tokens, tokens / 10_000)
+            store.engine.note_prefill_step(tokens, tokens / 10_000)
         assert store.stats()["restore"]["prefill_source"] == "learned"
         assert store.plan(keys).reason == "all"  # memory always pays
 

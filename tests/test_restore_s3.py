@@ -81,7 +81,7 @@ def test_the_plan_follows_a_link_that_slows_and_a_stale_estimate_is_probed(
         assert store.get_prefix(keys, out) == 0
         throttle.set(gbps=None, latency_ms=0)  # the link recovers; nothing reads it ...
         clock.now += 61  # ... until the estimate goes stale: the plan probes the tier
-        asked = calls_by_thread(store.datapath.io.tiers[0], monkeypatch)
+        asked = calls_by_thread(store.engine.datapath.io.tiers[0], monkeypatch)
         assert store.plan(keys).load == 0
         assert store.stats()["restore"]["stale_probes"] == 1
         # Not on the plan's own thread (a round trip over the slow link, each request the
@@ -128,7 +128,7 @@ def test_a_lookup_asks_a_slow_shared_tier_only_about_what_faster_ones_lost(
         keys = store.hash_tokens(list(range(N * LAYOUT.block_tokens)), namespace="m")
         assert store.put(keys, kv) == N
         assert store.evict(N, tier=0)  # demoted to S3
-        assert store.datapath.promote(keys[:2], tier=0) == 2  # two back on disk: on both
+        assert store.engine.datapath.promote(keys[:2], tier=0) == 2  # two back on disk: on both
         requests = store.stats()["tiers"][1]["requests"]
         assert store.lookup(keys, recheck=True) == N
         asked = store.stats()["tiers"][1]["requests"] - requests
@@ -169,7 +169,7 @@ def test_a_plan_does_not_ask_a_tier_too_slow_to_pay_and_warms_what_it_holds_behi
             assert writer.put(keys, kv) == N
         throttle.set(gbps=0.0015, latency_ms=50)
         store.drain(30.0)  # what the store's opening queued is done
-        asked = calls_by_thread(store.datapath.io.tiers[1], monkeypatch)
+        asked = calls_by_thread(store.engine.datapath.io.tiers[1], monkeypatch)
         requests = store.stats()["tiers"][1]["requests"]
         plan = store.plan(keys)
         assert (plan.stored, plan.load) == (0, 0)  # a miss: ...

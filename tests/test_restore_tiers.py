@@ -40,8 +40,8 @@ def split(store: KVStore, kv: torch.Tensor, head: int) -> list[Any]:
     assert store.put(keys, kv) == N
     store.flush()
     assert store.evict(N, tier=0)
-    assert store.datapath.promote(keys[:head], tier=0) == head
-    assert [store.datapath.where(k)[0] for k in keys] == [0] * head + [1] * (N - head)
+    assert store.engine.datapath.promote(keys[:head], tier=0) == head
+    assert [store.engine.datapath.where(k)[0] for k in keys] == [0] * head + [1] * (N - head)
     return keys
 
 

@@ -75,13 +75,13 @@ def test_the_engines_wait_under_compute_prices_the_tier(tmp_path: Path) -> None:
         store.put(keys, random_blocks(LAYOUT, 4))
         first = store.plan(keys, prompt_tokens=8 * LAYOUT.block_tokens, overlap=True)
         assert (first.load, first.groups) == (4, 3) and first.compute_s
-        shipped = store.planned_load(first)  # what a loading process is handed: tier ids
+        shipped = store.engine.planned_load(first)  # what a loading process is handed: tier ids
         assert set(shipped.tiers) == {"disk:0"} and shipped.load_s == first.load_s
         for _ in range(5):
             plan = store.plan(keys, prompt_tokens=8 * LAYOUT.block_tokens, overlap=True)
             k = store.stats()["tiers"][0]["read_correction"]
             load = PlannedLoad.of(plan, LAYOUT.block_nbytes)
-            store.waited(plan, model_wait(load, 3.0 / k))  # reads 3x their fit
+            store.engine.waited(plan, model_wait(load, 3.0 / k))  # reads 3x their fit
         tier = store.stats()["tiers"][0]
         assert tier["read_correction"] == pytest.approx(3.0, rel=0.1)
         assert tier["read_estimate_error"] < 0

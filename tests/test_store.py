@@ -39,8 +39,8 @@ def state(store: KVStore, keys: list[bytes]) -> tuple[Any, ...]:
     stats = store.stats()
     contents = store.get(keys) if store.lookup(keys) == len(keys) else None
     return (
-        len(store.datapath),
-        [store.contains(k) for k in keys],
+        len(store.engine.datapath),
+        [store.engine.datapath.contains(k) for k in keys],
         [t["blocks"] for t in stats["tiers"]],
         stats["blocks_stored"],
         None if contents is None else contents.clone(),
@@ -71,7 +71,7 @@ def test_readme_contract(layout: KVLayout) -> None:
     assert torch.equal(out, kv[:, :, : n * layout.block_tokens])
     buf = torch.empty(layout.tensor_shape(n), dtype=layout.dtype)
     assert store.get(keys[:n], out=buf) is buf and torch.equal(buf, out)
-    assert store.contains(keys[0]) and not store.contains(keys[5])
+    assert store.lookup(keys[:1]) == 1 and store.lookup(keys[5:6]) == 0
     assert store.delete(keys[:2]) == 2
     assert store.lookup(keys) == 0
     assert store.stats()["blocks"] == 2
@@ -87,11 +87,11 @@ def test_embedded_default_config(layout: KVLayout) -> None:
         keys = store.hash_tokens(range(layout.block_tokens * 2), "m")
         store.put(keys, kv)
         assert store.lookup(keys) == 2
-        assert [store.datapath.where(k) for k in keys] == [[0], [0]]  # in host memory
+        assert [store.engine.datapath.where(k) for k in keys] == [[0], [0]]  # in host memory
     # close() flushed to disk: a new process (here: a new store) finds the blocks.
     with KVStore(layout) as again:
         assert again.lookup(keys) == 2
-        assert [again.datapath.where(k) for k in keys] == [[1], [1]]
+        assert [again.engine.datapath.where(k) for k in keys] == [[1], [1]]
         assert torch.equal(again.get(keys), kv)
 
 

@@ -65,7 +65,7 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
                 elif op < 0.9:
                     store.delete(keys[lo : lo + n])
                 else:
-                    store.contains(keys[lo])
+                    store.engine.datapath.contains(keys[lo])
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -77,7 +77,7 @@ def test_threads_hammer_a_two_tier_store_and_read_only_correct_bytes() -> None:
     assert errors == []
     assert reads[0] > 100  # the test really read data
 
-    manager = store.datapath
+    manager = store.engine.datapath
     assert store.drain(timeout=30)  # background evictions and promotions finish
     assert manager.pinned_blocks() == 0
     usage = store.stats()["tiers"]

@@ -407,7 +407,7 @@ def _serve(
         flush_start = time.perf_counter()
     report = _report(settings, layout, tally, stats)
     report["close_seconds"] = time.perf_counter() - flush_start
-    flush = store.datapath.close_flush or {}
+    flush = store.engine.datapath.close_flush or {}
     report["close_flush_bytes"] = flush.get("bytes_written", 0)
     report["close_flush_left_bytes"] = flush.get("bytes", 0) - report["close_flush_bytes"]
     report["close_flush_seconds"] = flush.get("seconds") or 0.0

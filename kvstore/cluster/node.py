@@ -67,14 +67,16 @@ class _Tracked:
 
     @property
     def cluster_tier(self) -> ClusterTier | None:
-        return next((t for t in self.store.datapath.tiers if isinstance(t, ClusterTier)), None)
+        return next(
+            (t for t in self.store.engine.datapath.tiers if isinstance(t, ClusterTier)), None
+        )
 
 
 def _speeds(tracked: list[_Tracked]) -> NodeSpeeds:
     """The node's speeds: each figure from the first store that has it."""
     report: dict[str, Any] = {}
     for t in tracked:
-        for name, value in t.store.restore_speeds().items():
+        for name, value in t.store.engine.restore_speeds().items():
             if report.get(name) is None:
                 report[name] = value
     return NodeSpeeds.of(report)
@@ -96,7 +98,7 @@ class ClusterNode:
 
     def track(self, namespace: str, store: KVStore) -> None:
         """Publish ``store``'s blocks (all of them at the next beat, then changes)."""
-        tracked = _Tracked(namespace, store, store.datapath.watch(shared_copies=True))
+        tracked = _Tracked(namespace, store, store.engine.datapath.watch(shared_copies=True))
         with self._lock:
             self._tracked.append(tracked)
 
@@ -115,7 +117,7 @@ class ClusterNode:
         with self._lock:
             tracked = list(self._tracked)
         try:
-            blocks = sum(len(t.store.datapath) for t in tracked)
+            blocks = sum(len(t.store.engine.datapath) for t in tracked)
             info = NodeInfo(
                 self.config.node, self.config.advertise, self._load(), blocks, _speeds(tracked)
             )
@@ -139,8 +141,8 @@ class ClusterNode:
             t.full_sync = True  # Redis lost the set (restarted empty between two beats)
         if t.full_sync:
             t.feed.drain()  # the full list below includes whatever the feed holds
-            media = t.store.datapath.stored_media()
-            in_bucket = t.store.datapath.shared_keys()
+            media = t.store.engine.datapath.stored_media()
+            in_bucket = t.store.engine.datapath.shared_keys()
             layout = t.store.layout.describe()
             self.index.replace(t.namespace, t.fp, node, media, layout, in_bucket)
             t.full_sync = False
@@ -188,8 +190,8 @@ class ClusterNode:
                 self.config.heat_half_life_s,
             )
             wanted = [k for k, ok in zip(candidates, won, strict=True) if ok]
-            if wanted and t.store.datapath.promote(wanted, 0):
-                t.replicas.update(k for k in wanted if 0 in t.store.datapath.where(k))
+            if wanted and t.store.engine.datapath.promote(wanted, 0):
+                t.replicas.update(k for k in wanted if 0 in t.store.engine.datapath.where(k))
         self._cool_down(t, tier)
 
     def _cool_down(self, t: _Tracked, tier: ClusterTier) -> None:
@@ -203,7 +205,7 @@ class ClusterNode:
             return
         elsewhere = [k for k, h in zip(cold, tier.holders(cold, fresh=True), strict=True) if h]
         if elsewhere:
-            t.store.datapath.drop_local(elsewhere)  # never store.delete: S3's copy stays
+            t.store.engine.datapath.drop_local(elsewhere)  # never store.delete: S3's copy stays
         t.replicas.difference_update(cold)
 
     def replicas(self, namespace: str) -> set[BlockKey]:

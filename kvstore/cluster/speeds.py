@@ -60,7 +60,7 @@ class NodeSpeeds:
 
     @classmethod
     def of(cls, report: dict[str, Any]) -> NodeSpeeds:
-        """From :meth:`KVStore.restore_speeds` (``{medium: [gbps, ms], "prefill_tokens_per_s":
+        """From ``KVStore.engine.restore_speeds`` (``{medium: [gbps, ms], "prefill_tokens_per_s":
         x}``); malformed entries are dropped (a peer's heartbeat is a hint)."""
         media = []
         for name in MEDIA:

@@ -27,7 +27,7 @@ from kvstore.config.values import (
 )
 from kvstore.errors import ConfigError
 from kvstore.policy import POLICIES
-from kvstore.runtime import mask_text
+from kvstore.runtime import mask_text, warn_renamed
 
 __all__ = [
     "ClusterTierConfig",
@@ -218,7 +218,8 @@ class DiskTierConfig(TierConfig):
     drops a block's pages after any other read, for machines whose memory is
     better spent elsewhere (the host tier
     already keeps hot blocks in memory). ``o_direct: true`` is the older
-    spelling of ``page_cache: bypass``; left out (None), ``page_cache`` follows it.
+    spelling of ``page_cache: bypass`` (deprecated: it warns, and goes away in the
+    next release); left out (None), ``page_cache`` follows it.
 
     ``path``: the directory. Blocks go under
     ``<path>/kvstore-v1/<layout fingerprint>/``, one file per block; several
@@ -231,8 +232,8 @@ class DiskTierConfig(TierConfig):
     ``io_threads``: threads that move a batch's blocks in parallel (a single
     block is moved inline), so N blocks cost about one disk round trip.
 
-    ``o_direct``: the older spelling of ``page_cache: bypass``; true together
-    with ``page_cache: keep`` is an error.
+    ``o_direct``: deprecated, the older spelling of ``page_cache: bypass`` (true warns
+    :class:`DeprecationWarning`); true together with ``page_cache: keep`` is an error.
 
     ``fsync``: fsync each block file before it becomes visible, for
     durability across power loss. ``kill -9`` needs none: a block is written
@@ -272,6 +273,8 @@ class DiskTierConfig(TierConfig):
                 f"{path}.o_direct: true writes around the page cache, which contradicts "
                 "page_cache: keep; use page_cache: bypass (o_direct: true is its old spelling)"
             )
+        if self.o_direct:
+            warn_renamed(f"{path}.o_direct: true", f"{path}.page_cache: bypass")
 
     @property
     def bypass_page_cache(self) -> bool:

@@ -79,7 +79,7 @@ class ReadDeltas:
 
     def take(self) -> dict[str, float]:
         """``{tier_reads/<tier>/<field>: amount}`` for tiers read since the last call."""
-        totals = self._store.read_totals()
+        totals = self._store.engine.read_totals()
         out: dict[str, float] = {}
         for tier, now in totals.items():
             last = self._last.get(tier, (0.0, 0.0, 0))
@@ -131,11 +131,11 @@ class EngineSpeeds:
             if self._open:  # steps overlap (asynchronous scheduling): no clean sample
                 self._open.clear()
             elif tokens:
-                self._store.note_prefill_step(tokens, self._clock() - started)
+                self._store.engine.note_prefill_step(tokens, self._clock() - started)
         data = getattr(stats, "data", None)
         if isinstance(data, Mapping):
             reads, loads = reads_from(data), loads_from(data)
             if reads:
-                self._store.observe_reads(reads)
+                self._store.engine.observe_reads(reads)
             if loads:  # after the reads: a load is judged by the fit that includes them
-                self._store.observe_loads(loads)
+                self._store.engine.observe_loads(loads)

@@ -410,7 +410,7 @@ class TransferWorker:
             todo = [
                 i
                 for i, key in enumerate(keys)
-                if key not in self.quarantined and not self.store.contains(key)
+                if key not in self.quarantined and not self.store.engine.datapath.contains(key)
             ]
             self.counters.add("save_chunks_present", len(keys) - len(todo))
             if not todo or self.paged is None:
@@ -466,7 +466,9 @@ class TransferWorker:
             parent = keys[run[0] - 1] if run[0] else spec.parents.get(self.rank)
             tokens = spec.token_ids[run[0] * c : (run[-1] + 1) * c]
             try:
-                self.store.note_tokens(ChunkTokens.of([keys[i] for i in run], tokens, parent, c))
+                self.store.engine.note_tokens(
+                    ChunkTokens.of([keys[i] for i in run], tokens, parent, c)
+                )
             except Exception:  # events are best effort: never an engine error
                 log.exception("kvstore: noting the tokens of request %s failed", spec.req_id)
 
@@ -549,7 +551,11 @@ class TransferWorker:
         """Store a tail block (:attr:`TransferSpec.tail`): its chunk's first tokens, up to
         ``spec.token_end``, and zeros after them; 1 if stored now."""
         keys = spec.keys.get(self.rank)
-        if not keys or keys[-1] in self.quarantined or self.store.contains(keys[-1]):
+        if (
+            not keys
+            or keys[-1] in self.quarantined
+            or self.store.engine.datapath.contains(keys[-1])
+        ):
             return 0
         assert self.paged is not None
         n = spec.token_end - spec.token_start

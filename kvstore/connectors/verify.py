@@ -172,7 +172,7 @@ class ShadowVerifier:
             keys = spec.keys.get(self.worker.rank)
             if spec.req_id in marked and keys:
                 try:
-                    self.worker.store.exists(keys)
+                    self.worker.store.engine.datapath.exists(keys)
                 except Exception:  # verification must never break serving
                     log.exception("kvstore: looking up request %s failed", spec.req_id)
                     self.counters.add("verify_errors")
@@ -196,7 +196,7 @@ class ShadowVerifier:
         keys = spec.keys.get(worker.rank, [])
         # exists(): a shared tier (a disk other processes write) is asked about keys the
         # index lacks -- the scheduler found them there.
-        stored = store.exists(keys) if keys else []
+        stored = store.engine.datapath.exists(keys) if keys else []
         todo = [i for i, k in enumerate(keys) if stored[i] and k not in worker.quarantined]
         if not todo or worker.paged is None:
             return

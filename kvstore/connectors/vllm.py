@@ -240,7 +240,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         medium = Medium.DISK if first == "disk" else Medium.SHARED
         events = dataclasses.replace(events, block_size=self.geometry.block_size)
         self._events = ConnectorEvents(self.chunk_tokens, events, medium)
-        announced = self._events.restore(self._lookup_store.exists)
+        announced = self._events.restore(self._lookup_store.engine.datapath.exists)
         log.info("kvstore: KV events on (%s); %d chunks announced again", medium.name, announced)
 
     def _lookup(self, keys: dict[int, list[BlockKey]], prompt_len: int, computed: int) -> Found:
@@ -271,7 +271,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters.add("plan_recompute_tokens", (stored - load) * self.chunk_tokens)
         # Chunks left on slow shared tiers: plan() warms them (copies them up the shared
         # tiers, e.g. from S3 to disk) for the next request.
-        planned = store.planned_load(plan) if load == plan.load > plan.first else None
+        planned = store.engine.planned_load(plan) if load == plan.load > plan.first else None
         return Found(stored, load, plan.load_s if load > plan.first else None, planned)
 
     def _announce(self, req_id: str, chunks: int) -> None:
@@ -442,7 +442,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if store is None:
             return None
         sizes = (self.chunk_tokens, self.geometry.block_size)
-        return find_tail(lambda key: store.exists([key])[0], keys, tokens, loaded, sizes)
+        return find_tail(
+            lambda key: store.engine.datapath.exists([key])[0], keys, tokens, loaded, sizes
+        )
 
     # -- worker side ----------------------------------------------------------------
     def _init_worker(self) -> None:

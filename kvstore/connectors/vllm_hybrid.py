@@ -191,7 +191,7 @@ class StateTransfer:
             self.counters.add("state_save_no_block")
             return False
         key = state_key(keys[-1], self.layout)
-        if self.store.contains(key):
+        if self.store.engine.datapath.contains(key):
             return True
         block = torch.zeros(self.layout.tensor_shape(1), dtype=torch.uint8)
         for g, layer, b in self._layers(blocks):

@@ -212,7 +212,7 @@ class KVStoreTier(SecondaryTierManager):  # type: ignore[misc]
         layout = block_layout(self.block_size_bytes)
         self._blocks = primary_blocks(primary_kv_view, layout)
         self._store = KVStore(layout, store_config(settings.store))
-        self._manager = self._store.datapath
+        self._manager = self._store.engine.datapath
         try:
             self._namespace = _namespace(offloading_spec, layout, settings)
             tiers = self._manager.tiers

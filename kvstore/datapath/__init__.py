@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.datapath.contracts import (
     ChangeFeed,
     DataPath,
+    EngineSide,
     Hinting,
     Loan,
     Medium,
@@ -49,6 +50,7 @@ from kvstore.datapath.contracts import (
 from kvstore.runtime import load_export
 
 if TYPE_CHECKING:
+    from kvstore.datapath.engine import Engine
     from kvstore.datapath.manager import BlockManager
     from kvstore.datapath.quota import Quota, QuotaHook, QuotaLedger, Reclaim
 
@@ -56,6 +58,8 @@ __all__ = [
     "BlockManager",
     "ChangeFeed",
     "DataPath",
+    "EngineSide",
+    "Engine",
     "Hinting",
     "Loan",
     "Medium",
@@ -74,6 +78,7 @@ __all__ = [
 
 _EXPORTS = {
     "BlockManager": "kvstore.datapath.manager",
+    "Engine": "kvstore.datapath.engine",
     "Quota": "kvstore.datapath.quota",
     "QuotaHook": "kvstore.datapath.quota",
     "QuotaLedger": "kvstore.datapath.quota",

@@ -4,14 +4,17 @@ such types; nothing here reaches into a store.
 
 - :class:`Medium`: where the nearest copy of a block is, as a cluster publishes it.
 - :class:`ChangeFeed`: the keys whose :class:`Medium` changed, for a watcher outside the
-  store (``store.datapath.watch()``).
-- :class:`DataPath`: what such code may ask of a store's data path (``KVStore.datapath``):
+  store (``store.engine.datapath.watch()``).
+- :class:`DataPath`: what such code may ask of a store's data path (``KVStore.engine.datapath``):
   its tiers, what is where, the change feed, moves between tiers, and the engine-facing
   reads and writes that skip the store's argument checks.
 - The objects a store hands out, as their holders see them: :class:`Pin`
-  (``KVStore.pin``), :class:`Loan` and :class:`PendingPut` (``KVStore.lend``,
-  ``KVStore.begin_put``), :class:`PrefetchHandle` (``KVStore.prefetch``) and its
+  (``KVStore.pin``), :class:`Loan` and :class:`PendingPut` (``KVStore.engine.lend``,
+  ``KVStore.engine.begin_put``), :class:`PrefetchHandle` (``KVStore.prefetch``) and its
   :class:`Step` records. The data path's classes of those names subclass these.
+- :class:`EngineSide`: what an integration (a connector, the server, a cluster node, the
+  CLI) asks of a store beyond its public face (``KVStore.engine``): the data path, the
+  restore planner's feedback, KV-event tokens, zero-copy loans and in-place puts.
 - What the data path asks of parts given to it from outside: :class:`QuotaSeat`, an
   owner accounting's seat (:mod:`kvstore.datapath.quota`'s ``QuotaHook``) asked while a
   tier grants room, and :class:`QuotaSeats`, the accounting that hands seats out; and
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence, Sized
+from collections.abc import Mapping, Sequence, Sized
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -34,12 +37,15 @@ if TYPE_CHECKING:
 
     from kvstore.errors import KVStoreError
     from kvstore.hints import Hint, HintAnswer
+    from kvstore.keys import ChunkTokens
     from kvstore.layout import KVLayout
+    from kvstore.restore import LoadSample, PlannedLoad, RestorePlan
     from kvstore.tiers.base import LayerRange, Tier
 
 __all__ = [
     "ChangeFeed",
     "DataPath",
+    "EngineSide",
     "Hinting",
     "Loan",
     "Medium",
@@ -186,7 +192,7 @@ class Hinting(Protocol):
 
 class DataPath(Protocol):
     """What code outside the data path (the server, cluster, events, connectors) may ask of
-    a store's: ``KVStore.datapath``. Keys are the store's; nothing here checks arguments
+    a store's: ``KVStore.engine.datapath``. Keys are the store's; nothing here checks arguments
     as :class:`~kvstore.KVStore` does, so callers hand well-formed keys and views."""
 
     @property
@@ -234,6 +240,9 @@ class DataPath(Protocol):
     def promote(self, keys: Sequence[BlockKey], tier: int = 0) -> int:
         """Copy ``keys`` into tier ``tier`` now; how many landed."""
 
+    def persist(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Write ``keys`` to the first persistent tier now; which are there afterwards."""
+
     def drop_local(self, keys: Sequence[BlockKey]) -> int:
         """Give up this machine's copies of ``keys`` (shared tiers keep theirs); how many."""
 
@@ -261,6 +270,59 @@ class DataPath(Protocol):
     def pinned_blocks(self) -> int:
         """Blocks pinned right now (loans, reservations, reads and writes in flight): what
         a leak check expects back at 0 once its clients are gone."""
+
+
+class EngineSide(Protocol):
+    """What an integration asks of a store beyond its public face: ``KVStore.engine``.
+
+    The connectors (vLLM, SGLang), the server, a cluster node and the CLI use it; an
+    application calling ``put`` / ``get`` / ``plan`` does not. Like :class:`DataPath`,
+    it is a protocol, so ``mypy`` refuses a call past it."""
+
+    @property
+    def datapath(self) -> DataPath:
+        """The store's data path: its tiers, what is where, the change feed, moves."""
+
+    def note_tokens(self, tokens: ChunkTokens) -> None:
+        """Record which tokens the chunks ``tokens.keys`` hold, for KV events (this store's
+        publisher and a kvstore-server behind a remote tier); before they are put."""
+
+    def note_prefill_step(self, tokens: int, seconds: float) -> None:
+        """One engine step computed ``tokens`` in ``seconds``: what a learned prefill
+        speed is fitted to (ignored when ``restore`` declares one)."""
+
+    def waited(self, plan: RestorePlan, waited_s: float) -> None:
+        """The engine waited ``waited_s`` for a load of ``plan`` under compute: the
+        tiers' prices follow what it cost."""
+
+    def planned_load(self, plan: RestorePlan) -> PlannedLoad[str]:
+        """What ``plan`` expects of its load, per tier id, for a process that loads it
+        (vLLM's workers), whose samples come back through :meth:`observe_loads`."""
+
+    def observe_loads(self, loads: Mapping[str, LoadSample]) -> None:
+        """Restores another process loaded (``{tier id: LoadSample}``)."""
+
+    def read_totals(self) -> dict[str, tuple[float, float, int]]:
+        """Every read so far per tier (``kind:n``): ``(bytes, seconds, calls)``."""
+
+    def observe_reads(self, reads: Mapping[str, tuple[float, float, int]]) -> None:
+        """Feed another process's :meth:`read_totals` into this store's tier speeds."""
+
+    def restore_speeds(self) -> dict[str, Any]:
+        """What a cluster node publishes for routers: per kind of medium the live
+        ``[GB/s, ms a call]`` of the fastest tier of that kind, and
+        ``prefill_tokens_per_s`` (None: unknown)."""
+
+    def lend(self, keys: Sequence[BlockKey], lease_s: float | None = None) -> Loan:
+        """Pin the stored blocks among ``keys`` and lend views of the host memory holding
+        them; ``loan.release()`` when done (the lease ends it otherwise)."""
+
+    def begin_put(self, keys: Sequence[BlockKey]) -> PendingPut:
+        """Reserve room for new blocks, to fill in place and then commit."""
+
+    def reencrypt(self) -> int:
+        """Rewrite blocks sealed under older keys with the active key, in the background;
+        how many blocks are queued to be checked."""
 
 
 class Pin(Protocol):
@@ -293,7 +355,7 @@ class Pin(Protocol):
 
 
 class Loan(Protocol):
-    """Stored blocks lent out for zero-copy reads (``KVStore.lend``), pinned under one
+    """Stored blocks lent out for zero-copy reads (``KVStore.engine.lend``), pinned under one
     lease until :meth:`release` or the lease's end.
 
     ``found[i]``: key ``i`` is stored and pinned. ``views[i]``: its bytes in host memory
@@ -334,7 +396,7 @@ class Loan(Protocol):
 
 
 class PendingPut(Protocol):
-    """Room for new whole blocks (``KVStore.begin_put``), filled in place, then committed.
+    """Room for new whole blocks (``KVStore.engine.begin_put``), filled in place, then committed.
 
     ``views[i]``: where block ``i`` goes (``layout.block_shape``, contiguous), or None
     when key ``i`` is already stored or being written (nothing to do). The blocks become
@@ -395,7 +457,7 @@ class PrefetchHandle(Protocol):
     @property
     def waited_s(self) -> float:
         """Seconds callers of the waits below were blocked so far: what a load under
-        compute cost the engine (``KVStore.waited`` prices the tiers by it)."""
+        compute cost the engine (``KVStore.engine.waited`` prices the tiers by it)."""
 
     @property
     def cancelled(self) -> bool:

@@ -29,7 +29,7 @@ from collections import defaultdict
 from typing import Protocol
 
 from kvstore.config import EventsConfig
-from kvstore.datapath.contracts import ChangeFeed, DataPath, Medium
+from kvstore.datapath.contracts import ChangeFeed, DataPath, EngineSide, Medium
 from kvstore.errors import ClosedError, ConfigError
 from kvstore.events.blocks import BlockMapper, parent_first
 from kvstore.events.book import TokenBook
@@ -38,11 +38,12 @@ from kvstore.events.publisher import SNAPSHOT_BATCH_EVENTS, EventPublisher
 from kvstore.keys import BlockKey
 
 
-class HasDataPath(Protocol):
-    """A store (``KVStore``): what :class:`StoreEvents` needs of it is its data path."""
+class HasEngine(Protocol):
+    """A store (``KVStore``): what :class:`StoreEvents` needs of it is its engine side's
+    data path."""
 
     @property
-    def datapath(self) -> DataPath: ...
+    def engine(self) -> EngineSide: ...
 
 
 __all__ = ["StoreEvents"]
@@ -70,12 +71,12 @@ class StoreEvents:
 
     def __init__(
         self,
-        store: HasDataPath | DataPath,
+        store: HasEngine | DataPath,
         book: TokenBook,
         publisher: EventPublisher,
         config: EventsConfig | None = None,
     ) -> None:
-        manager: DataPath = store.datapath if hasattr(store, "datapath") else store
+        manager: DataPath = store.engine.datapath if hasattr(store, "engine") else store
         self.config = publisher.config if config is None else config
         block_tokens = manager.layout.block_tokens
         if book.block_tokens != block_tokens:

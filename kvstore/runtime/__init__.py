@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstore.runtime.aliases import install as install_aliases
+from kvstore.runtime.aliases import warn_renamed
 from kvstore.runtime.exports import load_export
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ __all__ = [
     "retry_async",
     "retry_call",
     "trim_heap",
+    "warn_renamed",
 ]
 
 _EXPORTS = {

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 else:  # importlib.abc costs ~20 ms to import: the protocols are kept by duck typing
     Loader = MetaPathFinder = object
 
-__all__ = ["MOVED", "AliasFinder", "install"]
+__all__ = ["MOVED", "AliasFinder", "install", "warn_renamed"]
 
 #: Old module path -> the module(s) that hold its names now, searched in order.
 MOVED: dict[str, tuple[str, ...]] = {
@@ -127,3 +127,13 @@ def install() -> AliasFinder:
     # First: an old path must not be found as a stale file on a path entry behind it.
     sys.meta_path.insert(0, finder)
     return finder
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """Warn :class:`DeprecationWarning` that ``old`` (a method or setting kept one release
+    as an alias) is now ``new``; the warning names the caller's line."""
+    warnings.warn(
+        f"{old} is deprecated and goes away in the next release; use {new}",
+        DeprecationWarning,
+        stacklevel=3,  # the line that called the alias
+    )

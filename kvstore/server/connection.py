@@ -453,7 +453,7 @@ class Connection:
                 "reserve_s": self.ctx.server.io_timeout_s,
             }
         reply = {
-            "capacity_blocks": max(t.capacity_blocks for t in hosted.store.datapath.tiers),
+            "capacity_blocks": max(t.capacity_blocks for t in hosted.store.engine.datapath.tiers),
             "shared_memory": shared,
         }
         await self.reply(frame, encode_json(reply))

@@ -4,12 +4,12 @@ and HINT.
 Bytes never take a detour through a buffer of the server's own where a tier
 can hold them directly:
 
-- PUT reserves each new block's slot first (:meth:`KVStore.begin_put`), then
+- PUT reserves each new block's slot first (``KVStore.engine.begin_put``), then
   receives its bytes straight into that slot, verifies every layer against
   the block's header, and only then commits it (visible to lookups). A block
   that fails verification is dropped and answered CORRUPT; nothing else
   changes.
-- GET lends the blocks (:meth:`KVStore.lend`: pinned, not copied) and sends
+- GET lends the blocks (``KVStore.engine.lend``: pinned, not copied) and sends
   each from the memory that holds it; blocks only a disk holds are read
   (verified) into a staging buffer first. With shared memory, a same-host
   client is told where each block lies instead, copies it itself, and sends
@@ -99,7 +99,7 @@ async def put(conn: Session, frame: Frame, meta: bytes) -> None:
         raise
     await _acquire(conn, frame.payload_len)
     try:
-        pending = await conn.run(hosted.store.begin_put, keys)
+        pending = await conn.run(hosted.store.engine.begin_put, keys)
         try:
             got = await _receive_blocks(conn, frame, pending.views)
         except BaseException:
@@ -154,7 +154,9 @@ async def _commit(
     statuses = await conn.run(_verify_and_commit, hosted, pending, arrived)
     if frame.flags & Flag.DURABLE:
         held = [k for k, s in zip(pending.keys, statuses, strict=True) if _holds(s)]
-        durable = dict(zip(held, await conn.run(hosted.store.persist, held), strict=True))
+        durable = dict(
+            zip(held, await conn.run(hosted.store.engine.datapath.persist, held), strict=True)
+        )
         statuses = [
             s | SlotStatus.DURABLE if durable.get(k) else s
             for k, s in zip(pending.keys, statuses, strict=True)
@@ -203,7 +205,7 @@ def _verify_and_commit(
             hosted.headers.drop(key)
     pending.commit(ok)
     return [
-        v if v != SlotStatus.STORED or store.contains(k) else SlotStatus.MISS
+        v if v != SlotStatus.STORED or store.engine.datapath.contains(k) else SlotStatus.MISS
         for k, v in zip(pending.keys, verdict, strict=True)
     ]
 
@@ -216,7 +218,7 @@ async def reserve(conn: Session, frame: Frame, meta: bytes) -> None:
     await _expire_abandoned(conn)
     if len(conn.reservations) >= conn.ctx.server.max_inflight_requests:
         raise Refused(Status.BUSY, "too many reservations waiting for COMMIT")
-    pending = await conn.run(hosted.store.begin_put, keys)
+    pending = await conn.run(hosted.store.engine.begin_put, keys)
     segment = hosted.segment
     slots: list[tuple[int, int]] = []
     for view in pending.views:
@@ -375,7 +377,7 @@ def _lend_and_read(
     not), then read the blocks to send inline (see :func:`_inline_parts`). Returns the
     loan, each key's slot (INLINE ones that failed to read marked MISS) and the parts."""
     keys, layers, shared = request
-    loan = hosted.store.lend(keys)
+    loan = hosted.store.engine.lend(keys)
     try:
         slots = _slots(loan, hosted.segment if shared else None, layers)
         inline = [i for i, (s, _) in enumerate(slots) if s == SlotStatus.INLINE]
@@ -462,7 +464,7 @@ async def exists(conn: Session, frame: Frame, meta: bytes) -> None:
     """One byte per key: 1 if stored."""
     store = conn.store.store
     keys = decode_keys(meta, 0, conn.ctx.server.max_batch_blocks)
-    found = await conn.run(store.exists, keys)
+    found = await conn.run(store.engine.datapath.exists, keys)
     await conn.reply(frame, encode_count(len(keys)) + bytes(found))
 
 
@@ -517,7 +519,7 @@ async def note_tokens(conn: Session, frame: Frame, meta: bytes) -> None:
         raise
     data = await conn.chan.recv(frame.payload_len, conn.deadline(frame.payload_len))
     tokens = ChunkTokens(tuple(keys), data, parent, block_tokens)
-    await conn.run(store.note_tokens, tokens)
+    await conn.run(store.engine.note_tokens, tokens)
     await conn.reply(frame, encode_count(len(keys)))
 
 

@@ -113,7 +113,7 @@ class TenantQuotas:
         if not self._enabled:
             return
         tenant = self._tenant_of(hosted.namespace)
-        hook = hosted.store.datapath.use_quota(self.ledger, tenant)
+        hook = hosted.store.engine.datapath.use_quota(self.ledger, tenant)
         with self._lock:
             self._hooks.setdefault(hosted.namespace, []).append(hook)
             self._stores[hook] = hosted.store

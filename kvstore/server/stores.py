@@ -151,11 +151,11 @@ class StoreRegistry:
             config = _with_journal(namespaced_config(self.config, namespace, share), layout)
             events = self._events if self.events_for is None else self.events_for(namespace)
             store = KVStore(layout, config, events=events)
-            first = store.datapath.tiers[0]
+            first = store.engine.datapath.tiers[0]
             segment = first.segment if isinstance(first, SlabTier) else None
             ident = secrets.token_hex(16) if segment is not None else ""
             # Headers of the blocks memory can hold, twice over, and no fewer than 1024.
-            headers = HeaderCache(max(1024, 2 * store.datapath.tiers[0].capacity_blocks))
+            headers = HeaderCache(max(1024, 2 * store.engine.datapath.tiers[0].capacity_blocks))
             hosted = HostedStore(namespace, layout, store, segment, ident, headers)
             self._stores[key] = hosted
             if self._on_open is not None:
@@ -163,8 +163,8 @@ class StoreRegistry:
         log.info(
             "opened store %s: %d blocks found, tiers %s",
             hosted.label,
-            len(store.datapath),
-            ", ".join(t.kind for t in store.datapath.tiers),
+            len(store.engine.datapath),
+            ", ".join(t.kind for t in store.engine.datapath.tiers),
         )
         return hosted
 

@@ -209,7 +209,7 @@ class SoakCluster:
 
     def _heads(self, keys: Sequence[BlockKey]) -> list[bool]:
         assert self._probe is not None
-        tier = self._probe.datapath.tiers[0]
+        tier = self._probe.engine.datapath.tiers[0]
         found: list[bool] = []
         for start in range(0, len(keys), _PROBE_BATCH):
             batch = list(keys[start : start + _PROBE_BATCH])

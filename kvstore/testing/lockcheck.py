@@ -27,7 +27,7 @@ class LockCheckedTier(Tier):
     """A real tier whose every call asserts that the books' lock is free.
 
     ``held`` starts as "never held" (the tier is built before the store that
-    owns the lock); set it to ``store.datapath.books.held_by_me`` once the
+    owns the lock); set it to ``store.engine.datapath.books.held_by_me`` once the
     store exists. ``_lock`` guards ``calls`` and ``violations``.
     """
 

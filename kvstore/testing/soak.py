@@ -238,7 +238,7 @@ class _StoreSide:
             store.close()
             store = self.work.store = KVStore(LAYOUT, store_config(self.workdir))
             self.tally.add("store_restarts")
-            for tier in store.datapath.tiers:
+            for tier in store.engine.datapath.tiers:
                 wait = getattr(tier, "wait_prefault", None)
                 if wait is not None:
                     wait(30.0)

@@ -308,7 +308,7 @@ class StoreWork:
         keys = self.keys.pick(rng)
         if not keys:
             return
-        loan = self.store.lend(keys, lease_s=0.5)
+        loan = self.store.engine.lend(keys, lease_s=0.5)
         outs = [sentinel(LAYOUT.block_shape) for _ in keys]
         idx = [i for i, found in enumerate(loan.found) if found]
         for i, ok in zip(idx, loan.read_many(idx, [outs[i] for i in idx]), strict=True):
@@ -318,7 +318,7 @@ class StoreWork:
             loan.release()
 
     def _evict(self, rng: random.Random) -> None:
-        tier = rng.randrange(len(self.store.datapath.tiers))
+        tier = rng.randrange(len(self.store.engine.datapath.tiers))
         try:
             self.store.evict(rng.randint(1, 4), tier)
         except CapacityError:  # fewer unpinned blocks than asked (a tier just emptied)

@@ -91,7 +91,7 @@ class Nodes:
         objects under ``<prefix>/ns-default``)."""
         config = {"tiers": [self.s3_tier(f"{self.cluster.name}/ns-default")]}
         with KVStore(LAYOUT, config) as probe:
-            return probe.exists(keys) == [True] * len(keys)
+            return probe.engine.datapath.exists(keys) == [True] * len(keys)
 
     def _config(self, root: Path, name: str) -> dict[str, Any]:
         cluster = {**self.cluster.to_dict(), "node_id": name}

@@ -73,7 +73,7 @@ def test_a_lookup_hit_stays_loadable_while_the_copy_reads_a_reregistration(
     with _member(cluster) as member:
         assert eventually(lambda: member.lookup(keys) == 8)
         assert member.lookup(keys, recheck=True) == 8
-        tier = next(t for t in member.datapath.tiers if isinstance(t, ClusterTier))
+        tier = next(t for t in member.engine.datapath.tiers if isinstance(t, ClusterTier))
         raw = redis.Redis.from_url(redis_server.url)
         try:  # the first entry a re-registration writes, as the copy reads it alone
             raw.xadd(stream, {"n": "a", "r": "1"})

@@ -58,7 +58,7 @@ def test_an_in_process_store_with_a_cluster_config_reads_from_the_nodes(nodes: N
         assert handle.result() == 3
         assert handle.out is not None
         assert torch.equal(handle.out, torch.cat(data, dim=2))
-        assert [t.kind for t in store.datapath.tiers] == ["host", "cluster"]
+        assert [t.kind for t in store.engine.datapath.tiers] == ["host", "cluster"]
 
 
 def test_routing_ranks_nodes_by_the_prefix_they_hold(nodes: Nodes, aws_env: None) -> None:

@@ -89,8 +89,8 @@ def test_quarantined_blocks_are_gone_and_never_served(run: dict[str, Any]) -> No
     config = {"tiers": [{"kind": "disk", "path": run["store"], "capacity": "1GiB"}]}
     with KVStore(LAYOUT, config) as store:
         # Deleted from the store and not saved again when A was recomputed a third time.
-        assert store.exists(keys["A"]) == [True, True, False, False]
-        assert store.exists(keys["B"]) == [True] * 4
+        assert store.engine.datapath.exists(keys["A"]) == [True, True, False, False]
+        assert store.engine.datapath.exists(keys["B"]) == [True] * 4
 
 
 def test_mismatches_reach_vllms_prometheus_metrics(run: dict[str, Any]) -> None:

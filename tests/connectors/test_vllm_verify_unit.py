@@ -201,7 +201,7 @@ def test_a_planted_block_is_caught_quarantined_and_logged_once(
     assert len(warnings) == 1
     assert a_keys[2].hex() in warnings[0] and "namespace model=test-model" in warnings[0]
     # Gone from the store, never saved again, and a load of it is refused (recomputed).
-    assert w.store.exists(a_keys) == [True, True, False, True]
+    assert w.store.engine.datapath.exists(a_keys) == [True, True, False, True]
     load = TransferSpec("again", {0: a_keys[:2] + a_keys[2:3]}, 0, 0, 24, (ids,))
     w.start_load([load])
     for layer in range(LAYERS):
@@ -246,5 +246,5 @@ def test_blocks_another_process_stored_after_the_worker_opened_are_compared(
     )
     got = counters.snapshot()
     assert got["verify_checked_chunks"] == 4 and got["verify_mismatched_chunks"] == 1
-    assert w.store.exists(a_keys) == [True, True, True, False]
+    assert w.store.engine.datapath.exists(a_keys) == [True, True, True, False]
     w.close()

@@ -400,7 +400,7 @@ def scenario_s3(work: Path) -> dict[str, Any]:
             store = h.tier.store  # type: ignore[attr-defined]
             store.flush()
             blocks = [h.tier.block_key(key(n)) for n in (21, 22)]  # type: ignore[attr-defined]
-            out["dropped_local"] = store.datapath.drop_local(blocks)
+            out["dropped_local"] = store.engine.datapath.drop_local(blocks)
             out["events"] = h.events()
             h.manager.reset_cache()
             out["fetch_lookups"] = [r.name for r in h.lookups([21, 22])]
@@ -443,14 +443,14 @@ def scenario_planned(work: Path) -> dict[str, Any]:
             store = h.tier.store  # type: ignore[attr-defined]
             store.flush()
             blocks = [h.tier.block_key(key(n)) for n in (41, 42)]  # type: ignore[attr-defined]
-            out["dropped_local"] = store.datapath.drop_local(blocks)
+            out["dropped_local"] = store.engine.datapath.drop_local(blocks)
             h.manager.reset_cache()
             start = time.monotonic()
             out["planned_lookups"] = [r.name for r in h.lookups([41, 42], positions=True)]
             out["planned_seconds"] = round(time.monotonic() - start, 2)
-            store.datapath.mover.drain(10.0)
-            h.step(lambda: all(0 in store.datapath.where(b) for b in blocks))
-            out["warmed"] = [0 in store.datapath.where(b) for b in blocks]
+            store.engine.datapath.mover.drain(10.0)
+            h.step(lambda: all(0 in store.engine.datapath.where(b) for b in blocks))
+            out["warmed"] = [0 in store.engine.datapath.where(b) for b in blocks]
             h.manager.reset_cache()
             out["next_lookups"] = [r.name for r in h.lookups([41, 42], positions=True)]
             out["next_equal"] = h.loaded_equal([41, 42])
@@ -462,7 +462,7 @@ def scenario_planned(work: Path) -> dict[str, Any]:
             h.store([51])
             store = h.tier.store  # type: ignore[attr-defined]
             store.flush()
-            store.datapath.drop_local([h.tier.block_key(key(51))])  # type: ignore[attr-defined]
+            store.engine.datapath.drop_local([h.tier.block_key(key(51))])  # type: ignore[attr-defined]
             h.manager.reset_cache()
             out["off_lookups"] = [r.name for r in h.lookups([51], positions=True)]
         finally:

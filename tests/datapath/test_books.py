@@ -46,7 +46,7 @@ def checked_store(
     tiers = [LockCheckedTier(create_tier(c, layout)) for c in configs]
     store = KVStore(layout, StoreConfig(tiers=configs, lease_s=5.0), tiers=tiers)
     for tier in tiers:
-        tier.held = store.datapath.books.held_by_me
+        tier.held = store.engine.datapath.books.held_by_me
     return store, tiers
 
 
@@ -77,19 +77,19 @@ def workload(store: KVStore, other: KVStore, seed: int) -> None:
     store.put_layer(abandoned, 0, fresh[0][:, : layout.block_tokens])
     assert store.abort_layers(abandoned) == 1
     in_place = store.hash_tokens(torch.arange(2 * layout.block_tokens) + 7000 + seed, "p")
-    with store.begin_put(in_place) as pending:
+    with store.engine.begin_put(in_place) as pending:
         step = layout.block_tokens
         for i, view in enumerate(pending.views):
             assert view is not None
             view.copy_(fresh[:, :, i * step : (i + 1) * step])
         assert pending.commit([True, False]) == 1
-    with store.lend(keys[:4]) as loan:
+    with store.engine.lend(keys[:4]) as loan:
         out = torch.empty(layout.block_shape, dtype=layout.dtype)
         assert loan.read_into(3, out)
     with store.pin(keys[:1]), contextlib.suppress(CapacityError):
         store.evict(1, tier=0)  # (others' prefetches may pin every host block right now)
     assert store.delete(keys[6:]) == 2
-    assert all(store.persist(keys[:2]))
+    assert all(store.engine.datapath.persist(keys[:2]))
     store.flush()
     assert store.stats()["blocks"] > 0
     assert store.stored_keys(rescan=True)
@@ -133,7 +133,7 @@ def test_the_check_sees_a_tier_call_made_under_the_lock(tmp_path: Path) -> None:
         tiers[0].view(keys[0])
         return False
 
-    store.datapath.books.pins.pin_where(keys, calls_the_tier)
+    store.engine.datapath.books.pins.pin_where(keys, calls_the_tier)
     assert len(tiers[0].violations) == 1 and "view under the books' lock" in tiers[0].violations[0]
     store.close()
 
@@ -155,17 +155,17 @@ def test_guard_knows_its_holder_across_waits() -> None:
 def test_memory_only_count_follows_every_change(tmp_path: Path) -> None:
     layout = small_layout()
     store, _ = checked_store(layout, tmp_path, host_blocks=8)
-    books = store.datapath.books
+    books = store.engine.datapath.books
 
     def only_in_memory() -> int:  # what a scan of the index says
-        return sum(1 for k in store.stored_keys() if store.datapath.where(k) == [0])
+        return sum(1 for k in store.stored_keys() if store.engine.datapath.where(k) == [0])
 
     keys = store.hash_tokens(torch.arange(6 * layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 6))
     store.drain()  # (the host tier writes back ahead of eviction, in the background)
     before = only_in_memory()
     assert books.queries.unpersisted() == before > 0
-    store.persist(keys[:2])
+    store.engine.datapath.persist(keys[:2])
     store.drain()
     assert books.queries.unpersisted() == only_in_memory() < before
     store.delete(keys[2:3])
@@ -183,13 +183,13 @@ def test_tierio_refuses_a_call_under_the_lock(tmp_path: Path) -> None:
     store, _ = checked_store(layout, tmp_path)
     keys = store.hash_tokens(torch.arange(layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 1))
-    io = store.datapath.io
+    io = store.engine.datapath.io
 
     def through_tierio(entry: object) -> bool:  # runs under the books' lock
         io.view(0, keys[0])
         return False
 
     with pytest.raises(AssertionError, match="under the books' lock"):
-        store.datapath.books.pins.pin_where(keys, through_tierio)
+        store.engine.datapath.books.pins.pin_where(keys, through_tierio)
     assert store.lookup(keys) == 1  # the lock was released on the way out
     store.close()

@@ -99,8 +99,8 @@ def test_store_pin_handle() -> None:
         store.put(keys[:2], random_blocks(layout, 2))
         with store.pin(keys, lease_s=30) as pin:
             assert pin.count == 2 and pin.active  # the stored prefix
-            assert store.datapath.pinned_blocks() == 2
+            assert store.engine.datapath.pinned_blocks() == 2
             assert pin.renew(60)
-        assert not pin.active and store.datapath.pinned_blocks() == 0
+        assert not pin.active and store.engine.datapath.pinned_blocks() == 0
         with pytest.raises(InvalidInputError):
             store.pin(keys, lease_s=0)

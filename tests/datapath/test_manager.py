@@ -364,7 +364,7 @@ def test_the_change_feed_and_drop_local_keep_the_shared_copy(
         {"kind": "redis", "url": redis_server.url, "key_prefix": f"feed-{os.getpid()}"},
     ]
     with KVStore(layout, {"tiers": tiers}) as store:
-        feed, other = store.datapath.watch(), store.datapath.watch()
+        feed, other = store.engine.datapath.watch(), store.engine.datapath.watch()
         keys = store.hash_tokens(torch.arange(3 * layout.block_tokens), "feed")
         data = random_blocks(layout, 3)
         assert store.put(keys, data) == 3
@@ -372,14 +372,14 @@ def test_the_change_feed_and_drop_local_keep_the_shared_copy(
         assert feed.drain() == dict.fromkeys(keys, (Medium.NONE, Medium.MEMORY))
         # each watcher drains its own feed; one that stopped records nothing more
         assert other.drain() == dict.fromkeys(keys, (Medium.NONE, Medium.MEMORY))
-        store.datapath.unwatch(other)
-        assert store.datapath.drop_local(keys[:2]) == 4  # host and disk copies of two
-        assert store.datapath.where(keys[0]) == [2]
+        store.engine.datapath.unwatch(other)
+        assert store.engine.datapath.drop_local(keys[:2]) == 4  # host and disk copies of two
+        assert store.engine.datapath.where(keys[0]) == [2]
         assert feed.drain() == dict.fromkeys(keys[:2], (Medium.MEMORY, Medium.SHARED))
         store.delete(keys[:1])
         assert feed.drain() == {keys[0]: (Medium.SHARED, Medium.NONE)}
         assert other.drain() == {}
-        assert sorted(store.datapath.stored_media()) == sorted(
+        assert sorted(store.engine.datapath.stored_media()) == sorted(
             [(keys[1], Medium.SHARED), (keys[2], Medium.MEMORY)]
         )
         step = layout.block_tokens

@@ -49,7 +49,7 @@ def test_write_through_copies_down_in_the_background(tmp_path: Path) -> None:
     kv = random_blocks(layout, 3)
     assert store.put(keys, kv) == 3
     assert store.drain(timeout=30)
-    assert [store.datapath.where(k) for k in keys] == [[0, 1]] * 3
+    assert [store.engine.datapath.where(k) for k in keys] == [[0, 1]] * 3
     assert store.stats()["write_through_copies"] == [0, 3]
     # Without close() (and so without a flush), a second process already finds them on disk.
     other = KVStore(layout, config)
@@ -65,9 +65,9 @@ def test_write_back_copies_down_only_on_eviction(tmp_path: Path) -> None:
     keys = store.hash_tokens(torch.arange(3 * layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 3))
     store.drain(timeout=30)
-    assert [store.datapath.where(k) for k in keys] == [[0]] * 3
+    assert [store.engine.datapath.where(k) for k in keys] == [[0]] * 3
     store.evict(3)
-    assert [store.datapath.where(k) for k in keys] == [[1]] * 3  # demoted, not dropped
+    assert [store.engine.datapath.where(k) for k in keys] == [[1]] * 3  # demoted, not dropped
     store.close()
 
 
@@ -93,9 +93,9 @@ def test_promotion_after_the_nth_hit(tmp_path: Path, read: str) -> None:
         assert store.drain(timeout=30)
 
     load()  # access 2: read from disk, not promoted yet
-    assert [store.datapath.where(k) for k in keys] == [[1], [1]]
+    assert [store.engine.datapath.where(k) for k in keys] == [[1], [1]]
     load()  # access 3: promoted in the background
-    assert [store.datapath.where(k) for k in keys] == [[0, 1], [0, 1]]
+    assert [store.engine.datapath.where(k) for k in keys] == [[0, 1], [0, 1]]
     assert store.stats()["promotions"] == [2, 0]
     load()  # now served from memory: nothing more to promote
     assert store.stats()["promotions"] == [2, 0]
@@ -113,8 +113,8 @@ def test_admission_filter_spares_the_disk_one_off_blocks(tmp_path: Path) -> None
     store.get(keys[:1])  # block 0 is seen twice; block 1 once
     store.put(keys[2:], kv[:, :, 2 * layout.block_tokens :])  # evicts blocks 0 and 1
     store.drain(timeout=30)
-    assert store.datapath.where(keys[0]) == [1]  # admitted to disk
-    assert store.datapath.where(keys[1]) == []  # a one-off: dropped, not written to disk
+    assert store.engine.datapath.where(keys[0]) == [1]  # admitted to disk
+    assert store.engine.datapath.where(keys[1]) == []  # a one-off: dropped, not written to disk
     assert store.stats()["admission_rejects"] == [0, 1]
     store.close()
 
@@ -182,7 +182,7 @@ def test_chain_host_to_disk_and_back_is_byte_exact(tmp_path: Path) -> None:
     assert store.stats()["promotions"][0] > 0
     assert torch.equal(store.get(keys), kv)
     store.drain(timeout=30)  # promotions the last read started
-    assert store.datapath.pinned_blocks() == 0
+    assert store.engine.datapath.pinned_blocks() == 0
     store.close()
 
 
@@ -192,7 +192,7 @@ def test_flush_waits_for_background_moves_then_persists(tmp_path: Path) -> None:
     keys = store.hash_tokens(torch.arange(4 * layout.block_tokens), "m")
     store.put(keys, random_blocks(layout, 4))
     store.flush()  # drains the write-through jobs first: nothing left to persist twice
-    assert all(1 in store.datapath.where(k) for k in keys)
+    assert all(1 in store.engine.datapath.where(k) for k in keys)
     assert store.stats()["moves_pending"] == 0
     store.close()
 
@@ -226,7 +226,7 @@ def test_write_back_ahead_of_eviction_keeps_puts_off_the_disk(tmp_path: Path) ->
     for i, key in enumerate(keys):
         assert store.put([key], chunk(kv, layout, i)) == 1
         assert store.drain(timeout=30)  # a disk that keeps up
-        only_memory = [k for k in keys[: i + 1] if store.datapath.where(k) == [0]]
+        only_memory = [k for k in keys[: i + 1] if store.engine.datapath.where(k) == [0]]
         assert len(only_memory) <= 5
     assert disk.put_threads and all(n.startswith("kvstore-mover") for n in disk.put_threads)
     stats = store.stats()
@@ -252,8 +252,11 @@ def test_puts_that_outrun_the_disk_still_store_every_block(tmp_path: Path) -> No
     assert store.lookup(keys) == 20
     assert torch.equal(store.get(keys), kv)
     store.close()
-    assert store.datapath.close_flush is not None
-    assert store.datapath.close_flush["bytes_written"] == store.datapath.close_flush["bytes"]
+    assert store.engine.datapath.close_flush is not None
+    assert (
+        store.engine.datapath.close_flush["bytes_written"]
+        == store.engine.datapath.close_flush["bytes"]
+    )
 
 
 def test_close_says_what_it_writes_and_how_long_it_took(
@@ -269,7 +272,7 @@ def test_close_says_what_it_writes_and_how_long_it_took(
     assert lines[0].startswith(f"close: writing {format_size(3 * layout.block_nbytes)}")
     assert "disk tier" in lines[0] and str(tmp_path) in lines[0]
     assert lines[-1].startswith("close: wrote") and " in " in lines[-1]
-    report = store.datapath.close_flush
+    report = store.engine.datapath.close_flush
     assert (
         report is not None and report["bytes"] == report["bytes_written"] == 3 * layout.block_nbytes
     )
@@ -290,7 +293,7 @@ def test_close_with_nothing_to_write_says_nothing(
     with caplog.at_level(logging.INFO, logger="kvstore.close"):
         store.close()
     assert not [r for r in caplog.records if r.name == "kvstore.close"]
-    report = store.datapath.close_flush
+    report = store.engine.datapath.close_flush
     assert report is not None and report["bytes"] == report["bytes_written"] == 0
 
 
@@ -309,10 +312,12 @@ def test_write_back_goes_least_recently_used_first_and_keeps_the_policy_order(
     store.get(keys[:1])  # k0 is now the most recently used
     store.put(keys[5:6], chunk(kv, layout, 5))  # 6 dirty > 5: one is written back
     assert store.drain(timeout=30)
-    assert [store.datapath.where(k) for k in keys] == [[0], [0, 1]] + [[0]] * 4
+    assert [store.engine.datapath.where(k) for k in keys] == [[0], [0, 1]] + [[0]] * 4
     store.get(keys[1:2])  # the written-back block is used again: k2 is the LRU now
     assert store.evict(1) == [keys[2]]  # not k1, although k1 would free its slot for free
-    assert store.datapath.where(keys[1]) == [0, 1] and store.datapath.where(keys[2]) == [1]
+    assert store.engine.datapath.where(keys[1]) == [0, 1] and store.engine.datapath.where(
+        keys[2]
+    ) == [1]
     assert torch.equal(store.get(keys), kv)
     store.close()
 
@@ -331,7 +336,7 @@ def test_promotions_of_the_same_blocks_at_once_copy_each_once(tmp_path: Path) ->
         store.put(keys, kv)
     config = {"tiers": [{"kind": "host", "capacity": 20 * nb}, disk]}
     with KVStore(layout, config) as store:
-        datapath, start = store.datapath, threading.Barrier(3)
+        datapath, start = store.engine.datapath, threading.Barrier(3)
 
         def warm_now() -> None:
             start.wait()

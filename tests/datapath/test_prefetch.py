@@ -92,7 +92,7 @@ def test_layers_arrive_in_order_and_wait_layer_sees_each() -> None:
     assert tier.calls == [(0, 1), (1, 2), (2, 3)]  # one read per layer, every block at once
     assert handle.valid_blocks == handle.blocks_ready == 3 and handle.error is None
     assert handle.out is not None and torch.equal(handle.out, kv)
-    assert store.datapath.pinned_blocks() == 0  # the lease ended with the load
+    assert store.engine.datapath.pinned_blocks() == 0  # the lease ended with the load
     store.close()
 
 
@@ -114,7 +114,7 @@ def test_block_order_makes_a_partial_prefix_usable_early() -> None:
     assert handle.out is not None and torch.equal(
         handle.out[:, :, : 2 * step], kv[:, :, : 2 * step]
     )
-    assert store.datapath.pinned_blocks() == 0
+    assert store.engine.datapath.pinned_blocks() == 0
     store.close()
 
 
@@ -125,7 +125,7 @@ def test_cancel_stops_after_the_step_in_flight() -> None:
     tier.allowed.release(3)
     assert handle.wait(timeout=10)
     assert len(tier.calls) <= 1 and handle.blocks_ready == 0
-    assert store.datapath.pinned_blocks() == 0
+    assert store.engine.datapath.pinned_blocks() == 0
     store.close()
 
 
@@ -163,7 +163,7 @@ def test_corrupt_block_mid_prefetch_is_reported_and_never_returned(tmp_path: Pat
     keys = store.hash_tokens(torch.arange(4 * layout.block_tokens), "m")
     kv = random_blocks(layout, 4)
     store.put(keys, kv)
-    victim = Path(store.datapath.tiers[0].block_path(keys[2]))
+    victim = Path(store.engine.datapath.tiers[0].block_path(keys[2]))
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0x10  # flip a bit in the last layer's payload
     victim.write_bytes(bytes(data))
@@ -207,7 +207,7 @@ def test_a_block_is_visible_only_when_all_layers_arrived() -> None:
         assert store.lookup(keys) == 3
         assert torch.equal(store.get(keys), kv)
         assert store.put_layer(keys, 0, kv[0]) == 0  # stored already: skipped
-        assert store.datapath.pinned_blocks() == 0
+        assert store.engine.datapath.pinned_blocks() == 0
 
 
 def test_layers_from_many_threads() -> None:
@@ -257,7 +257,7 @@ def test_layerwise_write_to_a_tier_without_reservations_goes_through_staging(
         kv = random_blocks(layout, 2)
         for layer in range(layout.num_layers):
             store.put_layer(keys, layer, kv[layer])
-        assert store.datapath.where(keys[0]) == [0]
+        assert store.engine.datapath.where(keys[0]) == [0]
         assert torch.equal(store.get(keys), kv)
 
 
@@ -274,8 +274,8 @@ def test_put_layer_bad_input_changes_nothing() -> None:
             store.put_layer(keys, 0, kv[0].float())
         with pytest.raises(InvalidInputError):
             store.put_layer(keys, 0, "not a tensor")  # type: ignore[arg-type]
-        assert store.datapath.pinned_blocks() == 0 and len(store.datapath) == 0
-        assert store.datapath.tiers[0].free_blocks == 4
+        assert store.engine.datapath.pinned_blocks() == 0 and len(store.engine.datapath) == 0
+        assert store.engine.datapath.tiers[0].free_blocks == 4
 
 
 @pytest.mark.cuda

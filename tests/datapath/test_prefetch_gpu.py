@@ -127,8 +127,8 @@ def test_blocks_in_memory_and_on_disk_mix_in_one_gpu_prefetch(tmp_path: Path) ->
         keys = store.hash_tokens(torch.arange(5 * layout.block_tokens), "m")
         kv = random_blocks(layout, 5, seed=6)
         store.put(keys, kv)
-        store.persist(keys)
-        store.datapath.evict(0, 2)  # two blocks now only on disk
+        store.flush(keys)
+        store.engine.datapath.evict(0, 2)  # two blocks now only on disk
         out = torch.zeros(kv.shape, dtype=kv.dtype, device="cuda")
         handle = store.prefetch(keys, out=out)
         stream_check(handle, out, kv.cuda(), layout.num_layers)
@@ -159,13 +159,13 @@ def test_the_ordered_path_on_cpu_mixes_memory_and_disk_and_stops_at_a_corrupt_bl
         store.put(keys[:4], kv[:, :, : 4 * bt])
         store.put(keys[4:], kv[:, :, 4 * bt :])
         assert store.drain(WAIT)
-        store.persist(keys)
-        store.datapath.evict(0, 2)  # some blocks only on disk, some in memory too
-        where = [store.datapath.where(k) for k in keys]
+        store.flush(keys)
+        store.engine.datapath.evict(0, 2)  # some blocks only on disk, some in memory too
+        where = [store.engine.datapath.where(k) for k in keys]
         assert [1] in where  # at least one block only the disk holds
         out = torch.zeros_like(kv)
         views = [out[:, :, i * bt : (i + 1) * bt] for i in range(9)]
-        handle = store.datapath.prefetcher.start(keys, views, order, 1, ordered=True)
+        handle = store.engine.datapath.prefetcher.start(keys, views, order, 1, ordered=True)
         for layer in range(layout.num_layers):
             handle.wait_layer_on(layer)
         assert handle.wait(WAIT) and handle.valid_blocks == 9 and handle.blocks_ready == 9
@@ -176,6 +176,6 @@ def test_the_ordered_path_on_cpu_mixes_memory_and_disk_and_stops_at_a_corrupt_bl
             f.seek(-64, 2)
             f.write(b"\xff" * 64)
         out.zero_()
-        handle = store.datapath.prefetcher.start(keys, views, order, 1, ordered=True)
+        handle = store.engine.datapath.prefetcher.start(keys, views, order, 1, ordered=True)
         assert handle.wait(WAIT) and handle.valid_blocks == only_disk
         assert torch.equal(out[:, :, : only_disk * bt], kv[:, :, : only_disk * bt])

@@ -115,7 +115,7 @@ def test_a_probe_of_a_block_gone_meanwhile_measures_nothing(tmp_path: Path) -> N
     key = _stored(tmp_path, 1)[0]
     with KVStore(LAYOUT, {**_config(tmp_path), "restore": {}}) as store:  # no probe at open
         store.delete([key])
-        probe = store.datapath.probes
+        probe = store.engine.datapath.probes
         assert not probe.probe(key)  # not stored: nothing to read, nothing queued
         assert probe.probe_tier([key], 1)  # the tier is asked for it in the background
         store.drain(5.0)
@@ -133,14 +133,14 @@ def test_one_probe_of_a_tier_at_a_time_and_one_found_in_the_background(tmp_path:
     disk = _Jittery(create_tier(disk_config, LAYOUT), 0.2)  # the first read waits 0.2 s
     tiers = [create_tier(host_config, LAYOUT), disk]
     with KVStore(LAYOUT, {**config, "restore": {}}, tiers=tiers) as store:  # none at open
-        probe = store.datapath.probes
-        assert store.datapath.where(keys[0]) == [1]
+        probe = store.engine.datapath.probes
+        assert store.engine.datapath.where(keys[0]) == [1]
         assert probe.probe(keys[0])
         assert not probe.probe(keys[1]) and not probe.probe_tier(keys, 1)  # one at a time
         assert store.drain(30.0)
         first = disk.reads
         assert _disk(store)["read_speed_source"] == "measured"
-        store.datapath.io.speeds[1].stale_s = 0.0  # stale at once: probed again
+        store.engine.datapath.io.speeds[1].stale_s = 0.0  # stale at once: probed again
         assert probe.probe_tier(keys, 1) and store.drain(30.0)
         assert disk.reads > first and _disk(store)["read_speed_source"] == "stale"
 

@@ -69,7 +69,7 @@ def test_a_demotion_and_a_disk_eviction_of_one_block_do_not_wait_for_each_other(
     assert store.put(keys, random_blocks(layout, 2)) == 2
     pin = store.pin([pinned])  # a reader holds the second block
     assert store.hint(keys, demote=True).demoted == 2  # waits for that reader
-    _until(lambda: all(1 in store.datapath.where(k) for k in keys), "the demotion's copies")
+    _until(lambda: all(1 in store.engine.datapath.where(k) for k in keys), "the demotion's copies")
 
     tiers[2].stalled.set()  # the disk eviction below stops mid-way, its victim claimed
     evicted: list[list[BlockKey]] = []
@@ -84,6 +84,6 @@ def test_a_demotion_and_a_disk_eviction_of_one_block_do_not_wait_for_each_other(
     assert not disk_eviction.is_alive(), "the disk eviction hung (a demotion holds its block)"
     assert evicted == [[first]]
     _until(lambda: store.stats()["moves_pending"] == 0, "the demotion's end")
-    assert 0 not in store.datapath.where(first)  # demoted out of memory after all
+    assert 0 not in store.engine.datapath.where(first)  # demoted out of memory after all
     assert store.get(keys).shape == layout.tensor_shape(2)  # both still stored
     store.close()

@@ -63,7 +63,7 @@ def test_background_saves_land_in_order_and_reads_wait_for_them() -> None:
     """The saver's whole path on CPU tensors (the thread engine's lanes)."""
     layout = small_layout()
     with KVStore(layout, {**host_config(layout, 16), "saves": {"staging_bytes": "1MiB"}}) as store:
-        manager = store.datapath
+        manager = store.engine.datapath
         keys = store.hash_tokens(torch.arange(4 * layout.block_tokens), "m")
         kv = random_blocks(layout, 4, seed=3)
         for layer in range(layout.num_layers):  # layer by layer, as prefill makes them
@@ -86,10 +86,10 @@ def test_a_tiny_ring_still_saves_everything() -> None:
         keys = store.hash_tokens(torch.arange(8 * layout.block_tokens), "m")
         kv = random_blocks(layout, 8, seed=4)
         for i in range(8):  # one block a call: the ring holds two
-            store.datapath.save(
+            store.engine.datapath.save(
                 keys[i : i + 1], kv[:, :, i * layout.block_tokens : (i + 1) * layout.block_tokens]
             )
-        store.datapath.save(keys, kv)  # larger than the ring: saved in line
+        store.engine.datapath.save(keys, kv)  # larger than the ring: saved in line
         assert store.drain(WAIT)
         assert store.lookup(keys) == 8 and torch.equal(store.get(keys), kv)
         assert store.stats()["saves_in_line"] == 1
@@ -107,7 +107,7 @@ def test_a_failing_tier_makes_a_background_save_a_miss_not_an_error() -> None:
     faulty.put_error = 1.0
     with KVStore(layout, host_config(layout, 8), tiers=[faulty]) as store:
         keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
-        assert store.datapath.save(keys, random_blocks(layout, 2)) == 2
+        assert store.engine.datapath.save(keys, random_blocks(layout, 2)) == 2
         assert store.drain(WAIT)
         assert store.lookup(keys) == 0
 
@@ -163,7 +163,7 @@ def test_sync_saves_copy_before_returning() -> None:
         kv = random_blocks(layout, 2, seed=7).cuda()
         assert store.put(keys, kv) == 2
         assert store.stats()["saves_queued"] == 0
-        assert store.datapath.lookup(keys) == 2
+        assert store.engine.datapath.lookup(keys) == 2
 
 
 def test_get_refuses_out_and_device_together() -> None:
@@ -193,9 +193,11 @@ def test_without_room_for_the_ring_saves_are_synchronous(
         keys = store.hash_tokens(torch.arange(2 * layout.block_tokens), "m")
         kv = random_blocks(layout, 2, seed=9)
         with caplog.at_level("WARNING", logger="kvstore.datapath.manager"):
-            assert store.datapath.save(keys[:1], kv[:, :, : layout.block_tokens]) == 1
+            assert store.engine.datapath.save(keys[:1], kv[:, :, : layout.block_tokens]) == 1
             for layer in range(layout.num_layers):
-                store.datapath.save_layer(keys[1:], layer, kv[layer, :, layout.block_tokens :])
+                store.engine.datapath.save_layer(
+                    keys[1:], layer, kv[layer, :, layout.block_tokens :]
+                )
         assert store.lookup(keys) == 2
         assert torch.equal(store.get(keys), kv)
         assert sum("staging ring" in r.getMessage() for r in caplog.records) == 1

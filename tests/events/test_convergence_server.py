@@ -56,7 +56,7 @@ def truth(srv: ServerThread, events: dict[str, object], announced: set[BlockKey]
     mapper = BlockMapper(CHUNK, StoreConfig.from_dict({"events": events}).events)
     out: dict = {}
     for hosted in srv.server.registry.hosted():
-        tiers = hosted.store.datapath.tiers
+        tiers = hosted.store.engine.datapath.tiers
         out.update(
             held_media([(tiers[0], Medium.MEMORY), (tiers[1], Medium.DISK)], mapper, announced)
         )

@@ -241,7 +241,7 @@ def test_a_restart_announces_what_the_disk_kept(
     first = Rig(tmp_path / "disk", events_config, journal)
     tokens = list(range(64))
     keys = first.put(tokens)
-    first.store.persist(keys)
+    first.store.flush(keys)
     first.close()
     second = Rig(tmp_path / "disk", events_config, journal)
     try:

@@ -50,7 +50,7 @@ def hot_hits_between_scans(policy: str, rounds: int = 5) -> list[int]:
             for _ in range(3):  # 90 one-off chunks: more than the tier holds
                 serve(store, torch.randint(0, 50_000, (DOC_CHUNKS * bt,), generator=gen))
             hits.append(serve(store, hot))
-        assert len(store.datapath) <= CAPACITY
+        assert len(store.engine.datapath) <= CAPACITY
     return hits
 
 

@@ -99,7 +99,7 @@ def test_durable_put_is_on_disk_when_acknowledged(kv_server: Start) -> None:
         again = c.put_statuses(keys, blocks, durable=True)  # present, and durable
         assert all(s == SlotStatus.PRESENT | SlotStatus.DURABLE for s in again)
     hosted = server.server.registry.hosted()[0]
-    disk = hosted.store.datapath.tiers[1]
+    disk = hosted.store.engine.datapath.tiers[1]
     assert disk.contains(keys) == [True] * 3
 
 
@@ -163,7 +163,7 @@ def test_many_clients_at_once_byte_exact(kv_server: Start, shared: bool) -> None
     server = kv_server(tiers=[{"kind": "host", "capacity": 48 * LAYOUT.block_nbytes}], threads=2)
     keys = make_keys(64, salt=5)
     _Mix(server, dict(zip(keys, blocks_of(LAYOUT, 64, seed=5), strict=True)), shared).run(32)
-    manager = server.server.registry.hosted()[0].store.datapath
+    manager = server.server.registry.hosted()[0].store.engine.datapath
     deadline = time.monotonic() + 10  # the server ends loans as it sees the clients leave
     while manager.pinned_blocks() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -274,7 +274,7 @@ def test_sent_headers_come_from_puts_and_still_guard_the_bytes(kv_server: Start)
             assert sock.get(keys, outs) == [True, True]
             assert all(torch.equal(o, d) for o, d in zip(outs, data, strict=True))
         assert hosted.headers.get(keys[1]) is not None
-        view = hosted.store.datapath.tiers[0].view(keys[0])
+        view = hosted.store.engine.datapath.tiers[0].view(keys[0])
         assert view is not None
         view[1].fill_(0.5)  # memory damaged after the put
         out = empty(LAYOUT, 1)

@@ -224,9 +224,9 @@ def test_corrupt_blocks_in_a_put_are_dropped_alone(kv_server: Start, raw: Any) -
     assert frame.status == Status.OK
     assert decode_put_reply(meta, 3) == [SlotStatus.STORED, SlotStatus.CORRUPT, SlotStatus.CORRUPT]
     store = hosted_store(server)
-    assert [store.contains(k) for k in keys] == [True, False, False]
+    assert [store.engine.datapath.contains(k) for k in keys] == [True, False, False]
     assert server.stats()["blocks_corrupt_received"] == 2
-    assert store.datapath.pinned_blocks() == 0
+    assert store.engine.datapath.pinned_blocks() == 0
 
 
 def test_abandoned_reservations_and_loans_end_with_the_connection(
@@ -246,13 +246,13 @@ def test_abandoned_reservations_and_loans_end_with_the_connection(
     lease, slots = decode_get_reply(meta, 2)
     assert lease and all(s == SlotStatus.SHM for s, _ in slots)
     store = hosted_store(server)
-    assert store.datapath.pinned_blocks() == 5  # 3 being written, 2 lent
+    assert store.engine.datapath.pinned_blocks() == 5  # 3 being written, 2 lent
     conn.close()  # a client that dies without COMMIT or RELEASE
     deadline = time.monotonic() + 5
-    while store.datapath.pinned_blocks() and time.monotonic() < deadline:
+    while store.engine.datapath.pinned_blocks() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.datapath.pinned_blocks() == 0
-    assert store.contains(make_keys(3, salt=1)[0]) is False
+    assert store.engine.datapath.pinned_blocks() == 0
+    assert store.engine.datapath.contains(make_keys(3, salt=1)[0]) is False
 
 
 def test_a_reservation_never_committed_is_aborted_at_the_next_reserve(
@@ -266,16 +266,16 @@ def test_a_reservation_never_committed_is_aborted_at_the_next_reserve(
     frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(3, salt=2)))
     abandoned, _slots = decode_reserve_reply(meta, 3)
     store = hosted_store(server)
-    assert frame.status == Status.OK and store.datapath.pinned_blocks() == 3
+    assert frame.status == Status.OK and store.engine.datapath.pinned_blocks() == 3
     time.sleep(0.5)
     frame, meta, _ = conn.call(Op.RESERVE, encode_keys(make_keys(1, salt=3)))
     assert frame.status == Status.OK
-    assert store.datapath.pinned_blocks() == 1  # the new one only
+    assert store.engine.datapath.pinned_blocks() == 1  # the new one only
     assert server.stats()["reservations_expired"] == 1
     commit = encode_commit_request(abandoned, [True, True, True])
     frame, meta, _ = conn.call(Op.COMMIT, commit)
     assert frame.status != Status.OK and b"io_timeout_s" in meta
-    assert not any(store.contains(k) for k in make_keys(3, salt=2))
+    assert not any(store.engine.datapath.contains(k) for k in make_keys(3, salt=2))
 
 
 _FROZEN_WRITER = """
@@ -313,15 +313,15 @@ def test_the_held_slots_of_a_killed_writer_go_back_at_once(kv_server: Start) -> 
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "reserved"
         store = hosted_store(server)
-        assert store.datapath.pinned_blocks() == 3
+        assert store.engine.datapath.pinned_blocks() == 3
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
-        while store.datapath.pinned_blocks() and time.monotonic() < deadline:
+        while store.engine.datapath.pinned_blocks() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert store.datapath.pinned_blocks() == 0
+        assert store.engine.datapath.pinned_blocks() == 0
         assert server.stats().get("reservations_held", 0) == 0
-        assert not any(store.contains(k) for k in make_keys(3, salt=41))
+        assert not any(store.engine.datapath.contains(k) for k in make_keys(3, salt=41))
     finally:
         proc.kill()
         proc.wait()
@@ -345,7 +345,7 @@ def test_a_delete_of_blocks_its_own_connection_holds_is_refused_at_once(
     assert lease and slots[0][0] == SlotStatus.SHM
     frame, meta, _ = conn.call(Op.DELETE, encode_keys(keys))
     assert frame.status == Status.BUSY and b"RELEASE it first" in meta
-    assert hosted_store(server).contains(keys[1])  # refused whole: nothing deleted
+    assert hosted_store(server).engine.datapath.contains(keys[1])  # refused whole: nothing deleted
     conn.send(Op.RELEASE, encode_u64(lease), flags=Flag.NO_REPLY)
     frame, meta, _ = conn.call(Op.DELETE, encode_keys(keys))
     assert frame.status == Status.OK and decode_count(meta) == 2
@@ -402,7 +402,7 @@ def test_a_slow_payload_is_cut_off(kv_server: Start, raw: Any) -> None:
         pass
     assert conn.closed_by_server()
     assert time.monotonic() - start < 3
-    assert hosted_store(server).datapath.pinned_blocks() == 0  # the reservation was undone
+    assert hosted_store(server).engine.datapath.pinned_blocks() == 0  # the reservation was undone
 
 
 def test_connections_beyond_the_limit_are_refused(kv_server: Start, raw: Any) -> None:

@@ -328,7 +328,7 @@ def test_restore_load_times_per_tier_are_on_metrics(tmp_path: Any) -> None:
         keys = store.hash_tokens(list(range(4 * LAYOUT.block_tokens)), namespace="m")
         assert store.put(keys, kv) == 4
         store.flush()
-        assert store.evict(4, tier=0) and store.datapath.promote(keys[:2], tier=0) == 2
+        assert store.evict(4, tier=0) and store.engine.datapath.promote(keys[:2], tier=0) == 2
         assert store.get_prefix(keys, torch.empty(LAYOUT.tensor_shape(4), dtype=LAYOUT.dtype)) == 4
         stats = {"namespace": "t", "layout_fp": LAYOUT.fingerprint_hex, **store.stats()}
     types, samples = parse_exposition(ServerMetrics().render([stats]))
@@ -344,7 +344,7 @@ def test_restore_load_times_per_tier_are_on_metrics(tmp_path: Any) -> None:
 def test_each_tiers_price_correction_and_plan_error_are_gauges(tmp_path: Any) -> None:
     """A store whose restores corrected a tier's price shows it per tier on /metrics."""
     with KVStore(LAYOUT, {"tiers": [{"kind": "disk", "path": str(tmp_path)}]}) as store:
-        store.observe_loads({"disk:0": LoadSample(0.09, 3e6, 1, 0.03)})  # 3x its price
+        store.engine.observe_loads({"disk:0": LoadSample(0.09, 3e6, 1, 0.03)})  # 3x its price
         stats = {**store.stats(), "namespace": "n", "layout_fp": "f"}
     text = ServerMetrics().render([stats])
     labels = 'namespace="n",layout="f",tier="0",kind="disk"'

@@ -35,7 +35,7 @@ def hosted_store(server: ServerThread, namespace: str = "default") -> Any:
 
 
 def in_memory(store: Any, keys: list[bytes]) -> int:
-    return sum(0 in store.datapath.where(k) for k in keys)
+    return sum(0 in store.engine.datapath.where(k) for k in keys)
 
 
 def fields(**over: Any) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def test_retain_demote_and_prefetch_a_session(kv_server: Start) -> None:
         answer = c.hint(agent, session="agent-7", retain_s=60, priority=5)
         assert (answer.status, answer.blocks, answer.retain_s) == ("accepted", 4, 60.0)
         store = hosted_store(server)
-        assert len(store.datapath.retention) == 4
+        assert len(store.engine.datapath.retention) == 4
 
         answer = c.hint(session="agent-7", demote=True)  # the session went idle
         assert (answer.status, answer.blocks, answer.demoted) == ("accepted", 4, 4)
@@ -135,7 +135,7 @@ def test_malformed_hints_are_rejected_and_change_nothing(kv_server: Start, raw: 
         assert frame.status == Status.BAD_REQUEST, (bad, meta)
     assert conn.call(Op.PING)[0].status == Status.OK
     store = hosted_store(server)
-    assert len(store.datapath.retention) == 0  # nothing was retained
+    assert len(store.engine.datapath.retention) == 0  # nothing was retained
     frame, meta, _ = conn.call(Op.HINT, encode_hint_request(fields(retain_s=5, session="s"), None))
     assert "unknown session 's'" in decode_json(meta)["reason"]  # nor remembered
     frame, meta, _ = conn.call(Op.HINT, encode_hint_request(fields(retain_s=5), keys))
@@ -168,8 +168,8 @@ def test_hint_follows_the_handshake_and_stays_in_its_namespace(kv_server: Start,
         assert a.hint(keys, session="s", retain_s=30).status == "accepted"
         assert b.hint(keys, retain_s=30).status == "rejected"  # not stored in team-b
         assert "unknown session" in b.hint(session="s", demote=True).reason
-        assert len(hosted_store(server, "team-a").datapath.retention) == 2
-        assert len(hosted_store(server, "team-b").datapath.retention) == 0
+        assert len(hosted_store(server, "team-a").engine.datapath.retention) == 2
+        assert len(hosted_store(server, "team-b").engine.datapath.retention) == 0
 
 
 def test_the_client_checks_hints_before_sending(kv_server: Start) -> None:
@@ -212,4 +212,4 @@ def test_a_store_passes_its_hints_to_the_server_behind_it(kv_server: Start) -> N
         assert store.put(keys, kv) == 3
         answer = store.hint(keys, retain_s=60, priority=4)
         assert (answer.status, answer.blocks) == ("accepted", 3)
-        assert len(hosted_store(server).datapath.retention) == 3
+        assert len(hosted_store(server).engine.datapath.retention) == 3

@@ -49,7 +49,7 @@ class TestDiskTierCompressed(TestDiskTier):
 
 class TestDiskTierODirect(TestDiskTier):
     def make_tier(self, layout: KVLayout, capacity_blocks: int) -> DiskTier:
-        return disk_tier(self.path, layout, capacity_blocks, o_direct=True, fsync=True)
+        return disk_tier(self.path, layout, capacity_blocks, page_cache="bypass", fsync=True)
 
 
 class TestDiskTierBypass(TestDiskTier):
@@ -130,10 +130,10 @@ def test_overflow_and_eviction_flow_down_to_disk_and_back(tmp_path: Path) -> Non
     assert store.put(keys[:8], kv[:, :, : 8 * layout.block_tokens]) == 8
     # The prefix stays in DRAM (the oldest blocks past the host's low watermark may also
     # have a copy on disk already: written back ahead of their eviction).
-    assert [store.datapath.where(k)[0] for k in keys[:4]] == [0] * 4
-    assert [store.datapath.where(k) for k in keys[4:8]] == [[1]] * 4  # the rest went to disk
+    assert [store.engine.datapath.where(k)[0] for k in keys[:4]] == [0] * 4
+    assert [store.engine.datapath.where(k) for k in keys[4:8]] == [[1]] * 4  # the rest went to disk
     assert store.put(keys[8:], kv[:, :, 8 * layout.block_tokens :]) == 8
-    store.datapath.drain()  # background evictions (down to the low watermarks) finish
+    store.engine.datapath.drain()  # background evictions (down to the low watermarks) finish
     stats = store.stats()
     assert stats["tiers"][0]["demotions"] > 0  # host evictions were demoted to disk
     assert stats["tiers"][1]["evictions"] > 0  # and the disk evicted too
@@ -142,7 +142,7 @@ def test_overflow_and_eviction_flow_down_to_disk_and_back(tmp_path: Path) -> Non
     n = store.lookup(keys[::-1][:1])
     assert n == 1  # the newest block is stored
     for i, key in enumerate(keys):
-        if store.contains(key):
+        if store.engine.datapath.contains(key):
             got = store.get([key])
             assert torch.equal(
                 got, kv[:, :, i * layout.block_tokens : (i + 1) * layout.block_tokens]

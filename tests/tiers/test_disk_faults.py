@@ -164,7 +164,7 @@ def test_damaged_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> N
     store = disk_store(tmp_path)
     keys, kv = keys_and_kv(store, 2)
     store.put(keys, kv)
-    files = {k: Path(store.datapath.tiers[0].block_path(k)) for k in keys}
+    files = {k: Path(store.engine.datapath.tiers[0].block_path(k)) for k in keys}
     victim = files[keys[0]]
     data = bytearray(victim.read_bytes())
     if damage == "truncate":

@@ -135,4 +135,4 @@ def test_closing_a_store_while_its_host_tier_prefaults(monkeypatch: pytest.Monke
     threading.Timer(0.1, gate.set).start()  # the step in flight ends while close() waits
     store.close()
     assert time.monotonic() - start < 0.5
-    assert store.datapath.tiers[0].stats()["prefault"] == "stopped"
+    assert store.engine.datapath.tiers[0].stats()["prefault"] == "stopped"

@@ -284,12 +284,12 @@ def test_killed_mid_workload_store_keeps_serving_then_reconnects():
         with KVStore(layout, tiers=[host, redis_tier]) as store:
             keys, kv = make_keys(24), random_blocks(layout, 24, seed=12)
             _spill(store, keys, kv, batch=4)
-            in_redis = [i for i, k in enumerate(keys) if store.datapath.where(k) == [1]]
+            in_redis = [i for i, k in enumerate(keys) if store.engine.datapath.where(k) == [1]]
             assert in_redis and torch.equal(
                 store.get([keys[i] for i in in_redis])[:, :, :step],
                 kv[:, :, in_redis[0] * step : (in_redis[0] + 1) * step],
             )
-            hot = [i for i, k in enumerate(keys) if 0 in store.datapath.where(k)][-3:]
+            hot = [i for i, k in enumerate(keys) if 0 in store.engine.datapath.where(k)][-3:]
             fresh, fresh_kv = make_keys(400, salt=5), random_blocks(layout, 400, seed=13)
             state: dict[str, Any] = {"errors": [], "slowest": 0.0, "rounds": 0}
             stop = threading.Event()
@@ -337,7 +337,7 @@ def test_killed_mid_workload_store_keeps_serving_then_reconnects():
             # Redis is back in the store: new evictions land there and read back.
             more, more_kv = make_keys(12, salt=9), random_blocks(layout, 12, seed=14)
             _spill(store, more, more_kv, batch=4)
-            back = [i for i, k in enumerate(more) if store.datapath.where(k) == [1]]
+            back = [i for i, k in enumerate(more) if store.engine.datapath.where(k) == [1]]
             assert back
             got = store.get([more[back[0]]])
             assert torch.equal(got, more_kv[:, :, back[0] * step : (back[0] + 1) * step])

@@ -64,7 +64,7 @@ def test_a_host_tier_registered_as_mem2_opens_from_a_config_dict_and_a_yaml_file
     assert "mem2" in registered_kinds()
     tier = {"kind": "mem2", "capacity": 8 * LAYOUT.block_nbytes, "prefault": False}
     with KVStore(LAYOUT, {"tiers": [tier]}) as store:
-        assert isinstance(store.datapath.tiers[0], HostTier)
+        assert isinstance(store.engine.datapath.tiers[0], HostTier)
         assert store.config.tiers[0].kind == "mem2"
         assert isinstance(store.config.tiers[0], HostTierConfig)  # the host tier's settings
         roundtrip(store)
@@ -85,7 +85,7 @@ def test_a_registered_kind_reads_its_own_settings_from_yaml_and_the_environment(
         "tiers:\n  - {kind: labelled, capacity: 64KiB, label: hot, spare: 4KiB, prefault: false}\n"
     )
     with KVStore(LAYOUT, path) as store:
-        tier = store.datapath.tiers[0]
+        tier = store.engine.datapath.tiers[0]
         assert type(tier) is LabelledTier
         assert isinstance(tier.config, LabelledConfig)
         assert (tier.config.label, tier.config.spare) == ("hot", 4096)
@@ -131,7 +131,7 @@ def test_a_built_in_kind_is_refused_and_replace_keeps_its_settings() -> None:
     register_tier("host", f"{__name__}:LabelledTier", replace=True)  # options kept
     tier = {"kind": "host", "capacity": 8 * LAYOUT.block_nbytes, "prefault": False}
     with KVStore(LAYOUT, {"tiers": [tier]}) as store:
-        assert type(store.datapath.tiers[0]) is LabelledTier
+        assert type(store.engine.datapath.tiers[0]) is LabelledTier
         assert type(store.config.tiers[0]) is HostTierConfig
         roundtrip(store)
 
@@ -199,7 +199,7 @@ def test_a_store_evicts_with_a_registered_policy() -> None:
         keys = store.hash_tokens(range(3 * layout.block_tokens), "m")
         store.put(keys[:2], random_blocks(layout, 2))
         store.evict(1)
-        assert store.exists(keys[:2]) == [True, False]
+        assert store.engine.datapath.exists(keys[:2]) == [True, False]
 
 
 PLUGIN = """
@@ -248,7 +248,7 @@ def test_a_tier_kind_from_an_installed_packages_entry_point_opens_from_yaml(
         assert store.config.tiers[0].kind == "plugged"
         assert type(store.config.tiers[0]).__name__ == "PluggedConfig"
         assert store.config.tiers[0].label == "hot"  # type: ignore[attr-defined]
-        assert type(store.datapath.tiers[0]).__name__ == "PluggedTier"
+        assert type(store.engine.datapath.tiers[0]).__name__ == "PluggedTier"
         roundtrip(store)
     assert "plugged" in registered_kinds()
     assert TIERS.view["plugged"].options.__name__ == "PluggedConfig"

@@ -86,7 +86,7 @@ def test_two_stores_share_blocks_through_a_server(shared_server: ServerThread) -
         assert writer.flush() == 4  # memory-only blocks go to the server
     with KVStore(layout, config) as reader:  # another process's store, say
         assert reader.lookup(keys) == 4
-        assert reader.datapath.where(keys[0]) == [1]  # the server holds it, not this process
+        assert reader.engine.datapath.where(keys[0]) == [1]  # the server holds it, not this process
         assert torch.equal(reader.get(keys), kv)
 
 

@@ -463,12 +463,12 @@ def test_store_finds_evicted_blocks_in_s3_and_after_reopen(
         for i in range(0, n, 2):  # several puts, so earlier blocks get evicted downwards
             step = layout.block_tokens
             assert store.put(keys[i : i + 2], kv[:, :, i * step : (i + 2) * step]) == 2
-        in_s3 = [k for k in keys if store.datapath.where(k) == [s3_index]]
+        in_s3 = [k for k in keys if store.engine.datapath.where(k) == [s3_index]]
         assert len(in_s3) >= n - 8  # the upper tiers hold at most 4 blocks each
         assert torch.equal(store.get(keys), kv)  # evicted blocks come back from S3, byte-exact
         evicted = sorted(keys.index(k) for k in in_s3)
     with KVStore(layout, config) as reopened:
-        assert all(reopened.contains(keys[i]) for i in evicted)
+        assert all(reopened.engine.datapath.contains(keys[i]) for i in evicted)
         step = layout.block_tokens
         for i in evicted:
             assert torch.equal(reopened.get([keys[i]]), kv[:, :, i * step : (i + 1) * step]), (
