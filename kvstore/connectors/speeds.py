@@ -7,13 +7,13 @@ both are measured where the scheduler is not: tiers are read by the workers
 - each worker ships the tier reads it made since its last report as counters
   in its ``KVConnectorStats`` (:class:`ReadDeltas`, under :data:`READS_PREFIX`),
   which vLLM hands the scheduler side every step; :class:`EngineSpeeds` feeds
-  them to the scheduler's store (``observe_reads``, matched by tier kind);
+  them to the scheduler's store (``store.engine.observe_reads``, matched by tier kind);
 - and what its planned loads cost the engine per tier (the engine's wait, against
   the plan's model: :data:`LOADS_PREFIX`), which corrects the tiers' prices in the
-  scheduler's store (``observe_loads``);
+  scheduler's store (``store.engine.observe_loads``);
 - the scheduler times each step from ``build_connector_meta`` to the
   ``update_connector_output`` of its result, with the tokens it scheduled, and
-  feeds steps that loaded nothing to ``note_prefill_step`` (used when the config
+  feeds steps that loaded nothing to ``store.engine.note_prefill_step`` (used when the config
   declares no prefill speed). Under asynchronous scheduling, where steps overlap,
   the pairing is ambiguous and no step is learned from: declare the speed then.
 """
