@@ -4,6 +4,11 @@ Public API::
 
     from kvstore import KVStore, StoreConfig, KVLayout
 
+``KVStore``'s methods are what an application calls; what only integrations (the
+connectors, the server, a cluster node) use sits behind ``store.engine`` (the
+:class:`EngineSide` protocol). Every type a public method returns is exported here
+(docs/architecture.md, "The public face").
+
 Names are imported on first use, so ``import kvstore`` is cheap and pulls in
 no optional dependency (boto3, redis, ...).
 
