@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvstore.copies.regions import Regions, plan_regions
+from kvstore.copies.regions import RegionGroup, Regions, plan_regions
 
 __all__ = ["MIN_ROWS", "available", "copy_regions", "reason", "try_copy"]
 
@@ -96,6 +96,14 @@ def _block(max_width: int) -> int:
     return block
 
 
+def _align(group: RegionGroup) -> int:
+    """The alignment hint the launch compiles for: 16 bytes' worth of units where every
+    row is 16-byte aligned (what lets the compiler move 16 bytes a thread), else none.
+    Two values, not every power of two, so that a process compiles few variants."""
+    full = max(1, 16 // group.dst.element_size())
+    return full if group.align >= full else 1
+
+
 def copy_regions(regions: Regions) -> int:
     """Launch the copies of ``regions`` on the current stream (CUDA; on CPU tensors, run
     them under Triton's interpreter); return the launches made.
@@ -118,7 +126,7 @@ def copy_regions(regions: Regions) -> int:
         if cuda:
             table = table.pin_memory().to(group.dst.device, non_blocking=True)
         grid = (group.rows * chunks,)
-        fn[grid](group.dst, group.src, table, chunks, BLOCK=block, ALIGN=group.align)
+        fn[grid](group.dst, group.src, table, chunks, BLOCK=block, ALIGN=_align(group))
         launches += 1
     return launches
 

@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 __all__ = ["copy_rows", "interpreted"]
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["chunks"])  # type: ignore[untyped-decorator]
 def copy_rows(dst, src, table, chunks, BLOCK: tl.constexpr, ALIGN: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton takes no annotations
     """``dst[d : d + w] = src[s : s + w]`` for each row ``(d, s, w)`` of ``table``."""
     pid = tl.program_id(0).to(tl.int64)

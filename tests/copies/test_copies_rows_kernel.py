@@ -288,7 +288,7 @@ def test_a_kernel_that_fails_to_launch_disables_itself_and_the_caller_copies(
 def test_random_batches_on_the_gpu_match_the_thread_engine() -> None:
     rng = random.Random(7)
     done = 0
-    for seed in range(200):
+    for seed in range(80):
         dtype = rng.choice(DTYPES)
         item = torch.empty(0, dtype=dtype).element_size()
         batch = []
@@ -313,7 +313,7 @@ def test_random_batches_on_the_gpu_match_the_thread_engine() -> None:
         for a, b in zip(twin, ours, strict=True):
             assert torch.equal(a, b.cpu())
         done += 1
-    assert done > 50
+    assert done > 20
 
 
 @pytest.mark.cuda
