@@ -34,6 +34,8 @@ MAX_BLOCK = 4096
 MIN_BLOCK = 16
 #: A batch of fewer rows goes to ``copy_`` (one contiguous run: a plain device memcpy).
 MIN_ROWS = 2
+#: Programs one launch may have (CUDA's limit on a grid's first dimension).
+MAX_GRID = (1 << 31) - 1
 
 
 class _Loaded:
@@ -104,6 +106,11 @@ def _align(group: RegionGroup) -> int:
     return full if group.align >= full else 1
 
 
+def _grid(group: RegionGroup) -> int:
+    """Programs of the group's launch: a row's slices, for every row."""
+    return group.rows * -(-group.max_width // _block(group.max_width))
+
+
 def copy_regions(regions: Regions) -> int:
     """Launch the copies of ``regions`` on the current stream (CUDA; on CPU tensors, run
     them under Triton's interpreter); return the launches made.
@@ -120,6 +127,8 @@ def copy_regions(regions: Regions) -> int:
             continue
         block = _block(group.max_width)
         chunks = -(-group.max_width // block)
+        if _grid(group) > MAX_GRID:
+            raise ValueError(f"rows kernel: {_grid(group)} programs, more than one launch has")
         cuda = group.dst.is_cuda
         fn = _LOADED.compiled if cuda else _LOADED.interpreted
         table = group.table
@@ -143,6 +152,8 @@ def try_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, min_rows: int = 
     regions = plan_regions(pairs)
     if regions is None or regions.rows < min_rows:
         return 0
+    if any(_grid(group) > MAX_GRID for group in regions.groups):
+        return 0  # more programs than one launch may have
     try:
         copy_regions(regions)
     except Exception as exc:  # compile or launch errors: the old path still works

@@ -347,7 +347,7 @@ def test_the_hbm_tier_get_into_an_engine_tensor_goes_through_the_kernel() -> Non
     kv = torch.randn(4, 2, 8 * 16, 2, 64, device="cuda").to(torch.bfloat16)
     tiers = [{"kind": "device", "device": "cuda", "capacity": 64 * layout.block_nbytes}]
     with KVStore(layout, {"tiers": tiers}) as store:
-        keys = store.hash_tokens(list(range(8 * 16)))
+        keys = store.hash_tokens(list(range(8 * 16)), "rows")
         store.put(keys, kv)
         store.drain()
         before = engine_for("cuda").stats()["batches_rows"]  # type: ignore[attr-defined]
