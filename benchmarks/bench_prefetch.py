@@ -34,7 +34,7 @@ store's threads to the rest (``--no-pin`` leaves placement to the OS; see
 prefetch, each against a raw copy of the same bytes in the same run.
 
 Run: ``python benchmarks/bench_prefetch.py [--json] [--quick] [--source host|disk]
-[--per-call [--blocks 32]]``.
+[--per-call [--per-call-blocks 32]]``.
 """
 
 from __future__ import annotations
@@ -314,6 +314,7 @@ def main() -> None:
     parser.add_argument("--layers-per-step", type=int, default=None, help="prefetch step size")
     parser.add_argument("--per-call", action="store_true", help="per-call costs (_per_call.py)")
     parser.add_argument("--per-call-heads", type=int, default=1, help="--per-call: KV heads")
+    parser.add_argument("--per-call-blocks", type=int, default=32, help="--per-call: blocks")
     args = parser.parse_args()
     if args.per_call:
         per_call_main(args)
@@ -335,7 +336,7 @@ def per_call_main(args: Any) -> None:
 
     torch.set_num_threads(1)  # the copies on one core: the Python beside them is the figure
     rounds = args.rounds or (3 if args.quick else 15)
-    blocks = 8 if args.quick else (args.blocks if args.blocks != 8 else 32)
+    blocks = 8 if args.quick else args.per_call_blocks
     result = per_call(args.layers, blocks, args.per_call_heads, rounds)
     result["environment"] = environment()
     put, first = result["put_layer"], result["prefetch_first_layer"]
