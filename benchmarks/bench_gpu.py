@@ -8,7 +8,11 @@ One JSON line (``{"skipped": true, "reason": ...}`` without CUDA). Llama-3-8B bl
   a GPU tensor against one pinned ``non_blocking`` copy of the same bytes
   (``saves: sync`` for the put; ``host_put_async_ratio`` is put + drain with
   the default asynchronous saves).
-- ``hbm_get_ratio``: a device-tier ``get(out=gpu)`` against one device copy.
+- ``hbm_get_ratio`` / ``hbm_get_vs_device_copy``: a device-tier ``get(out=gpu)`` against
+  one device copy of the same bytes, with the engine's default device-to-device path (the
+  rows kernel, ``copies/kernel.py``, where Triton is installed); ``hbm_get_<how>_gbps``
+  for each path (``dma``, ``kernel``: torch's strided copy, ``rows``), and whether the
+  rows kernel ran (``rows_kernel``, ``batches_rows``).
 - ``get_then_cuda_ratio``: ``get(keys)`` (pinned result) then ``.cuda()``,
   against the raw host-to-device rate.
 - ``prefetch_*``: a layerwise prefetch while a matmul per layer, calibrated to
@@ -137,13 +141,24 @@ def bench_hbm(n: int, reps: int, raw: dict[str, float]) -> dict[str, Any]:
         keys = keys_for(store, n, "hbm")
         store.put(keys, kv)
         store.drain()
-        for how in ("dma", "kernel"):  # the default last
+        for how in ("dma", "kernel", "rows"):  # the default last
             engine.d2d = how  # type: ignore[attr-defined]
+            out.zero_()
+            store.get(keys, out=out)  # warm-up: the rows kernel compiles on its first batch
+            assert torch.equal(out, kv), how
             took = clock(lambda k=keys: store.get(k, out=out), reps)
             res[f"hbm_get_{how}_gbps"] = nbytes / took / GB
-            assert torch.equal(out, kv)
-    gbps = res["hbm_get_kernel_gbps"]
-    return {**res, "hbm_get_gbps": gbps, "hbm_get_ratio": gbps / raw["d2d_gbps"]}
+            assert torch.equal(out, kv), how
+        stats = engine.stats()  # type: ignore[attr-defined]
+    gbps = res["hbm_get_rows_gbps"]
+    return {
+        **res,
+        "hbm_get_gbps": gbps,
+        "hbm_get_ratio": gbps / raw["d2d_gbps"],
+        "hbm_get_vs_device_copy": gbps / raw["d2d_gbps"],
+        "rows_kernel": stats.get("rows_kernel"),
+        "batches_rows": stats.get("batches_rows"),
+    }
 
 
 def matmul_for(seconds: float) -> Callable[[], object]:
@@ -424,6 +439,7 @@ HEADLINE = {
     "host_put_ratio": ("host", "host_put_ratio", 0.95),
     "host_get_ratio": ("host", "host_get_ratio", 0.95),
     "hbm_get_ratio": ("hbm", "hbm_get_ratio", 0.8),
+    "hbm_get_vs_device_copy": ("hbm", "hbm_get_vs_device_copy", 0.8),
     "get_then_cuda_ratio": ("host", "get_then_cuda_ratio", 0.8),
     "prefetch_concurrent4_ratio": ("prefetch", "prefetch_concurrent4_ratio", 0.9),
     "put_layer_ratio": ("put_layer", "put_layer_ratio", 0.85),

@@ -29,7 +29,12 @@ compute thread is pinned to the first ``--compute-threads`` cores and the
 store's threads to the rest (``--no-pin`` leaves placement to the OS; see
 ``pin_threads``). Say so when quoting the figures.
 
-Run: ``python benchmarks/bench_prefetch.py [--json] [--quick] [--source host|disk]``.
+``--per-call``: instead, the per-call costs on the engine's thread (``_per_call.py``):
+``put_layer``'s caller time per call in a prefill, and the time to the first layer of a
+prefetch, each against a raw copy of the same bytes in the same run.
+
+Run: ``python benchmarks/bench_prefetch.py [--json] [--quick] [--source host|disk]
+[--per-call [--per-call-blocks 32]]``.
 """
 
 from __future__ import annotations
@@ -307,7 +312,13 @@ def main() -> None:
     )
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     parser.add_argument("--layers-per-step", type=int, default=None, help="prefetch step size")
+    parser.add_argument("--per-call", action="store_true", help="per-call costs (_per_call.py)")
+    parser.add_argument("--per-call-heads", type=int, default=1, help="--per-call: KV heads")
+    parser.add_argument("--per-call-blocks", type=int, default=32, help="--per-call: blocks")
     args = parser.parse_args()
+    if args.per_call:
+        per_call_main(args)
+        return
     if args.quick:
         args.blocks, args.layers = 4, 16
     result = run(args)
@@ -316,6 +327,32 @@ def main() -> None:
         rows.append([name, result[name]])
     rows.append(["overlap_efficiency", result["overlap_efficiency"]])
     rows.append([f"meets target (>= {TARGET})", result["meets_target"]])
+    emit(result, args.json, rows)
+
+
+def per_call_main(args: Any) -> None:
+    """``--per-call``: put_layer's caller time and the first layer of a prefetch, vs raw."""
+    from _per_call import per_call
+
+    torch.set_num_threads(1)  # the copies on one core: the Python beside them is the figure
+    rounds = args.rounds or (3 if args.quick else 15)
+    blocks = 8 if args.quick else args.per_call_blocks
+    result = per_call(args.layers, blocks, args.per_call_heads, rounds)
+    result["environment"] = environment()
+    put, first = result["put_layer"], result["prefetch_first_layer"]
+    rows: list[list[object]] = [["figure", "ms", "raw ms", "ratio"]]
+    rows.append(
+        [
+            "put_layer caller_ms_per_call",
+            put["caller_ms_per_call"],
+            put["raw_ms_per_call"],
+            put["ratio"],
+        ]
+    )
+    rows.append(["put_layer caller_cpu_ms_per_call", put["caller_cpu_ms_per_call"], "", ""])
+    rows.append(
+        ["prefetch first layer", first["first_layer_ms"], first["raw_layer_ms"], first["ratio"]]
+    )
     emit(result, args.json, rows)
 
 

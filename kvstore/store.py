@@ -395,8 +395,7 @@ class KVStore:
         layout.check_layer(kv_layer, len(checked))
         if kv_layer.is_cuda and self.config.saves.mode == "async":
             return self._manager.save_layer(checked, layer, kv_layer, donate)
-        step = layout.block_tokens
-        srcs = [kv_layer[:, i * step : (i + 1) * step] for i in range(len(checked))]
+        srcs = _blocks_of(kv_layer, 1, len(checked), layout.block_tokens)
         return self._manager.write_layer(checked, layer, srcs)
 
     def abort_layers(self, keys: Sequence[BlockKey]) -> int:
@@ -440,8 +439,7 @@ class KVStore:
             self._events.note(tokens)
 
     def _chunks(self, kv: torch.Tensor, n: int) -> list[torch.Tensor]:
-        step = self.layout.block_tokens
-        return [kv[:, :, i * step : (i + 1) * step] for i in range(n)]
+        return _blocks_of(kv, 2, n, self.layout.block_tokens)
 
     def _target(
         self, out: torch.Tensor | None, n: int, device: torch.device | str | None = None
@@ -626,3 +624,16 @@ def _open_events(
     from kvstore.events import StoreEventsOwner
 
     return StoreEventsOwner(manager, config.events, publisher)
+
+
+def _blocks_of(kv: torch.Tensor, dim: int, n: int, tokens: int) -> list[torch.Tensor]:
+    """The views of ``n`` blocks of ``tokens`` along ``dim`` (``kv[..., i * t : (i + 1) * t]``):
+    one unbind, made in C, rather than a slice per block in Python (a per-call cost of
+    ``put_layer`` and ``prefetch``); slices where autograd tracks ``kv`` (it refuses
+    in-place copies into the outputs of an unbind)."""
+    if n == 0:
+        return []
+    if kv.requires_grad and torch.is_grad_enabled():
+        return [kv.narrow(dim, i * tokens, tokens) for i in range(n)]
+    shape = (*kv.shape[:dim], n, tokens, *kv.shape[dim + 1 :])
+    return list(kv.view(shape).unbind(dim))

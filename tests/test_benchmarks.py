@@ -267,6 +267,16 @@ def test_bench_prefetch() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_bench_prefetch_per_call() -> None:
+    result = run_bench("bench_prefetch.py", "--per-call")
+    put, first = result["put_layer"], result["prefetch_first_layer"]
+    assert_positive(put, "caller_ms_per_call", "caller_cpu_ms_per_call", "raw_ms_per_call")
+    assert put["ratio"] == pytest.approx(put["caller_ms_per_call"] / put["raw_ms_per_call"])
+    assert_positive(first, "first_layer_ms", "raw_layer_ms")
+    assert first["ratio"] == pytest.approx(first["first_layer_ms"] / first["raw_layer_ms"])
+
+
+@pytest.mark.timeout(120)
 def test_bench_server() -> None:
     result = run_bench("bench_server.py")
     assert result["benchmark"] == "server"

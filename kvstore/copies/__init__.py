@@ -13,6 +13,8 @@ ordering (lanes, events) and asynchrony live here and nowhere else.
 - ``runs.py``: evenly spaced blocks as one view (a layerwise load's copies per run).
 - ``cuda.py``: :class:`CudaCopyEngine`, persistent CUDA streams, DMA row copies
   (``cudart.py``: ``cudaMemcpy2DAsync`` through ctypes), CUDA events, GPU-side waits.
+- ``regions.py`` and ``kernel.py``: the rows kernel, a device-to-device batch of many rows
+  as one Triton launch (``triton_rows.py``; Triton optional, imported on first use).
 
 Use :func:`engine_for` to get the process's engine for a device, or
 :func:`engine_for_pairs` for the engine a batch of copies needs.

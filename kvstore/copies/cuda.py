@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvstore.copies import cudart
+from kvstore.copies import cudart, kernel
 from kvstore.copies.base import CopyEngine, Event, Lane, OnDone, WorkerLane
 from kvstore.copies.coalescing import (
     CopyPair,
@@ -134,20 +134,30 @@ class _Copier:
 
     def __init__(self, runtime: cudart.CudaRuntime | None) -> None:
         self.runtime = runtime
-        #: Device-to-device copies: ``kernel`` (torch's copy kernel over the widest
+        #: Device-to-device copies: ``rows`` (our rows kernel, ``kernel.py``, for a
+        #: batch of many rows where Triton is installed; the others where it is not or
+        #: may not take the batch), ``kernel`` (torch's copy kernel over the widest
         #: element the views allow) or ``dma`` (row copies, as between host and device).
-        self.d2d = "kernel"
+        self.d2d = "rows"
         self.copies_dma = 0
         self.bytes_dma = 0
         self.copies_torch = 0
+        self.batches_rows = 0
+        self.bytes_rows = 0
 
     def enqueue(self, pairs: Sequence[CopyPair], stream: torch.cuda.Stream) -> None:
         merged = coalesce(pairs, strided=self.runtime is not None)
         mode = torch.inference_mode() if needs_inference_mode(merged) else contextlib.nullcontext()
         handle = stream.cuda_stream
         with torch.cuda.stream(stream), mode:
+            if self.d2d == "rows" and all(d.is_cuda and s.is_cuda for d, s in merged):
+                nbytes = kernel.try_copy(merged)
+                if nbytes:
+                    self.batches_rows += 1
+                    self.bytes_rows += nbytes
+                    return
             for dst, src in merged:
-                if self.d2d == "kernel" and dst.is_cuda and src.is_cuda:
+                if self.d2d != "dma" and dst.is_cuda and src.is_cuda:
                     wide_dst, wide_src = _widened(dst, src)
                     wide_dst.copy_(wide_src)
                     self.copies_torch += 1
@@ -334,13 +344,15 @@ class CudaCopyEngine(CopyEngine):
 
     @property
     def d2d(self) -> str:
-        """How device-to-device copies run: ``kernel`` (the default) or ``dma``."""
+        """How device-to-device copies run: ``rows`` (the default: the rows kernel
+        where Triton is installed and the batch has many rows, else ``kernel``),
+        ``kernel`` (torch's copy kernel) or ``dma`` (2-D DMA row copies)."""
         return self._copier.d2d
 
     @d2d.setter
     def d2d(self, how: str) -> None:
-        if how not in ("kernel", "dma"):
-            raise ValueError(f"d2d: kernel or dma, got {how!r}")
+        if how not in ("rows", "kernel", "dma"):
+            raise ValueError(f"d2d: rows, kernel or dma, got {how!r}")
         self._copier.d2d = how
 
     def stats(self) -> dict[str, Any]:
@@ -351,6 +363,10 @@ class CudaCopyEngine(CopyEngine):
             "copies_dma": c.copies_dma,
             "bytes_dma": c.bytes_dma,
             "copies_torch": c.copies_torch,
+            "d2d": c.d2d,
+            "rows_kernel": kernel.reason(),
+            "batches_rows": c.batches_rows,
+            "bytes_rows": c.bytes_rows,
         }
 
     def copy_all(self, pairs: Sequence[CopyPair]) -> None:

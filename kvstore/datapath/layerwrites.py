@@ -21,6 +21,7 @@ they queue themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +34,122 @@ from kvstore.datapath.writer import FIRST, FollowUps, Writer
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 
-__all__ = ["LayerWrites"]
+__all__ = ["LayerWrites", "SlotRun", "WritePlan"]
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Parts ``[lo, hi)`` of a request whose slots lie a constant step apart and whose
+    keys are consecutive from ``first`` on: ``slots`` is their views as one view with a
+    block dimension in front (None for a single part)."""
+
+    lo: int
+    hi: int
+    first: int
+    slots: torch.Tensor | None
+    parts: tuple[Partial, ...]
+
+    def pairs(
+        self, items: Sequence[tuple[int, Sequence[torch.Tensor]]], out: list[CopyPair]
+    ) -> None:
+        """Append the copies of ``items`` (``(layer, srcs)``, a source per key) into this
+        run: one copy a layer where the sources lie evenly spaced too; else one per block
+        and layer, block by block, each block's layers in order (so that a block's
+        adjacent layers from adjacent sources still merge into one copy)."""
+        if self.slots is not None:
+            count = self.hi - self.lo
+            stacks = [_stacked(srcs, self.first, count) for _, srcs in items]
+            if all(stack is not None for stack in stacks):
+                for (layer, _), stack in zip(items, stacks, strict=True):
+                    assert stack is not None
+                    out.append((self.slots[:, layer], stack))
+                return
+        for n, part in enumerate(self.parts):
+            assert part.view is not None
+            for layer, srcs in items:
+                out.append((part.view[layer], srcs[self.first + n]))
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What a layerwise write precomputes per request: the parts it claimed, where each
+    one's source is among the keys, and the runs of evenly spaced slots."""
+
+    keys: tuple[BlockKey, ...]
+    parts: tuple[Partial, ...]
+    runs: tuple[SlotRun, ...]
+
+    def fits(self, keys: Sequence[BlockKey], parts: Sequence[Partial]) -> bool:
+        """True when this plan is the one of ``keys`` claimed as ``parts`` (the same
+        objects, so the same rooms)."""
+        return (
+            len(parts) == len(self.parts)
+            and tuple(keys) == self.keys
+            and all(a is b for a, b in zip(parts, self.parts, strict=True))
+        )
+
+    @classmethod
+    def of(cls, keys: Sequence[BlockKey], parts: Sequence[Partial]) -> WritePlan:
+        at = {key: i for i, key in enumerate(keys)}
+        runs: list[SlotRun] = []
+        lo = 0
+        while lo < len(parts):
+            hi, step = lo + 1, None
+            while hi < len(parts) and at[parts[hi].key] == at[parts[lo].key] + hi - lo:
+                gap = _gap(parts[hi - 1], parts[hi])
+                if gap is None or (step is not None and gap != step):
+                    break
+                step, hi = gap, hi + 1
+            group = tuple(parts[lo:hi])
+            slots = _slots(group, step) if step is not None else None
+            runs.append(SlotRun(lo, hi, at[parts[lo].key], slots, group))
+            lo = hi
+        return cls(tuple(keys), tuple(parts), tuple(runs))
+
+
+def _gap(a: Partial, b: Partial) -> int | None:
+    """Elements from ``a``'s room to ``b``'s when both are contiguous slots of one
+    storage, ``b`` past the end of ``a``; else None."""
+    va, vb = a.view, b.view
+    if va is None or vb is None or not (va.is_contiguous() and vb.is_contiguous()):
+        return None
+    if va.untyped_storage().data_ptr() != vb.untyped_storage().data_ptr():
+        return None
+    gap = int(vb.storage_offset()) - int(va.storage_offset())
+    return gap if gap >= va.numel() else None
+
+
+def _slots(group: tuple[Partial, ...], step: int) -> torch.Tensor:
+    first = group[0].view
+    assert first is not None
+    return first.as_strided(
+        (len(group), *first.shape), (step, *first.stride()), first.storage_offset()
+    )
+
+
+def _stacked(srcs: Sequence[torch.Tensor], first: int, count: int) -> torch.Tensor | None:
+    """``srcs[first : first + count]`` as one view with a block dimension in front, where
+    they are equal views a constant step apart inside the first one's storage (slices
+    of one layer tensor, as put_layer makes them); else None. The stacked view then
+    addresses exactly their bytes, whatever storage object each came from."""
+    base = srcs[first]
+    if count == 1:
+        return base.unsqueeze(0)
+    item, ptr = base.element_size(), base.data_ptr()
+    step = srcs[first + 1].data_ptr() - ptr
+    if step <= 0 or step % item:
+        return None
+    shape, stride, dtype = base.shape, base.stride(), base.dtype
+    for n in range(1, count):
+        src = srcs[first + n]
+        if src.data_ptr() != ptr + n * step or src.stride() != stride or src.shape != shape:
+            return None
+        if src.dtype != dtype:
+            return None
+    try:  # raises where the run would leave the first one's storage
+        return base.as_strided((count, *shape), (step // item, *stride), base.storage_offset())
+    except RuntimeError:
+        return None
 
 
 class LayerWrites:
@@ -45,6 +161,8 @@ class LayerWrites:
         self.writer = writer
         self.lease_s = lease_s
         self.layout: KVLayout = io.layout
+        #: The last request's plan (replaced whole, never changed: no lock needed).
+        self._last: WritePlan | None = None
 
     def write(
         self, keys: Sequence[BlockKey], layer: int, srcs: Sequence[torch.Tensor]
@@ -77,15 +195,21 @@ class LayerWrites:
         copy. Call :meth:`end_layers` with the same layers."""
         follow = FollowUps()
         parts = self._claim(keys, follow)
-        for _ in items:
-            self.books.partials.begin_writing(parts)
-        sources = [dict(zip(keys, srcs, strict=True)) for _, srcs in items]
+        self.books.partials.begin_writing(parts, len(items))
+        plan = self._plan(keys, parts)
         pairs: list[CopyPair] = []
-        for part in parts:
-            assert part.view is not None
-            for (layer, _), by_key in zip(items, sources, strict=True):
-                pairs.append((part.view[layer], by_key[part.key]))
+        for run in plan.runs:
+            run.pairs(items, pairs)
         return parts, pairs, follow
+
+    def _plan(self, keys: Sequence[BlockKey], parts: list[Partial]) -> WritePlan:
+        """The request's runs of slots, made on its first layer and kept for the next
+        (a prefill calls with the same keys once a layer: only the check is per layer)."""
+        last = self._last
+        if last is not None and last.fits(keys, parts):
+            return last
+        plan = self._last = WritePlan.of(keys, parts)
+        return plan
 
     def end_layer(
         self,
@@ -113,6 +237,8 @@ class LayerWrites:
         done: list[Partial] = []
         for layer in layers:
             done.extend(self.books.partials.mark(parts, layer))
+        if done:  # the request's blocks are complete: its plan is not needed again
+            self._last = None
         return self._complete(done, follow)
 
     def begin(self, keys: Sequence[BlockKey]) -> tuple[list[Partial | None], FollowUps]:

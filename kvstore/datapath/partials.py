@@ -132,13 +132,13 @@ class PartialBooks:
                 part.view, part.reserved = view, reserved
             self._guard.notify()
 
-    def begin_writing(self, parts: Sequence[Partial]) -> None:
-        """Count a copy in flight into each part, once every part has its room."""
+    def begin_writing(self, parts: Sequence[Partial], copies: int = 1) -> None:
+        """Count ``copies`` copies in flight into each part, once every part has its room."""
         with self._guard.locked():
             while any(p.view is None for p in parts):
                 self._guard.wait()
             for part in parts:
-                part.writers += 1
+                part.writers += copies
 
     def mark(self, parts: Sequence[Partial], layer: int | None) -> list[Partial]:
         """Record ``layer`` (None: every layer) as written into each part; return (and

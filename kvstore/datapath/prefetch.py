@@ -251,6 +251,7 @@ class _Load:
     queued: int = 0  # steps already queued (the first, on the caller's thread)
     slow_layers: int = 1  # layers read a call from slower tiers (layer order)
     slow_until: int = 0  # layers of the slower tiers' blocks read so far (layer order)
+    runs: list[BlockRun] = field(default_factory=list)  # stacked views, made once a load
 
 
 class Prefetcher:
@@ -306,10 +307,12 @@ class Prefetcher:
         with self._lock:
             self._live.add(handle)
         load = _Load(handle, lease, views, order, step, engine, ready)
-        if ordered:
-            inference = bool(views) and views[0].is_inference()
-            with torch.inference_mode(inference):
+        inference = bool(views) and views[0].is_inference()
+        with torch.inference_mode(inference):
+            if ordered:
                 self._first_step(load)
+            elif order == "layer":
+                self._first_runs_step(load)
         self._pool.submit(self._run, load)
         return handle
 
@@ -349,8 +352,14 @@ class Prefetcher:
 
     def _load(self, load: _Load) -> bool:
         """Run every step; True if the load ran to its end (not cancelled)."""
+        if load.runs:  # begun on the caller's thread (_first_runs_step)
+            return self._load_runs(load)
         load.sources = self._sources(load)
         handle = load.handle
+        valid = handle.valid_blocks
+        if load.order == "layer" and valid and all(s is not None for s in load.sources[:valid]):
+            load.runs = block_runs(load.views, load.sources, valid)
+            return self._load_runs(load)
         if load.order == "layer":
             load.slow_layers = self._slow_layers(load)
             for first in range(0, self.num_layers, load.step):
@@ -362,6 +371,41 @@ class Prefetcher:
             if not self._step(load, (first, min(handle.valid_blocks, first + load.step)), None):
                 return False
         return True
+
+    def _load_runs(self, load: _Load) -> bool:
+        """Layer order, every block in a memory tier: the views of adjacent blocks are
+        stacked once for the whole load (:func:`block_runs`), so a step costs a view per
+        run, not a view per block and a coalescing pass; at most two steps in flight."""
+        for index, step in enumerate(self._ranges(load)):
+            if index < load.queued:
+                continue
+            if load.handle.cancelled:
+                return False
+            if len(load.in_flight) >= 2:
+                load.in_flight.pop(0).wait()
+            self._keep_alive(load)
+            self._queue_step(load, load.runs, step)
+        return True
+
+    def _first_runs_step(self, load: _Load) -> None:
+        """On the caller's thread, a layer-order load into host memory whose blocks memory
+        tiers hold: find the sources, stack the runs and queue the first step now, so that
+        the first layer's copy does not wait for a loader thread to be scheduled (the
+        CPU twin of :meth:`_first_step`); the loader goes on from the second step."""
+        try:
+            valid = load.handle.valid_blocks
+            if not valid:
+                return
+            sources = self._sources(load)
+            if any(source is None for source in sources[:valid]):
+                return  # slower tiers: the loader reads them, from the first step
+            load.sources = sources
+            load.runs = block_runs(load.views, sources, valid)
+            self._queue_step(load, load.runs, self._ranges(load)[0])
+            load.queued = 1
+        except Exception:  # the loader starts over and reports it
+            log.exception("prefetch: queueing the first step failed")
+            load.sources, load.runs, load.queued = [], [], 0
 
     def _sources(self, load: _Load) -> list[torch.Tensor | None]:
         """For each pinned block, a view of its fastest copy where a memory tier holds it."""

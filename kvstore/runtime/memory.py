@@ -141,6 +141,9 @@ class SlabAllocator:
             if n > len(self._free):
                 raise CapacityError(f"need {n} slots, {len(self._free)} of {self.num_slots} free")
             slots = [self._free.pop() for _ in range(n)]
+            # ascending: slots freed together come back adjacent and in order, so a
+            # batch over them stays one strided copy (the free list hands them out reversed)
+            slots.sort()
             for slot in slots:
                 self._used[slot] = 1
             if slots:
