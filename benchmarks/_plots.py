@@ -289,6 +289,20 @@ def _panel(ax: Any, ylabel: str, title: str, missing: str | None) -> None:
     ax.legend(fontsize=8)
 
 
+def _draw_peers(op: str) -> Callable[[Results, Any], Any]:
+    """The peers' plot of operation ``op`` (bench_peers.py; drawn by _peers_plots)."""
+
+    def draw(results: Results, plt: Any) -> Any:
+        from _peers_plots import draw_op
+
+        try:
+            return draw_op(result_of(results, "peers") or {}, op, plt)
+        except ValueError as exc:  # no row of that operation ran
+            raise _NoData(f"peers: {exc}") from None
+
+    return draw
+
+
 PLOTS: tuple[Plot, ...] = (
     Plot(
         "throughput.png",
@@ -309,6 +323,15 @@ PLOTS: tuple[Plot, ...] = (
         "Lookup cost and index memory vs stored blocks",
         ("hash", "index", "cluster"),
         draw_index,
+    ),
+    *(
+        Plot(
+            f"peers_{op}.png",
+            f"Peers side by side: {op.replace('_', ' ')}",
+            ("peers",),
+            _draw_peers(op),
+        )
+        for op in ("put", "get", "first_fill", "lookup")
     ),
 )
 

@@ -540,6 +540,7 @@ def settings(args: Any, sizes: Sizes, api: LmcApi, times: dict[str, list[float]]
         },
         "rounds": args.rounds,
         "reps": {name: len(t) for name, t in times.items()},
+        "times": times,  # every rep's seconds (bench_peers.py's intervals)
         "environment": {**environment(), "lmcache": api.version},
     }
 

@@ -46,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 try:  # run from any venv (run_all.py): vLLM lives in the engines' own
-    import vllm  # noqa: F401
+    import vllm
 except ImportError:
     if not VLLM_PYTHON.exists():  # an optional baseline: skipped, and why (exit 0)
         reason = "needs vLLM (neither here nor in .venv-vllm: bash scripts/setup-vllm.sh)"
@@ -254,10 +254,12 @@ def main() -> None:
         fs, kv = medians(reps["vllm_fs"]), medians(reps["kvstore_disk"])
         result: dict[str, Any] = {
             "bench": "vllm_tier",
+            "vllm_version": vllm.__version__,
             "chunks": args.chunks,
             "chunk_bytes": size,
             "job_chunks": args.job_chunks,
             "reps": args.reps,
+            "per_rep": reps,  # every repetition's figures (bench_peers.py's intervals)
         }
         for metric, ratio in (
             ("store_gbps", "store"),

@@ -20,8 +20,9 @@ start and the end; the committed figures are ``--out docs/benchmarks``):
 
 ``--from-json results.json`` re-renders the table and the plots without running
 anything; ``--only NAME --merge`` re-runs one benchmark into an existing
-``results.json`` (marked as re-run). ``kvstore bench`` runs this script with the
-same arguments.
+``results.json`` (marked as re-run); ``--peers`` runs only bench_peers.py (every peer
+side by side), after the peers' set-up scripts. ``kvstore bench`` runs this script with
+the same arguments.
 
 Run: ``python benchmarks/run_all.py [--quick] [--only hash,codec] [--out DIR]``
 (``kvstore bench`` runs it under that name, given as ``--prog``: an argument, not a
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -363,6 +365,49 @@ REGISTRY: tuple[Bench, ...] = (
         quick_timeout_s=240,
     ),
     Bench(
+        "peers",
+        "bench_peers.py",
+        (
+            _ratio(
+                "ratios.mooncake_shm_put_1MiB_c1",
+                "Mooncake same-host path (setup_dummy), put, 1 MiB blocks",
+                ">= 1",
+            ),
+            _ratio(
+                "ratios.mooncake_shm_get_1MiB_c1",
+                "Mooncake same-host path (setup_dummy), get, 1 MiB blocks",
+                ">= 1",
+            ),
+            _ratio(
+                "ratios.mooncake_shm_put_32MiB_c1",
+                "Mooncake same-host path (setup_dummy), put, 32 MiB blocks",
+                ">= 1",
+            ),
+            _ratio(
+                "ratios.mooncake_shm_get_32MiB_c1",
+                "Mooncake same-host path (setup_dummy), get, 32 MiB blocks",
+                ">= 1",
+            ),
+            _ratio(
+                "vs_memcpy.mooncake_shm_get_1MiB_c1",
+                "memcpy (kvstore-server same-host get, 1 MiB blocks)",
+                ">= 0.8",
+            ),
+            _ratio("ratios.mooncake_tcp_get_32MiB_c4", "Mooncake over TCP, get, 4 clients", ">= 1"),
+            _ratio("ratios.vllm_fs_disk_put_32MiB_c1", "vLLM's fs tier, store", ">= 1"),
+            _ratio("ratios.vllm_fs_disk_get_32MiB_c1", "vLLM's fs tier, cold load", ">= 1"),
+            _ratio("ratios.lmcache_host_put_32MiB_c1", "LMCache host put", ">= 1"),
+            _ratio("ratios.lmcache_host_get_32MiB_c1", "LMCache host get", ">= 1"),
+            _ratio("ratios.lmcache_host_first_fill_32MiB_c1", "LMCache first fill", ">= 1"),
+        ),
+        timeout_s=2700,
+        # Three peers' venvs and ~10 min even when quick: `kvstore bench --peers --quick`.
+        quick_args=None,
+        quick_timeout_s=1200,
+        note="every row and its 90% interval: the benchmark's JSON and peers_*.png; "
+        "`kvstore bench --peers [--quick]` runs only this one, after the peers' set-up scripts",
+    ),
+    Bench(
         "gpu",
         "bench_gpu.py",
         (
@@ -657,6 +702,14 @@ def select(only: str | None) -> list[Bench]:
     return [b for b in REGISTRY if b.name in names]
 
 
+def peers_only() -> list[Bench]:
+    """``--peers``: bench_peers.py alone, its peers set up first (``--setup``); with
+    ``--quick`` its quick run (not part of a plain ``--quick``)."""
+    bench = next(b for b in REGISTRY if b.name == "peers")
+    args, quick = (*bench.args, "--setup"), ("--quick", "--setup")
+    return [dataclasses.replace(bench, args=args, quick_args=quick)]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
     # The command's name in the usage line: ``kvstore bench`` passes ``--prog`` (hidden).
@@ -667,6 +720,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prog", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="every script's --quick run")
     parser.add_argument("--only", help="comma-separated benchmarks (e.g. hash,disk_tier)")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="only the peers side by side (bench_peers.py), after running the peers' set-up "
+        "scripts (Mooncake, vLLM, LMCache; each into its own venv)",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -684,7 +743,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "others (to re-run one that failed); each is marked as re-run",
     )
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.peers and args.only:
+        parser.error("--peers runs bench_peers.py alone (--only peers: without the set-up)")
+    return args
 
 
 def merge(doc: dict[str, Any], into: Path) -> dict[str, Any]:
@@ -725,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(args.from_json.read_text())
     else:
         print(f"run_all: writing to {out}", file=sys.stderr)
-        doc = run_all(select(args.only), args.quick)
+        doc = run_all(peers_only() if args.peers else select(args.only), args.quick)
         if args.merge:
             doc = merge(doc, args.out / "results.json")
     plots = render(doc, args.out, REGISTRY)
