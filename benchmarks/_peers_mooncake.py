@@ -45,7 +45,7 @@ from _peer_procs import (
     say,
 )
 
-from kvstore.testing.kvserver import KVStoreServerProcess
+from kvstore.cli import KVStoreServerProcess
 
 MiB = 1 << 20
 #: Block sizes: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16) in 256-token
