@@ -10,7 +10,14 @@ import torch
 
 from kvstore.errors import CorruptBlockError
 
-__all__ = ["decode_int4", "decode_rows", "encode_int4", "encode_rows", "fp8_as_half"]
+__all__ = [
+    "decode_int4",
+    "decode_rows",
+    "encode_int4",
+    "encode_rows",
+    "fp8_as_half",
+    "write",
+]
 
 _FP8_MAX = 448.0
 _INT8_MAX = 127.0
@@ -64,7 +71,7 @@ def decode_rows(fp8: bool, stored: memoryview, out: torch.Tensor) -> None:
     else:
         x = torch.from_numpy(body.view(np.int8).astype(np.float32))
     x = x.view(kv, tokens, heads, dim).mul_(scale)
-    out.copy_(x)
+    write(out, x)
 
 
 # -- int4 (KIVI): keys per channel, values per token --------------------------------------------
@@ -121,7 +128,15 @@ def decode_int4(group: int, stored: memoryview, out: torch.Tensor) -> None:
         torch.bitwise_and(packed, 15, out=codes[..., 0])
         torch.bitwise_right_shift(packed, 4, out=codes[..., 1])
         x = codes.view(shape).float().mul_(step).add_(low)
-        out[plane].copy_(x.view(tokens, heads, dim))
+        write(out[plane], x.view(tokens, heads, dim))
+
+
+def write(out: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` (float32, on the CPU) into ``out``: converted to its dtype on the CPU
+    first where ``out`` is on an accelerator, so the link carries the layout's bytes."""
+    if out.device.type != "cpu":
+        values = values.to(out.dtype)
+    out.copy_(values)
 
 
 def _bf16(raw: np.ndarray) -> torch.Tensor:
