@@ -270,12 +270,10 @@ def encode_block(
     encoding: BlockEncoding | None = None,
 ) -> EncodedBlock:
     """Encode one block (a tensor of ``layout.block_shape``) with ``codec``, or in a
-    lossy ``encoding`` (:mod:`kvstore.format.encodings`; it replaces the codec).
-
-    For RAW the payload aliases ``block`` (no copy) when it is a CPU tensor
-    that is contiguous per ``(layer, kv)`` -- including the engine's chunk
-    views; keep ``block`` unchanged until the bytes are written.
-    """
+    lossy ``encoding`` (:mod:`kvstore.format.encodings`; it replaces the codec). For RAW
+    the payload aliases ``block`` (no copy) when it is a CPU tensor contiguous per
+    ``(layer, kv)`` -- the engine's chunk views too; keep ``block`` unchanged until the
+    bytes are written."""
     if tuple(block.shape) != layout.block_shape or block.dtype != layout.dtype:
         raise LayoutMismatchError(
             f"block of shape {tuple(block.shape)} / {block.dtype} does not match layout "
@@ -292,8 +290,7 @@ def encode_block(
         sums = [checksum_pieces(layer) for layer in pieces]
     elif codec == Codec.RAW:
         data = _host_bytes(block)
-        stored = [data.data]
-        sizes = [step] * layout.num_layers
+        stored, sizes = [data.data], [step] * layout.num_layers
         sums = [
             xxhash.xxh3_64_intdigest(data[i * step : (i + 1) * step].data)
             for i in range(layout.num_layers)

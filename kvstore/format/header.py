@@ -270,12 +270,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     )
     if magic != MAGIC:
         raise CorruptBlockError(f"not a kvstore block (magic {bytes(magic)!r})")
-    encoded = version == ENCODED_VERSION
-    sealed = bool((version in SEALED_VERSIONS or encoded) and flags & FLAG_SEALED)
-    if version != VERSION and not sealed and not encoded:
-        raise CorruptBlockError(f"unsupported block format version {version}")
-    if flags & ~(FLAG_SEALED | (0xF << _GROUP_SHIFT) if encoded else FLAG_SEALED):
-        raise CorruptBlockError(f"unknown flags {flags:#x} in a version {version} header")
+    sealed, encoded = _variant(version, flags)
     if not 0 < nlayers <= _MAX_LAYERS:
         raise CorruptBlockError(f"implausible layer count {nlayers} in header")
     table_end = _FIXED.size + _LAYER.size * nlayers + (_SEALED.size if sealed else 0)
@@ -294,7 +289,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     group_log2 = flags >> _GROUP_SHIFT if encoded else 0
     if encoded:  # the codec byte names an encoding: checked (CorruptBlockError) here
         BlockEncoding.from_header(codec, group_log2)
-    header = BlockHeader(
+    return BlockHeader(
         codec=codec if encoded else _codec_or_corrupt(codec),
         layout_fp=bytes(layout_fp),
         key=bytes(bkey),
@@ -307,7 +302,18 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         sealed_version=version if sealed and not encoded else SEALED_VERSION,
         group_size=1 << group_log2 if group_log2 else 0,
     )
-    return header
+
+
+def _variant(version: int, flags: int) -> tuple[bool, bool]:
+    """``(sealed, encoded)`` for a header's version and flags; CorruptBlockError for a
+    version or flags this reader does not know."""
+    encoded = version == ENCODED_VERSION
+    sealed = bool((version in SEALED_VERSIONS or encoded) and flags & FLAG_SEALED)
+    if version != VERSION and not sealed and not encoded:
+        raise CorruptBlockError(f"unsupported block format version {version}")
+    if flags & ~(FLAG_SEALED | (0xF << _GROUP_SHIFT) if encoded else FLAG_SEALED):
+        raise CorruptBlockError(f"unknown flags {flags:#x} in a version {version} header")
+    return sealed, encoded
 
 
 def _is_encoding(codec: int) -> bool:
