@@ -130,6 +130,51 @@ REGISTRY: tuple[Bench, ...] = (
         ),
     ),
     Bench(
+        "encodings",
+        "bench_encodings.py",
+        (
+            Figure(
+                "results[dtype=bf16,distribution=normal,encoding=fp8_e4m3].encode_gbps",
+                "",
+                ">= 2",
+                "GB/s",
+            ),
+            Figure(
+                "results[dtype=bf16,distribution=normal,encoding=fp8_e4m3].decode_gbps",
+                "",
+                ">= 2",
+                "GB/s",
+            ),
+            _ratio(
+                "results[dtype=bf16,distribution=normal,encoding=fp8_e4m3].decode_vs_memcpy",
+                "memcpy of the block",
+                "",
+                "results[dtype=bf16,distribution=normal,encoding=fp8_e4m3].memcpy_gbps",
+                "GB/s",
+            ),
+            Figure(
+                "results[dtype=bf16,distribution=normal,encoding=int8].decode_gbps",
+                "",
+                ">= 2",
+                "GB/s",
+            ),
+            Figure(
+                "results[dtype=bf16,distribution=normal,encoding=int4].decode_gbps",
+                "",
+                ">= 2",
+                "GB/s",
+            ),
+            _ratio(
+                "results[dtype=bf16,distribution=normal,encoding=fp8_e4m3].stored_ratio",
+                "raw (stored / layout bytes)",
+            ),
+            _ratio(
+                "results[dtype=bf16,distribution=normal,encoding=int4].stored_ratio",
+                "raw (stored / layout bytes)",
+            ),
+        ),
+    ),
+    Bench(
         "host_tier",
         "bench_host_tier.py",
         (

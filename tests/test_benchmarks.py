@@ -131,6 +131,33 @@ def test_bench_codec() -> None:
             assert 1.0 <= row["ratio"] < 1.01  # raw bytes plus a header
 
 
+@pytest.mark.timeout(120)
+def test_bench_encodings() -> None:
+    result = run_bench("bench_encodings.py")
+    assert result["benchmark"] == "encodings"
+    assert result["target_gbps"] == 2.0 and result["threads"] == 1
+    rows = result["results"]
+    cases = {(r["dtype"], r["distribution"], r["encoding"]) for r in rows}
+    assert len(cases) == len(rows) == 2 * 2 * 3
+    for row in rows:
+        assert_positive(
+            row, "encode_gbps", "decode_gbps", "memcpy_gbps", "stored_ratio", "mean_abs_value"
+        )
+        assert row["encode_vs_memcpy"] == row["encode_gbps"] / row["memcpy_gbps"]
+        assert row["decode_vs_memcpy"] == row["decode_gbps"] / row["memcpy_gbps"]
+        assert row["saved"] == pytest.approx(1 - row["stored_ratio"])
+        assert isinstance(row["meets_target"], bool)
+        # lossy, and within a fraction of the values' own scale
+        assert 0 < row["mean_abs_error"] < 0.2 * row["mean_abs_value"]
+        assert row["mean_abs_error"] <= row["max_abs_error"]
+        expected = 0.3125 if row["encoding"] == "int4" else 0.5157
+        assert row["stored_ratio"] == pytest.approx(expected, abs=0.002)
+    by_case = {(r["distribution"], r["encoding"]): r for r in rows if r["dtype"] == "bf16"}
+    # int8's error is below fp8's, which is below int4's
+    normal = [by_case[("normal", e)]["mean_abs_error"] for e in ("int8", "fp8_e4m3", "int4")]
+    assert normal == sorted(normal)
+
+
 @pytest.mark.timeout(240)
 def test_bench_encrypt() -> None:
     result = run_bench("bench_encrypt.py", timeout=230)

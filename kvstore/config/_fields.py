@@ -40,6 +40,10 @@ def build(cls: type[Any], data: Any, path: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
+            refused = getattr(cls, "refused", None)
+            why = refused(key) if refused is not None else None
+            if why is not None:
+                raise ConfigError(f"{path}.{key}: {why}")
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"{path}.{key}: unknown key; allowed keys: {allowed}")
         parser = fields[key].metadata.get("parse")

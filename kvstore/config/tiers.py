@@ -16,6 +16,7 @@ from kvstore.config._fields import opt as _opt
 from kvstore.config.values import (
     parse_bool,
     parse_codec,
+    parse_encoding,
     parse_float,
     parse_int,
     parse_optional_bool,
@@ -26,6 +27,7 @@ from kvstore.config.values import (
     parse_str,
 )
 from kvstore.errors import ConfigError
+from kvstore.format import DEFAULT_GROUP_SIZE, check_group_size
 from kvstore.policy import POLICIES
 from kvstore.runtime import mask_text, warn_renamed
 
@@ -42,6 +44,7 @@ __all__ = [
     "TierConfig",
     "check_address",
     "check_disk_paths",
+    "check_encoding",
     "check_namespace",
     "default_tiers",
     "normalize_address",
@@ -91,9 +94,27 @@ class TierConfig:
     reads; from then on it keeps a live estimate (``stats()``:
     ``read_gbps_estimate``, ``read_latency_ms_estimate``; ``restore`` says how
     fast it follows). Each kind has a default of its medium's order of magnitude.
+
+    ``encoding``: how blocks are stored on this tier: ``none`` (the layout's bytes,
+    bit for bit), or a lossy encoding that stores fewer bytes and decodes on the way
+    to the engine, into its dtype: ``fp8_e4m3`` or ``int8`` (about 0.52x of bf16:
+    a scale per token and head), ``int4`` (about 0.31x: keys per channel, values per
+    token, in groups of ``group_size``). For the slow tiers (disk, Redis, S3), where a
+    hit pays only when its bytes arrive faster than the engine recomputes them; the
+    memory tiers (host, device) keep the engine's raw slabs, and a kvstore-server
+    (``remote``) or a peer cluster stores what it is sent, so there it is refused
+    (set it on the server's own tiers). An encoded tier stores its layers
+    uncompressed (``codec`` raw or auto). docs/encodings.md has the error each
+    encoding introduces and which to use where.
+
+    ``group_size``: int4's group (a power of two dividing ``block_tokens`` and
+    ``head_dim``); the other encodings have none.
     """
 
     kind: ClassVar[str] = ""
+    #: Whether blocks on this kind of tier may be stored in a lossy ``encoding`` (the
+    #: disk, Redis and S3 tiers' configs have ``encoding`` and ``group_size``).
+    encodable: ClassVar[bool] = False
     capacity: int = _opt(0, parse_size)
     high_watermark: float = _opt(0.9, parse_float)
     low_watermark: float = _opt(0.7, parse_float)
@@ -136,9 +157,46 @@ class TierConfig:
                 f"known: {', '.join(POLICIES.names())}"
             )
 
+    @classmethod
+    def refused(cls, key: str) -> str | None:
+        """Why this kind of tier has no setting ``key`` that other kinds have (what the
+        config's error says), or None."""
+        if key in ("encoding", "group_size") and not cls.encodable:
+            why = _UNENCODED.get(cls.kind, "it stores the blocks it is given")
+            return (
+                f"a {cls.kind or 'this'} tier stores no encoded blocks ({why}); encodings "
+                "are for the disk, redis and s3 tiers"
+            )
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (with ``kind``) that :meth:`StoreConfig.from_dict` reads back."""
         return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+def check_encoding(config: Any, path: str) -> None:
+    """An encodable tier's ``encoding`` / ``group_size``: known and well-formed, and
+    ``codec`` raw or auto beside an encoding (an encoded tier stores its layers
+    uncompressed)."""
+    parse_encoding(config.encoding, f"{path}.encoding")
+    try:
+        check_group_size(config.group_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}.{exc}") from None
+    if config.encoding != "none" and config.codec not in ("raw", "auto"):
+        raise ConfigError(
+            f"{path}.codec: {config.codec} with encoding {config.encoding}: an encoded tier "
+            "stores its layers uncompressed; use codec: raw (or auto), or encoding: none"
+        )
+
+
+#: Why a tier kind keeps blocks unencoded (what the ConfigError says).
+_UNENCODED = {
+    "host": "it keeps the engine's raw slabs, copied to and from the engine as they are",
+    "device": "it keeps the engine's raw slabs, copied to and from the engine as they are",
+    "remote": "a kvstore-server stores the raw blocks it is sent; set it on the server's tiers",
+    "cluster": "its peers store the raw blocks they are sent; set it on their tiers",
+}
 
 
 @dataclass(frozen=True)
@@ -246,6 +304,7 @@ class DiskTierConfig(TierConfig):
     """
 
     kind: ClassVar[str] = "disk"
+    encodable: ClassVar[bool] = True
     capacity: int = _opt(32 * 1024**3, parse_size)
     read_gbps: float = _opt(2.0, parse_float)
     read_latency_ms: float = _opt(0.2, parse_float)
@@ -254,6 +313,8 @@ class DiskTierConfig(TierConfig):
     o_direct: bool = _opt(False, parse_bool)
     fsync: bool = _opt(False, parse_bool)
     codec: str = _opt("raw", parse_codec)
+    encoding: str = _opt("none", parse_encoding)
+    group_size: int = _opt(DEFAULT_GROUP_SIZE, parse_int)
     page_cache: str | None = _opt(None, parse_optional_str)
 
     def __post_init__(self) -> None:
@@ -262,6 +323,7 @@ class DiskTierConfig(TierConfig):
 
     def validate(self, path: str) -> None:
         super().validate(path)
+        check_encoding(self, path)
         _check_positive(self, path, "io_threads")
         if self.page_cache not in PAGE_CACHE_MODES:
             raise ConfigError(
@@ -337,6 +399,7 @@ class S3TierConfig(TierConfig):
     """
 
     kind: ClassVar[str] = "s3"
+    encodable: ClassVar[bool] = True
     capacity: int = _opt(1024**4, parse_size)
     read_gbps: float = _opt(0.1, parse_float)
     read_latency_ms: float = _opt(30.0, parse_float)
@@ -353,10 +416,13 @@ class S3TierConfig(TierConfig):
     multipart_threshold: int = _opt(64 * 1024**2, parse_size)
     part_size: int = _opt(16 * 1024**2, parse_size)
     codec: str = _opt("auto", parse_codec)
+    encoding: str = _opt("none", parse_encoding)
+    group_size: int = _opt(DEFAULT_GROUP_SIZE, parse_int)
     retry_interval: float = _opt(1.0, parse_float)
 
     def validate(self, path: str) -> None:
         super().validate(path)
+        check_encoding(self, path)
         if not self.bucket:
             raise ConfigError(f"{path}.bucket: required for an s3 tier")
         if self.addressing_style not in ("auto", "path", "virtual"):
@@ -408,6 +474,7 @@ class RedisTierConfig(TierConfig):
     """
 
     kind: ClassVar[str] = "redis"
+    encodable: ClassVar[bool] = True
     capacity: int = _opt(1024**3, parse_size)
     read_gbps: float = _opt(0.5, parse_float)
     read_latency_ms: float = _opt(0.5, parse_float)
@@ -419,9 +486,12 @@ class RedisTierConfig(TierConfig):
     socket_timeout: float = _opt(2.0, parse_float)
     retry_interval: float = _opt(1.0, parse_float)
     codec: str = _opt("raw", parse_codec)
+    encoding: str = _opt("none", parse_encoding)
+    group_size: int = _opt(DEFAULT_GROUP_SIZE, parse_int)
 
     def validate(self, path: str) -> None:
         super().validate(path)
+        check_encoding(self, path)
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
                 f"{path}.url: expected redis://, rediss:// or unix://, got {mask_text(self.url)!r}"

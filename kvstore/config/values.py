@@ -15,13 +15,14 @@ from fractions import Fraction
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.format import AUTO, CODECS, codec_names
+from kvstore.format import AUTO, CODECS, ENCODING_NAMES, codec_names, encoding_names
 
 __all__ = [
     "Parser",
     "format_size",
     "parse_bool",
     "parse_codec",
+    "parse_encoding",
     "parse_float",
     "parse_int",
     "parse_optional_bool",
@@ -149,6 +150,15 @@ def parse_optional_float(value: Any, key: str) -> float | None:
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
         return None
     return parse_float(value, key)
+
+
+def parse_encoding(value: Any, key: str) -> str:
+    """A tier's ``encoding:`` (:mod:`kvstore.format.encodings`), lowercased."""
+    name = parse_str(value, key).lower()
+    if name not in ENCODING_NAMES:
+        known = ", ".join(encoding_names())
+        raise ConfigError(f"{key}: unknown encoding {value!r}; use one of {known}")
+    return name
 
 
 def parse_codec(value: Any, key: str) -> str:

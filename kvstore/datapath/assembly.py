@@ -30,7 +30,16 @@ def build_speeds(
     for tier, tier_id in zip(tiers, tier_ids(tiers), strict=True):
         declared = restore.declared_speed(tier_id)
         gbps, ms = declared or (tier.config.read_gbps, tier.config.read_latency_ms)
-        speeds.append(ReadSpeed(gbps, ms, restore.speed_half_life_s, restore.speed_stale_s, clock))
+        speeds.append(
+            ReadSpeed(
+                gbps,
+                ms,
+                restore.speed_half_life_s,
+                restore.speed_stale_s,
+                clock,
+                tier.stored_bytes(),  # an encoded tier moves fewer bytes, then decodes
+            )
+        )
     return speeds
 
 

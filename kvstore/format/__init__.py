@@ -5,6 +5,9 @@
   parsing and checks
 - :mod:`kvstore.format.codec` -- encoding and decoding a block's payload (per-layer
   checksums, the built-in codecs, ``choose_codec``)
+- :mod:`kvstore.format.encodings` -- the lossy encodings a tier's ``encoding:`` names
+  (``fp8_e4m3``, ``int8``, ``int4``; ``BlockEncoding``), their kernels and measured
+  decode cost
 - :mod:`kvstore.format.codecs` -- ``CODECS``, the registry of the codecs a tier's
   ``codec:`` may name (``register_codec``; plug-ins numbered 16-255)
 - :mod:`kvstore.format.sealing` -- encryption at rest: ``BlockCipher`` seals and opens
@@ -48,7 +51,17 @@ if TYPE_CHECKING:
         plugin_codec,
         register_codec,
     )
+    from kvstore.format.encodings import (
+        DEFAULT_GROUP_SIZE,
+        ENCODING_NAMES,
+        BlockEncoding,
+        Encoding,
+        check_group_size,
+        decode_seconds_per_byte,
+        encoding_names,
+    )
     from kvstore.format.header import (
+        ENCODED_VERSION,
         FLAG_SEALED,
         HEADER_ALIGN,
         KEY_ID_BYTES,
@@ -82,12 +95,17 @@ __all__ = [
     "AUTO",
     "BUILT_IN",
     "BlockCipher",
+    "BlockEncoding",
     "BlockHeader",
     "CODECS",
     "Codec",
+    "DEFAULT_GROUP_SIZE",
     "DEFAULT_NAMESPACE",
     "DEFAULT_TENANT",
+    "ENCODED_VERSION",
+    "ENCODING_NAMES",
     "EncodedBlock",
+    "Encoding",
     "FIRST_PLUGIN_NUMBER",
     "FLAG_SEALED",
     "HEADER_ALIGN",
@@ -106,6 +124,7 @@ __all__ = [
     "TenantKeys",
     "VERSION",
     "aead_module",
+    "check_group_size",
     "checksum_pieces",
     "choose_codec",
     "codec_names",
@@ -114,7 +133,9 @@ __all__ = [
     "decode_block",
     "decode_into",
     "decode_layer",
+    "decode_seconds_per_byte",
     "encode_block",
+    "encoding_names",
     "header_size",
     "layer_pieces",
     "open_into",
@@ -133,12 +154,17 @@ _EXPORTS = {
     "AUTO": "kvstore.format.codecs",
     "BUILT_IN": "kvstore.format.codecs",
     "BlockCipher": "kvstore.format.sealing",
+    "BlockEncoding": "kvstore.format.encodings",
     "BlockHeader": "kvstore.format.header",
     "CODECS": "kvstore.format.codecs",
     "Codec": "kvstore.format.header",
+    "DEFAULT_GROUP_SIZE": "kvstore.format.encodings",
     "DEFAULT_NAMESPACE": "kvstore.format.sealing",
     "DEFAULT_TENANT": "kvstore.format.sealing",
+    "ENCODED_VERSION": "kvstore.format.header",
+    "ENCODING_NAMES": "kvstore.format.encodings",
     "EncodedBlock": "kvstore.format.codec",
+    "Encoding": "kvstore.format.encodings",
     "FIRST_PLUGIN_NUMBER": "kvstore.format.codecs",
     "FLAG_SEALED": "kvstore.format.header",
     "HEADER_ALIGN": "kvstore.format.header",
@@ -157,6 +183,7 @@ _EXPORTS = {
     "TenantKeys": "kvstore.format.keyring",
     "VERSION": "kvstore.format.header",
     "aead_module": "kvstore.format.sealing",
+    "check_group_size": "kvstore.format.encodings",
     "checksum_pieces": "kvstore.format.codec",
     "choose_codec": "kvstore.format.codec",
     "codec_names": "kvstore.format.codecs",
@@ -165,7 +192,9 @@ _EXPORTS = {
     "decode_block": "kvstore.format.codec",
     "decode_into": "kvstore.format.codec",
     "decode_layer": "kvstore.format.codec",
+    "decode_seconds_per_byte": "kvstore.format.encodings",
     "encode_block": "kvstore.format.codec",
+    "encoding_names": "kvstore.format.encodings",
     "header_size": "kvstore.format.header",
     "layer_pieces": "kvstore.format.codec",
     "open_into": "kvstore.format.sealing",

@@ -31,12 +31,14 @@ import xxhash
 
 from kvstore.copies import engine_for
 from kvstore.errors import (
+    ConfigError,
     CorruptBlockError,
     DecryptError,
     InvalidInputError,
     LayoutMismatchError,
 )
 from kvstore.format.codecs import LayerCodec, codec_numbered
+from kvstore.format.encodings import BlockEncoding
 from kvstore.format.header import (
     FLAG_SEALED,
     HEADER_ALIGN,
@@ -261,19 +263,24 @@ def choose_codec(block: torch.Tensor, layout: KVLayout, min_saving: float = 0.10
 
 
 def encode_block(
-    key: bytes, layout: KVLayout, block: torch.Tensor, codec: Codec | str | int = Codec.RAW
+    key: bytes,
+    layout: KVLayout,
+    block: torch.Tensor,
+    codec: Codec | str | int = Codec.RAW,
+    encoding: BlockEncoding | None = None,
 ) -> EncodedBlock:
-    """Encode one block (a tensor of ``layout.block_shape``) with ``codec``.
-
-    For RAW the payload aliases ``block`` (no copy) when it is a CPU tensor
-    that is contiguous per ``(layer, kv)`` -- including the engine's chunk
-    views; keep ``block`` unchanged until the bytes are written.
-    """
+    """Encode one block (a tensor of ``layout.block_shape``) with ``codec``, or in a
+    lossy ``encoding`` (:mod:`kvstore.format.encodings`; it replaces the codec). For RAW
+    the payload aliases ``block`` (no copy) when it is a CPU tensor contiguous per
+    ``(layer, kv)`` -- the engine's chunk views too; keep ``block`` unchanged until the
+    bytes are written."""
     if tuple(block.shape) != layout.block_shape or block.dtype != layout.dtype:
         raise LayoutMismatchError(
             f"block of shape {tuple(block.shape)} / {block.dtype} does not match layout "
             f"{layout.block_shape} / {layout.dtype}"
         )
+    if encoding is not None:
+        return _encode_lossy(key, layout, block, encoding)
     codec = codec_number(codec)
     step = layout.layer_nbytes
     pieces = layer_pieces(block) if codec == Codec.RAW else None
@@ -283,8 +290,7 @@ def encode_block(
         sums = [checksum_pieces(layer) for layer in pieces]
     elif codec == Codec.RAW:
         data = _host_bytes(block)
-        stored = [data.data]
-        sizes = [step] * layout.num_layers
+        stored, sizes = [data.data], [step] * layout.num_layers
         sums = [
             xxhash.xxh3_64_intdigest(data[i * step : (i + 1) * step].data)
             for i in range(layout.num_layers)
@@ -306,6 +312,37 @@ def encode_block(
         layer_checksums=tuple(sums),
     )
     return EncodedBlock(header=header, header_bytes=header.pack(), payload=tuple(stored))
+
+
+def _encode_lossy(
+    key: bytes, layout: KVLayout, block: torch.Tensor, encoding: BlockEncoding
+) -> EncodedBlock:
+    """``block`` in ``encoding``: each layer encoded into one payload buffer, then
+    checksummed (the checksums cover the encoded bytes)."""
+    try:
+        encoding.check(layout)
+    except ConfigError as exc:
+        raise InvalidInputError(str(exc)) from None
+    if block.device.type != "cpu":
+        block = block.cpu()
+    step = encoding.layer_nbytes(layout)
+    payload = np.empty(step * layout.num_layers, dtype=np.uint8)
+    sums = []
+    for i in range(layout.num_layers):
+        layer = payload[i * step : (i + 1) * step]
+        encoding.encode_layer(block[i], layer)
+        sums.append(xxhash.xxh3_64_intdigest(layer.data))
+    header = BlockHeader(
+        codec=int(encoding.kind),
+        layout_fp=layout.fingerprint,
+        key=bytes(key),
+        raw_nbytes=layout.block_nbytes,
+        payload_nbytes=payload.nbytes,
+        layer_nbytes=(step,) * layout.num_layers,
+        layer_checksums=tuple(sums),
+        group_size=encoding.group_size,
+    )
+    return EncodedBlock(header=header, header_bytes=header.pack(), payload=(payload.data,))
 
 
 def decode_into(
@@ -351,6 +388,10 @@ def decode_layer(
     decode them into ``out`` (one layer's shape)."""
     if xxhash.xxh3_64_intdigest(stored) != header.layer_checksums[index]:
         raise CorruptBlockError(f"checksum mismatch in layer {index} of block {header.key.hex()}")
+    encoding = header.encoding
+    if encoding is not None:  # decoded straight into ``out``, in the layout's dtype
+        encoding.decode_layer(memoryview(stored).cast("B"), layout, out)
+        return
     if header.codec == Codec.RAW:
         if len(stored) != layout.layer_nbytes:
             raise CorruptBlockError(f"layer {index} of block {header.key.hex()} has a wrong size")

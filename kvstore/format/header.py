@@ -33,6 +33,16 @@ and each layer's stored bytes are its AES-256-GCM ciphertext followed by its
 The per-layer checksums stay the plaintext's (the stored bytes before sealing),
 checked after opening. Plain blocks are unchanged (version 1).
 
+A block in a lossy encoding (:mod:`kvstore.format.encodings`: ``fp8_e4m3``, ``int8``,
+``int4``) has format version 4, plain or sealed (flag bit 0, the sealed fields as in
+version 3): its codec byte names the encoding (3, 4, 5), the flags' high four bits
+carry ``log2(group_size)`` (int4; 0 otherwise), ``raw payload bytes`` stays the
+layout's block size and each layer's stored bytes are its encoded bytes (their
+checksum is of those; sealed, of those before sealing). The header's size is that of
+version 1 (3 when sealed). Blocks in encoding ``none`` are written as before (version
+1 or 3), so readers from before version 4 read them; such a reader finds a version 4
+block unsupported: a miss.
+
 Version 2 was the first encrypted format: the same header, but its layers'
 associated data did not bind the store's namespace. Such a block is still
 parsed (``sealed_version`` 2) and :class:`DecryptError` when a cipher checks
@@ -60,6 +70,7 @@ from kvstore.errors import (
     LayoutMismatchError,
 )
 from kvstore.format.codecs import CODECS, codec_numbered, plugin_codec
+from kvstore.format.encodings import BlockEncoding
 from kvstore.layout import KVLayout
 
 __all__ = [
@@ -72,6 +83,7 @@ __all__ = [
     "SEALED_VERSIONS",
     "TAG_BYTES",
     "VERSION",
+    "ENCODED_VERSION",
     "BlockHeader",
     "Codec",
     "codec_number",
@@ -88,7 +100,10 @@ SEALED_VERSION = 3
 #: The encrypted formats whose headers parse: 2 (no namespace in the associated data,
 #: refused by the cipher) and the current one.
 SEALED_VERSIONS = (2, SEALED_VERSION)
+#: The format version of blocks in a lossy encoding (plain or sealed; see above).
+ENCODED_VERSION = 4
 FLAG_SEALED = 1
+_GROUP_SHIFT = 4
 KEY_ID_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -153,8 +168,26 @@ class BlockHeader:
     key_id: str = ""
     #: ... the block's nonce ...
     nonce: bytes = b""
-    #: ... and the format version it was sealed in (:data:`SEALED_VERSIONS`).
+    #: ... and the format version it was sealed in (:data:`SEALED_VERSIONS`; a sealed
+    #: block in an encoding binds what version 3 binds, and says 3 here).
     sealed_version: int = SEALED_VERSION
+    #: int4's group size (0: no group; see :mod:`kvstore.format.encodings`).
+    group_size: int = 0
+
+    @property
+    def encoding(self) -> BlockEncoding | None:
+        """The lossy encoding of the stored layers (None: the layout's own bytes)."""
+        if not _is_encoding(self.codec):
+            return None
+        log2 = self.group_size.bit_length() - 1 if self.group_size else 0
+        return BlockEncoding.from_header(self.codec, log2)
+
+    @property
+    def version(self) -> int:
+        """The format version this header is written in."""
+        if _is_encoding(self.codec):
+            return ENCODED_VERSION
+        return self.sealed_version if self.sealed else VERSION
 
     @property
     def sealed(self) -> bool:
@@ -185,11 +218,15 @@ class BlockHeader:
 
     def pack(self) -> bytes:
         """Encode this header (with checksum and padding)."""
+        encoding = self.encoding
+        flags = FLAG_SEALED if self.sealed else 0
+        if encoding is not None:
+            flags |= encoding.group_log2 << _GROUP_SHIFT
         fixed = _FIXED.pack(
             MAGIC,
-            self.sealed_version if self.sealed else VERSION,
+            self.version,
             int(self.codec),
-            FLAG_SEALED if self.sealed else 0,
+            flags,
             self.num_layers,
             self.layout_fp,
             self.key,
@@ -233,9 +270,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     )
     if magic != MAGIC:
         raise CorruptBlockError(f"not a kvstore block (magic {bytes(magic)!r})")
-    sealed = version in SEALED_VERSIONS and flags & FLAG_SEALED
-    if version != VERSION and not sealed:
-        raise CorruptBlockError(f"unsupported block format version {version}")
+    sealed, encoded = _variant(version, flags)
     if not 0 < nlayers <= _MAX_LAYERS:
         raise CorruptBlockError(f"implausible layer count {nlayers} in header")
     table_end = _FIXED.size + _LAYER.size * nlayers + (_SEALED.size if sealed else 0)
@@ -251,8 +286,11 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     if sealed:
         raw_id, nonce = _SEALED.unpack_from(view, _FIXED.size + _LAYER.size * nlayers)
         key_id = raw_id.rstrip(b"\0").decode("ascii", "replace") or "?"
-    header = BlockHeader(
-        codec=_codec_or_corrupt(codec),
+    group_log2 = flags >> _GROUP_SHIFT if encoded else 0
+    if encoded:  # the codec byte names an encoding: checked (CorruptBlockError) here
+        BlockEncoding.from_header(codec, group_log2)
+    return BlockHeader(
+        codec=codec if encoded else _codec_or_corrupt(codec),
         layout_fp=bytes(layout_fp),
         key=bytes(bkey),
         raw_nbytes=raw_n,
@@ -261,9 +299,26 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         layer_checksums=tuple(c for _, c in layers),
         key_id=key_id,
         nonce=bytes(nonce),
-        sealed_version=version if sealed else SEALED_VERSION,
+        sealed_version=version if sealed and not encoded else SEALED_VERSION,
+        group_size=1 << group_log2 if group_log2 else 0,
     )
-    return header
+
+
+def _variant(version: int, flags: int) -> tuple[bool, bool]:
+    """``(sealed, encoded)`` for a header's version and flags; CorruptBlockError for a
+    version or flags this reader does not know."""
+    encoded = version == ENCODED_VERSION
+    sealed = bool((version in SEALED_VERSIONS or encoded) and flags & FLAG_SEALED)
+    if version != VERSION and not sealed and not encoded:
+        raise CorruptBlockError(f"unsupported block format version {version}")
+    if flags & ~(FLAG_SEALED | (0xF << _GROUP_SHIFT) if encoded else FLAG_SEALED):
+        raise CorruptBlockError(f"unknown flags {flags:#x} in a version {version} header")
+    return sealed, encoded
+
+
+def _is_encoding(codec: int) -> bool:
+    """Whether a header's codec number is a lossy encoding's (3-5)."""
+    return 3 <= codec <= 5
 
 
 def _codec_or_corrupt(value: int) -> int:
@@ -318,3 +373,12 @@ def _check_header(header: BlockHeader, layout: KVLayout, key: bytes | None) -> N
     tags = TAG_BYTES * header.num_layers if header.sealed else 0
     if header.codec == Codec.RAW and header.payload_nbytes != header.raw_nbytes + tags:
         raise CorruptBlockError("raw block payload size differs from the layout's block size")
+    encoding = header.encoding
+    if encoding is not None:
+        try:
+            encoding.check(layout)
+        except ConfigError as exc:
+            raise CorruptBlockError(f"block encoding does not fit its layout: {exc}") from None
+        each = encoding.layer_nbytes(layout) + (TAG_BYTES if header.sealed else 0)
+        if any(n != each for n in header.layer_nbytes):
+            raise CorruptBlockError(f"{encoding.name} block layers have the wrong size")

@@ -92,6 +92,7 @@ DEFAULT_NAMESPACE = "default"
 _AAD = b"kvstore-aead-v2\0"
 _NAME = struct.Struct("<H")
 _LAYER_CODEC = struct.Struct("<IB")
+_GROUP = struct.Struct("<H")
 #: Keys read under an older key id, remembered for the re-encryption, which takes them
 #: right after its own reads: a full set is emptied (reads outside a sweep fill it too).
 _MAX_STALE = 1 << 16
@@ -178,6 +179,9 @@ class BlockCipher:
                 header.layout_fp,
                 header.key,
                 _LAYER_CODEC.pack(index, int(header.codec)),
+                # An encoded block binds its group size too (its codec, the encoding,
+                # is bound above); blocks in no encoding are bound as before.
+                _GROUP.pack(header.group_size) if header.encoding is not None else b"",
             )
         )
 

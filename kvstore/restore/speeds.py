@@ -11,6 +11,16 @@ restore's reads of the tier cost the engine over what the fit says now, within
 processes on the cores, the GIL, a link shared with the engine's own copies) prices the
 tier right within a few restores, the same on any machine. The engine's side, its
 prefill speed, is :mod:`kvstore.restore.prefill`.
+
+A tier that stores blocks in a lossy encoding (its ``encoding:``,
+:mod:`kvstore.format.encodings`) moves fewer bytes than the layout's and decodes them on
+the way: its :class:`ReadSpeed` knows both (``stored``: the bytes stored per layout byte,
+and the seconds a layout byte takes to decode, measured on this machine when the tier
+opens). Callers speak in layout bytes throughout (a chunk, a block, a layer); the fit is
+of the medium alone, fed the encoded bytes each read moved and its seconds less the
+decoding, and a price is the encoded bytes over the fitted bandwidth plus the decode time
+(:meth:`SpeedEstimate.seconds_for`). So a 20 MB/s bucket holding fp8 blocks is priced at
+about half the seconds a chunk of it holding plain ones is.
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ _WIDE = 0.5
 #: low is set right by the first restore's reads, one too high by none (no plan reads
 #: the tier).
 _UNSEEN_SHARE = 0.1
+#: The least share of a read's seconds counted as the medium's (the rest may be decoding).
+_MEDIUM_SHARE = 0.1
 
 
 def fastest_reads(
@@ -107,10 +119,16 @@ class SpeedEstimate:
     samples: float
     age_s: float | None
     correction: float = 1.0
+    #: Bytes the tier stores per layout byte (below 1 for an encoded tier) ...
+    stored_ratio: float = 1.0
+    #: ... and the seconds a layout byte takes to decode on the way to the engine.
+    decode_s_per_byte: float = 0.0
 
     def seconds_for(self, nbytes: float, calls: float = 1) -> float:
-        """Expected seconds to read ``nbytes`` in ``calls`` calls."""
-        return calls * self.latency_ms / 1e3 + nbytes / (self.gbps * 1e9)
+        """Expected seconds to read ``nbytes`` (layout bytes) in ``calls`` calls: the
+        latency, the bytes the tier moves for them over its bandwidth, their decoding."""
+        moved = nbytes * self.stored_ratio / (self.gbps * 1e9)
+        return calls * self.latency_ms / 1e3 + moved + nbytes * self.decode_s_per_byte
 
     def layers_per_call(self, layer_bytes: int, num_layers: int, least: int = 1) -> int:
         """Layers a layer-by-layer load reads from this tier a call: enough that the call's
@@ -118,7 +136,7 @@ class SpeedEstimate:
         bucket behind 50 ms that moves a layer in 13 ms is read a block a call; a disk
         or memory a layer a call, so the engine computes layer ``i`` while ``i + 1`` is
         read."""
-        per_layer_s = layer_bytes / (self.gbps * 1e9)
+        per_layer_s = self.seconds_for(layer_bytes, 0)
         if per_layer_s <= 0:
             return max(1, num_layers)
         wanted = math.ceil(_LATENCY_SHARE * self.latency_ms / 1e3 / per_layer_s - 1e-9)
@@ -184,8 +202,13 @@ class ReadSpeed:
         half_life_s: float,
         stale_s: float,
         clock: Callable[[], float],
+        stored: tuple[float, float] = (1.0, 0.0),
     ) -> None:
-        self.prior = SpeedEstimate(prior_gbps, prior_latency_ms, "configured", 0.0, None)
+        #: Bytes stored per layout byte, and decode seconds per layout byte (see above).
+        self.stored_ratio, self.decode_s_per_byte = stored
+        self.prior = SpeedEstimate(
+            prior_gbps, prior_latency_ms, "configured", 0.0, None, 1.0, *stored
+        )
         self.stale_s = stale_s
         self._clock = clock
         self._born = clock()
@@ -200,7 +223,15 @@ class ReadSpeed:
         if nbytes <= 0 or seconds <= 0 or calls <= 0:
             return
         self._mine.seconds = self.thread_seconds() + seconds
-        self._fit.observe(nbytes / calls, seconds / calls, float(calls))
+        moved, medium_s = self._medium(nbytes, seconds)
+        self._fit.observe(moved / calls, medium_s / calls, float(calls))
+
+    def _medium(self, nbytes: float, seconds: float) -> tuple[float, float]:
+        """A read of ``nbytes`` layout bytes in ``seconds`` as the medium saw it: the
+        bytes it moved, and the seconds less the decoding (at least a tenth of them: a
+        read never counts as free however slow this machine's decoding was measured)."""
+        decode_s = nbytes * self.decode_s_per_byte
+        return nbytes * self.stored_ratio, max(seconds - decode_s, _MEDIUM_SHARE * seconds)
 
     def thread_seconds(self) -> float:
         """Seconds of every read observed on the calling thread so far: a restore's own
@@ -224,14 +255,29 @@ class ReadSpeed:
             latency = min(self.prior.latency_ms / 1e3, my / 2)
             per_byte = (my - latency) / mx
         source = "stale" if age > self.stale_s else "measured"
-        return SpeedEstimate(1e-9 / per_byte, latency * 1e3, source, weight, age)
+        return SpeedEstimate(
+            1e-9 / per_byte,
+            latency * 1e3,
+            source,
+            weight,
+            age,
+            1.0,
+            self.stored_ratio,
+            self.decode_s_per_byte,
+        )
 
     def estimate(self) -> SpeedEstimate:
         """The price: the fit times the correction."""
         with self._lock:
             k = math.exp(self._log_k)
         fit = self.fitted()
-        return replace(fit, gbps=fit.gbps / k, latency_ms=fit.latency_ms * k, correction=k)
+        return replace(
+            fit,
+            gbps=fit.gbps / k,
+            latency_ms=fit.latency_ms * k,
+            correction=k,
+            decode_s_per_byte=fit.decode_s_per_byte * k,  # the cores' contention too
+        )
 
     def correct(self, actual_s: float, nbytes: float, calls: float, planned_s: float) -> None:
         """A restore's reads of the tier (``nbytes`` in ``calls``, priced at ``planned_s``)
@@ -260,7 +306,7 @@ class ReadSpeed:
         if before.source != "measured":
             self._fit.reset()
         for nbytes, seconds in samples:
-            self._fit.observe(nbytes, seconds)
+            self._fit.observe(*self._medium(nbytes, seconds))
         if before.source == "measured" or not samples:
             return
         size = max(nbytes for nbytes, _ in samples)

@@ -27,6 +27,7 @@ import torch
 
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
+from kvstore.format import BlockEncoding, decode_seconds_per_byte
 from kvstore.hints import Hint
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
@@ -66,6 +67,25 @@ class Tier(ABC):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
         self.layout = layout
+        #: The lossy encoding this tier stores blocks in (its ``encoding:``; None: the
+        #: layout's bytes). A layout it cannot encode is a ConfigError here, at open.
+        self.encoding: BlockEncoding | None = None
+        if config.encodable:  # the disk, Redis and S3 configs: encoding and group_size
+            self.encoding = BlockEncoding.parse(
+                getattr(config, "encoding", "none"), getattr(config, "group_size", 0)
+            )
+            if self.encoding is not None:
+                self.encoding.check(layout)
+
+    def stored_bytes(self) -> tuple[float, float]:
+        """What a read of this tier moves and costs per byte of the layout's: the bytes
+        stored per byte (below 1 for an encoded tier) and the seconds a byte takes to
+        decode (measured on this machine once per encoding and layout; 0 unencoded).
+        Restore planning prices the tier's reads with them."""
+        if self.encoding is None:
+            return 1.0, 0.0
+        stored = self.encoding.layer_nbytes(self.layout) / self.layout.layer_nbytes
+        return stored, decode_seconds_per_byte(self.encoding, self.layout)
 
     def encrypt_with(self, cipher: Any) -> None:
         """Seal every block stored from now on with ``cipher`` (a

@@ -132,7 +132,7 @@ class DiskTier(Tier):
         self._ops = ops or FileOps()
         self._tree = Tree(Path(config.path).expanduser(), layout.fingerprint_hex)
         self._data_offset = _round_up(header_size(layout.num_layers))
-        self._file_nbytes = self._data_offset + layout.block_nbytes
+        self._file_nbytes = self._data_offset + self._payload_nbytes
         self._codec = None if config.codec == "auto" else codec_number(config.codec)
         self._nonce = itertools.count()
         self._counts: dict[str, int] = {}
@@ -223,7 +223,7 @@ class DiskTier(Tier):
     def encrypt_with(self, cipher: Any) -> None:
         """Seal blocks with ``cipher`` (encryption at rest: :mod:`kvstore.tiers.disk_sealed`)."""
         self.cipher = cipher
-        self._sealed = SealedFiles(self.layout, cipher, self._buffer)
+        self._sealed = SealedFiles(self.layout, cipher, self._buffer, self._payload_nbytes)
         self._data_offset = self._sealed.data_offset
         self._file_nbytes = self._sealed.file_nbytes
         self._capacity = self._fit_capacity(self.disk_config.capacity)
@@ -260,6 +260,13 @@ class DiskTier(Tier):
             except OSError as exc:
                 log.warning("disk tier: cannot delete %s: %s", key.hex(), exc)
                 self._count("delete_errors")
+
+    @property
+    def _payload_nbytes(self) -> int:
+        """A block's payload as this tier stores it: the layout's, or encoded."""
+        if self.encoding is None:
+            return self.layout.block_nbytes
+        return self.encoding.layer_nbytes(self.layout) * self.layout.num_layers
 
     @property
     def file_nbytes(self) -> int:
@@ -326,8 +333,10 @@ class DiskTier(Tier):
         key, block = item
         # Not ``self._codec or ...``: Codec.RAW is 0, so ``codec: raw`` would mean auto
         # (compressing bf16 at ~0.1 GB/s wherever shuffle+lz4 saves 10%).
-        codec = self._codec if self._codec is not None else choose_codec(block, self.layout)
-        encoded = encode_block(key, self.layout, block, codec)
+        codec = self._codec
+        if codec is None:  # auto; an encoded tier stores its layers uncompressed
+            codec = Codec.RAW if self.encoding is not None else choose_codec(block, self.layout)
+        encoded = encode_block(key, self.layout, block, codec, self.encoding)
         staged = self._sealed is not None
         if self._sealed is not None:
             encoded, image = self._sealed.image(encoded)
@@ -513,7 +522,7 @@ class DiskTier(Tier):
         """``out``'s pages, when a whole raw block can be read into them with O_DIRECT
         (``bypass``, a filesystem that takes it, page-aligned memory such as vLLM's
         primary rows or the host tier's slots): no page cache, no copy."""
-        if not self._o_direct or layers is not None:
+        if not self._o_direct or layers is not None or self.encoding is not None:
             return None
         pieces = layer_pieces(out)
         if pieces is None or not all(_page_aligned(p) for row in pieces for p in row):

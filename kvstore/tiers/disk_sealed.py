@@ -42,6 +42,8 @@ class SealedFiles:
     layout: KVLayout
     cipher: Any
     buffers: Buffers
+    #: A block's payload before sealing (the layout's bytes, or fewer when encoded).
+    payload_nbytes: int = 0
 
     @property
     def data_offset(self) -> int:
@@ -50,9 +52,11 @@ class SealedFiles:
 
     @property
     def file_nbytes(self) -> int:
-        """The largest file: header, a raw payload and its tags, padded to a page."""
+        """The largest file: header, a raw (or encoded) payload and its tags, padded to
+        a page."""
         tags = TAG_BYTES * self.layout.num_layers
-        return _round_up(self.data_offset + self.layout.block_nbytes + tags)
+        payload = self.payload_nbytes or self.layout.block_nbytes
+        return _round_up(self.data_offset + payload + tags)
 
     def image(self, encoded: EncodedBlock) -> tuple[EncodedBlock, memoryview]:
         """``encoded`` sealed, and its whole file (in this thread's staging buffer)."""

@@ -144,7 +144,8 @@ class RedisTier(ValueTier):
         """One pipeline of SETs; fills ``done`` at ``idxs``. False if Redis is unavailable."""
         codec = self.cfg.codec
         encoded = [
-            encode_value(k, self.layout, b, codec) for k, b in zip(keys, blocks, strict=True)
+            encode_value(k, self.layout, b, codec, self.encoding)
+            for k, b in zip(keys, blocks, strict=True)
         ]
         sealing: list[bytearray] = []
         if self.cipher is not None:

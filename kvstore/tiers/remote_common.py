@@ -27,6 +27,7 @@ import torch
 from kvstore.config import TierConfig
 from kvstore.errors import ClosedError, CorruptBlockError, InvalidInputError, LayoutMismatchError
 from kvstore.format import (
+    BlockEncoding,
     BlockHeader,
     EncodedBlock,
     choose_codec,
@@ -129,12 +130,21 @@ def pack_into(block: EncodedBlock, buf: bytearray) -> memoryview:
     return view[:offset]
 
 
-def encode_value(key: BlockKey, layout: KVLayout, block: torch.Tensor, codec: str) -> EncodedBlock:
-    """Encode ``block`` for a remote store with the tier's ``codec`` setting.
+def encode_value(
+    key: BlockKey,
+    layout: KVLayout,
+    block: torch.Tensor,
+    codec: str,
+    encoding: BlockEncoding | None = None,
+) -> EncodedBlock:
+    """Encode ``block`` for a remote store with the tier's ``codec`` setting, or in its
+    lossy ``encoding`` (which replaces the codec).
 
     ``"auto"`` asks :func:`~kvstore.format.codec.choose_codec` per block (it keeps
     byte-shuffled lz4 only where it saves at least 10%).
     """
+    if encoding is not None:
+        return encode_block(key, layout, block, encoding=encoding)
     chosen = choose_codec(block, layout) if codec == "auto" else codec_number(codec)
     return encode_block(key, layout, block, chosen)
 

@@ -239,7 +239,7 @@ class S3Tier(ValueTier):
 
     # -- put ----------------------------------------------------------------
     def _put_one(self, key: BlockKey, block: torch.Tensor, deadline_at: float) -> bool:
-        encoded = encode_value(key, self.layout, block, self.cfg.codec)
+        encoded = encode_value(key, self.layout, block, self.cfg.codec, self.encoding)
         size = encoded.nbytes
         if self.cipher is not None:
             size = self._header_nbytes + encoded.header.payload_nbytes
@@ -269,7 +269,7 @@ class S3Tier(ValueTier):
 
     def _put_large(self, key: BlockKey, block: torch.Tensor, deadline_at: float) -> bool:
         try:
-            encoded = encode_value(key, self.layout, block, self.cfg.codec)
+            encoded = encode_value(key, self.layout, block, self.cfg.codec, self.encoding)
             if self.cipher is not None:
                 from kvstore.format import seal
 
