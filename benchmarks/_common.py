@@ -22,6 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+#: The repository's root, on ``sys.path`` after everything else (an installed kvstore comes
+#: first): the benchmarks import the harnesses of ``kvharness/``, kept out of the wheel.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
 #: One repetition: does its own untimed setup and returns the seconds it timed.
 Rep = Callable[[], float]
 

@@ -21,7 +21,7 @@ one host tier and nothing else (no S3): a block lives on the nodes that stored i
    ``fetched`` counter and the index; ``a_requests_per_peer_get`` counts the
    requests a answers per peer get). Bytes are verified after timing.
 2. **Routing** (``routed_hit_rate``, ``random_hit_rate``): the multi-turn chat
-   trace of :mod:`kvstore.testing.traces` (sessions behind a shared system
+   trace of :mod:`kvharness.traces` (sessions behind a shared system
    prompt, each turn extending the last; no document bursts) with tiny blocks.
    ``routed`` sends each request to ``Router.rank(keys)[0]``, ``random`` to a
    random node; each mode has its own namespace (empty stores). A request asks
@@ -86,6 +86,7 @@ import redis
 import torch
 from _common import Rep, base_parser, emit, environment, log, median, run_rounds, timed
 
+from kvharness import TraceSpec, generate_trace, trace_layout
 from kvstore.cli import KVStoreServerProcess, RedisServer
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex, NodeInfo, NodeSpeeds, Router
@@ -93,7 +94,7 @@ from kvstore.config import ClusterConfig
 from kvstore.datapath.contracts import Medium
 from kvstore.keys import BlockKey, Namespace, chain_keys, tokens_to_bytes
 from kvstore.layout import KVLayout
-from kvstore.testing import TraceSpec, generate_trace, make_keys, trace_layout
+from kvstore.testing import make_keys
 
 NODES = ("a", "b", "c")
 VARIANTS = ("tcp", "shm")
@@ -795,7 +796,7 @@ def parse_args(argv: list[str] | None) -> Any:
         type=float,
         default=None,
         metavar="MINUTES",
-        help="instead: the chaos soak (kvstore.testing.chaos) for MINUTES; exit 1 if it "
+        help="instead: the chaos soak (kvharness.chaos.run) for MINUTES; exit 1 if it "
         "served a wrong byte or lost or deleted a block of S3",
     )
     return parser.parse_args(argv)
@@ -820,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.soak is not None:  # 3 nodes, 1 member, faults injected: every byte checked
-        from kvstore.testing import ChaosSoakConfig, run_chaos_soak
+        from kvharness import ChaosSoakConfig, run_chaos_soak
 
         log(f"chaos soak: {args.soak:g} min, seed {args.seed}")
         with workdir() as tmp:

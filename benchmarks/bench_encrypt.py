@@ -41,9 +41,10 @@ import torch
 from _common import Rep, base_parser, emit, environment, log, median, run_rounds
 from bench_codec import make_block
 
+from kvharness import new_key, write_keyring
 from kvstore import KVLayout
 from kvstore.keys import BlockKey
-from kvstore.testing import make_keys, new_key, write_keyring
+from kvstore.testing import make_keys
 
 TARGET = 0.8
 MEDIA = ("disk", "s3", "server")

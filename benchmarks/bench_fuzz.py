@@ -1,5 +1,5 @@
 """The wire fuzzer against a live kvstore-server: frames built from the protocol's own
-description, mutated, every answer judged (:mod:`kvstore.testing.fuzz`).
+description, mutated, every answer judged (:mod:`kvharness.fuzz.run`).
 
 One run starts a ``kvstore-server`` process (an admin token and a restricted one; per
 store 4 MiB of host memory over 64 MiB of disk, at most 3 stores; 1 MiB frames, 64-block
@@ -33,7 +33,7 @@ import tempfile
 
 from _common import base_parser, emit, environment, log
 
-from kvstore.testing import FuzzSettings, run_fuzz
+from kvharness import FuzzSettings, run_fuzz
 
 
 def main() -> int:

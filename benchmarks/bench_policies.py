@@ -1,6 +1,6 @@
 """Eviction policies on a replayed serving trace: chunk hit rate per policy and cache size.
 
-The trace (:mod:`kvstore.testing.traces`, deterministic from ``--seed``) is a
+The trace (:mod:`kvharness.traces`, deterministic from ``--seed``) is a
 multi-turn chat workload -- 32 concurrent sessions with growing histories
 behind one shared 8-chunk system prompt -- mixed with bursts of one-off long
 documents (64-256 chunks each, never sent again): the scan that pushes
@@ -33,9 +33,7 @@ from typing import Any
 
 from _common import base_parser, emit, environment, log
 
-from kvstore import KVStore, StoreConfig
-from kvstore.layout import KVLayout
-from kvstore.testing import (
+from kvharness import (
     ReplayResult,
     Trace,
     TraceSpec,
@@ -44,6 +42,8 @@ from kvstore.testing import (
     replay,
     trace_layout,
 )
+from kvstore import KVStore, StoreConfig
+from kvstore.layout import KVLayout
 
 POLICIES = ("lru", "s3fifo", "arc")
 FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.4)

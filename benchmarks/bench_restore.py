@@ -642,8 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     if not VLLM_PYTHON.exists():
         reason = f"{VLLM_PYTHON} is absent: run `bash scripts/setup-vllm.sh`"
         return finish({"benchmark": "restore", "skipped": True, "reason": reason}, args)
+    from kvharness import ThrottlingProxy
     from kvstore.cli import DUMMY_AWS_ENV, S3Server
-    from kvstore.testing import ThrottlingProxy
 
     for name, value in DUMMY_AWS_ENV.items():  # this process's own stores read the bucket
         os.environ[name] = value

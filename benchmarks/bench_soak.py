@@ -7,7 +7,7 @@ tier (both small: they evict all the time), client processes killed mid-transfer
 store restarts, for ``--minutes``; every ``--interval`` seconds the load pauses, each
 store is settled into one known state and RSS, shared memory, pinned bytes, open fds,
 threads, index entries and slab slots of both processes are sampled
-(:mod:`kvstore.testing.soak` says exactly how).
+(:mod:`kvharness.soak.run` says exactly how).
 
 Prints one JSON line: ``minutes``, ``rss_growth``, ``pinned_growth``, ``fds_growth``,
 ``threads_growth``, ``slots_growth`` (also ``shared_growth``, ``index_growth``): last ÷
@@ -32,7 +32,7 @@ from typing import Any
 
 from _common import environment, log
 
-from kvstore.testing import EVENT_FIELDS, GROWTH_FIELDS, SoakConfig, run_soak
+from kvharness import EVENT_FIELDS, GROWTH_FIELDS, SoakConfig, run_soak
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

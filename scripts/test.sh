@@ -17,10 +17,10 @@ bash scripts/setup-dynamo.sh
 bash scripts/install-servers.sh
 bin="${KVSTORE_VENV:-.venv}/bin"
 echo "== ruff" >&2
-"$bin/ruff" check kvstore tests benchmarks examples scripts
-"$bin/ruff" format --check kvstore tests benchmarks examples scripts
+"$bin/ruff" check kvstore kvharness tests benchmarks examples scripts
+"$bin/ruff" format --check kvstore kvharness tests benchmarks examples scripts
 echo "== mypy" >&2
-"$bin/mypy" kvstore
+"$bin/mypy" kvstore kvharness
 wait "$engines"  # its exit status: a failed set-up fails the run here
 trap - EXIT
 echo "== pytest" >&2

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.mounts import mount_tmpfs, unmount
 from kvstore import KVLayout, KVStore, StoreConfig
 from kvstore.cli.kvserver import server_test_config
 from kvstore.cli.servers import DUMMY_AWS_ENV, RedisCluster, RedisServer, S3Server
 from kvstore.server import ServerThread
 from kvstore.testing.data import host_config, small_layout
-from kvstore.testing.mounts import mount_tmpfs, unmount
 
 #: Modules besides those marked ``slow`` that take half a minute or more on two cores.
 LONG_MODULES = frozenset(

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvharness.mounts import remount_read_only
 from kvstore.cli.servers import RedisServer, S3Server, free_port
-from kvstore.testing.mounts import remount_read_only
 
 #: A small layout for ``kvstore stats`` (a 16 KiB chunk), so tiny capacities fit.
 LAYOUT_ARGS = ["--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--block-tokens", "32"]

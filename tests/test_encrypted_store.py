@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.keyring import encryption_section, new_key, write_keyring
 from kvstore import KVStore, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.format.codec import read_header
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.keyring import encryption_section, new_key, write_keyring
 from kvstore.tiers.files import BLOCK_SUFFIX
 
 

@@ -33,6 +33,11 @@ TORCH_PIN = "torch==2.13.0"
 DEMO_ARGS = ["--sessions", "2", "--turns", "2", "--system-tokens", "512", "--layers", "2"]
 # The distribution "kvstore-tiers" as file names spell it (the package imports as kvstore).
 DIST = "kvstore_tiers"
+# What the wheel ships of kvstore.testing for tier and policy authors: the conformance
+# suites and the policy driver, the fault wrappers, the lock checker, test data.
+KIT = ("conformance", "policy_conformance", "policies", "faults", "lockcheck", "data")
+# Our own harnesses (the repository's kvharness/): never in the wheel.
+HARNESS_WORDS = ("chaos", "fuzz", "soak", "proxy", "throttle", "kvharness")
 
 
 def _source_version() -> str:
@@ -143,8 +148,13 @@ def _check_wheel(wheel: Path, version: str) -> None:
     for name in licenses:
         assert f"{DIST}-{version}.dist-info/licenses/{name}" in names
     assert {n.split("/")[0] for n in names} == {"kvstore", f"{DIST}-{version}.dist-info"}, (
-        "the wheel holds only the kvstore package (no tests/, benchmarks/, examples/)"
+        "the wheel holds only the kvstore package (no tests/, benchmarks/, examples/, kvharness/)"
     )
+    # What tier and policy authors need ships; our own harnesses (kvharness/) do not.
+    for module in KIT:
+        assert f"kvstore/testing/{module}.py" in names, f"the wheel lacks kvstore.testing.{module}"
+    harnesses = [n for n in names if any(word in n for word in HARNESS_WORDS)]
+    assert not harnesses, f"the wheel holds our own harnesses: {harnesses}"
     assert metadata["Name"] == "kvstore-tiers"  # the import name stays kvstore
     assert metadata["Version"] == version
     assert metadata["License-Expression"] == "Apache-2.0 AND BSD-2-Clause"
@@ -162,6 +172,7 @@ def _check_sdist(sdist: Path, version: str) -> None:
     ):
         assert f"{root}/{path}" in members, f"sdist lacks {path}"
     assert not [m for m in members if m.endswith(".so")], "the sdist holds no compiled files"
+    assert not [m for m in members if f"{root}/kvharness/" in m], "the sdist holds kvharness/"
 
 
 # Where the installed package is, and which chain_keys it runs ("c": the compiled one).
@@ -203,6 +214,10 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     assert Path(package).is_relative_to(venv), where.stdout
     assert impl == "c", "the installed kvstore hashes without its compiled kvstore.native._chain"
 
+    # The kit tier authors use imports from the wheel alone (no checkout on the path).
+    kit = "from kvstore.testing import FaultyTier, LockCheckedTier, random_blocks, small_layout"
+    _run([venv / "bin" / "python", "-c", kit], cwd=tmp_path, env=env, timeout=120)
+
     shown = _run([venv / "bin" / "kvstore", "--version"], cwd=tmp_path, env=env, timeout=60)
     assert shown.stdout.strip() == f"kvstore {version}"
 
@@ -215,3 +230,27 @@ def test_wheel_installs_and_runs_demo_in_fresh_venv(tmp_path: Path) -> None:
     for name in ("TMPDIR", "XDG_CACHE_HOME", "HOME"):
         left = sorted(p.name for p in Path(env[name]).iterdir())
         assert left == [], f"the demo left {left} in {name}"
+
+
+def test_harnesses_live_outside_the_package() -> None:
+    """kvstore/testing/ keeps the kit (the rest moved to kvharness/, which the wheel
+    leaves out: ``packages.find`` takes ``kvstore*`` only), and no module of kvstore
+    imports kvharness: the installed package must not need a folder it does not ship."""
+    testing = REPO / "kvstore" / "testing"
+    shipped = {p.stem for p in testing.glob("*.py")}
+    assert set(KIT) <= shipped
+    assert not [m for m in shipped if any(word in m for word in HARNESS_WORDS)], shipped
+    assert (REPO / "kvharness" / "__init__.py").is_file()
+    importers = []
+    for path in sorted((REPO / "kvstore").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n == "kvharness" or n.startswith("kvharness.") for n in names):
+                importers.append(str(path.relative_to(REPO)))
+    assert not importers, f"kvstore imports kvharness: {importers}"

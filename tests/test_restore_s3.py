@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.proxies.fault import FaultProxy
+from kvharness.proxies.throttle import ThrottlingProxy
 from kvstore import KVLayout, KVStore
 from kvstore.cli.servers import S3Server
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.proxy import FaultProxy
-from kvstore.testing.throttle import ThrottlingProxy
 
 LAYOUT: KVLayout = small_layout(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=32)
 N = 4  # chunks of 512 KiB

@@ -24,11 +24,11 @@ import pytest
 import torch
 import yaml
 
+from kvharness.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore import KVStore
 from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.cli.servers import RedisServer, S3Server, free_port
 from kvstore.errors import AccessDeniedError
-from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
 
 LAYOUT = small_layout()

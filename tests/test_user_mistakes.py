@@ -35,6 +35,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.commands import files_under, one_error_line, prepare_home, run_command
+from kvharness.mounts import remount_read_only
 from kvstore import KVLayout, KVStore
 from kvstore.cli.servers import RedisServer, free_port
 from kvstore.errors import (
@@ -48,9 +50,7 @@ from kvstore.errors import (
     ProtocolError,
     TierError,
 )
-from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.mounts import remount_read_only
 from kvstore.wire.protocol import FRAME, MAGIC, VERSION, Flag
 
 Stocked = tuple[KVStore, list[bytes], torch.Tensor]

@@ -1,4 +1,4 @@
-"""The chaos soak (:mod:`kvstore.testing.chaos`), short form, and the fault it relies on
+"""The chaos soak (:mod:`kvharness.chaos.run`), short form, and the fault it relies on
 that the other tests do not use: S3 bodies damaged in flight.
 
 Three kvstore-server processes (host -> disk -> S3, written through), an in-process
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from kvharness.chaos.run import FAULT_KINDS, SoakConfig, SoakReport, run_soak
+from kvharness.proxies.fault import FaultProxy, flip_bytes
 from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server
-from kvstore.testing.chaos import FAULT_KINDS, SoakConfig, SoakReport, run_soak
-from kvstore.testing.proxy import FaultProxy, flip_bytes
 
 #: The short form: about 40 s of workload, 75-90 s in all on a 2-core machine.
 SHORT = SoakConfig(seconds=40.0, seed=7, fault_interval_s=3.0)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from cluster_nodes import LAYOUT, NodeOptions, Nodes, blocks, eventually, read
 
+from kvharness.keyring import new_key, write_keyring
 from kvstore.cli.servers import RedisServer, S3Server
 from kvstore.format.codec import read_header
 from kvstore.testing.conformance import make_keys
-from kvstore.testing.keyring import new_key, write_keyring
 from kvstore.tiers.files import BLOCK_SUFFIX
 
 

@@ -1,7 +1,7 @@
 """Every package of kvstore has one front door: code outside a package (in ``kvstore/``,
-``benchmarks/`` and ``examples/``) imports only the package's ``__init__`` and its
-contract module (``contracts.py``, or ``base.py`` where that is the declared contract),
-never another of its modules. Tests are exempt: they test internals.
+``benchmarks/``, ``examples/`` and the harnesses of ``kvharness/``) imports only the
+package's ``__init__`` and its contract module (``contracts.py``, or ``base.py`` where that
+is the declared contract), never another of its modules. Tests are exempt: they test internals.
 
 Each package's ``__init__`` re-exports what outside code needs, most of it imported on
 first use from a table (``_EXPORTS``); the checks below also hold every such table to
@@ -77,7 +77,7 @@ def imported(path: Path, tree: ast.AST) -> set[str]:
 
 
 def checked_modules() -> list[Path]:
-    roots = [KVSTORE, REPO / "benchmarks", REPO / "examples"]
+    roots = [KVSTORE, REPO / "benchmarks", REPO / "examples", REPO / "kvharness"]
     return [p for root in roots if root.is_dir() for p in sorted(root.rglob("*.py"))]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvharness.event_view import EventView, compare, held_media
 from kvstore import KVStore
 from kvstore.cli.servers import free_port
 from kvstore.config import StoreConfig
@@ -21,7 +22,6 @@ from kvstore.errors import CapacityError
 from kvstore.events.blocks import BlockMapper
 from kvstore.keys import BlockKey
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.event_view import EventView, compare, held_media
 from kvstore.testing.faults import FaultyTier
 from kvstore.tiers import create_tier
 

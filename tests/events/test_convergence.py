@@ -14,7 +14,7 @@ pytest.importorskip("msgspec")
 
 from convergence_rig import Rig, converged, opened_rig, soak
 
-from kvstore.testing.event_view import EventView, compare
+from kvharness.event_view import EventView, compare
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ pytest.importorskip("msgspec")
 from convergence_rig import BLOCK, Rig, converged, dynamo_prefix, opened_rig, soak
 from dynamo_indexer import DynamoIndexer, dynamo_marks
 
-from kvstore.testing.event_view import EventView
+from kvharness.event_view import EventView
 
 pytestmark = dynamo_marks(180)
 

@@ -19,6 +19,7 @@ pytest.importorskip("msgspec")
 
 from convergence_rig import events_config
 
+from kvharness.event_view import EventView, compare, held_media
 from kvstore import KVStore, StoreConfig
 from kvstore.cli.kvserver import server_test_config
 from kvstore.datapath.contracts import Medium
@@ -26,7 +27,6 @@ from kvstore.events.blocks import BlockMapper
 from kvstore.keys import BlockKey
 from kvstore.server import ServerThread
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.event_view import EventView, compare, held_media
 
 CHUNK = 32
 LAYOUT = small_layout(block_tokens=CHUNK)

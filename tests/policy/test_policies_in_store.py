@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvharness.traces import TraceSpec, generate_trace, replay, trace_layout
 from kvstore import KVStore
 from kvstore.errors import ConfigError
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.traces import TraceSpec, generate_trace, replay, trace_layout
 
 LAYOUT = small_layout()
 CAPACITY = 40  # blocks

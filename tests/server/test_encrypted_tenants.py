@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.keyring import new_key
 from kvstore import StoreConfig
 from kvstore.cli.kvserver import server_test_config
 from kvstore.client import Client, ClientOptions
@@ -26,7 +27,6 @@ from kvstore.keys import BlockKey
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import block_list, small_layout
-from kvstore.testing.keyring import new_key
 from kvstore.tiers.files import BLOCK_SUFFIX
 
 LAYOUT = small_layout()

@@ -1,4 +1,4 @@
-"""The wire fuzzer (kvstore.testing.fuzz) against a live kvstore-server process: 10^4
+"""The wire fuzzer (kvharness.fuzz.run) against a live kvstore-server process: 10^4
 frames built from the protocol's description and mutated; the server never crashes,
 never answers what it must refuse, serves only the bytes stored, logs one line per
 connection it cuts off, and keeps its memory. Also: the oracle's own rules."""
@@ -9,11 +9,11 @@ import random
 import shutil
 import tempfile
 
+from kvharness.fuzz.cases import CASES
+from kvharness.fuzz.model import SPECS, Header, Peer, Phase, Truth
+from kvharness.fuzz.oracle import expect
+from kvharness.fuzz.run import FuzzSettings, run_fuzz
 from kvstore.testing.data import small_layout
-from kvstore.testing.fuzz import FuzzSettings, run_fuzz
-from kvstore.testing.fuzz_cases import CASES
-from kvstore.testing.fuzz_model import SPECS, Header, Peer, Phase, Truth
-from kvstore.testing.fuzz_oracle import expect
 from kvstore.wire.protocol import MAGIC, Flag, Op, Status, encode_get_request, encode_keys
 
 LAYOUT = small_layout()

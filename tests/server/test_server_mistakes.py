@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore import KVStore, StoreConfig
 from kvstore.cli.kvserver import KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import ConfigError
 from kvstore.server import ServerThread
-from kvstore.testing.commands import files_under, one_error_line, prepare_home, run_command
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.wire.protocol import VERSION, Frame, Op, Status
 

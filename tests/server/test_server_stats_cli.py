@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvharness.commands import one_error_line, prepare_home, run_command
 from kvstore.cli import main
 from kvstore.client import Client, ClientOptions
 from kvstore.config import format_size
 from kvstore.server import ServerThread
-from kvstore.testing.commands import one_error_line, prepare_home, run_command
 from kvstore.testing.conformance import make_keys
 from kvstore.testing.data import random_blocks, small_layout
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvharness.proxies.fault import FaultProxy
 from kvstore.cli.servers import RedisServer, S3Server, free_port, redis_command
 from kvstore.errors import ConfigError
-from kvstore.testing.proxy import FaultProxy
 
 
 def _threads_settle(before: set[threading.Thread], timeout: float = 3.0) -> set[threading.Thread]:

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.proxies.throttle import ThrottlingProxy
 from kvstore import KVLayout, KVStore
 from kvstore.cli.servers import S3Server
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.throttle import ThrottlingProxy
 
 MB = 1_000_000
 

@@ -12,20 +12,22 @@ from pathlib import Path
 
 import torch
 
+from kvharness import child_env
+from kvharness.workers import WORKER_LAYOUT, block_for, key_for
 from kvstore.config import DiskTierConfig
 from kvstore.store import KVStore
-from kvstore.testing.workers import WORKER_LAYOUT, block_for, key_for
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.files import TMP_SUFFIX
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvstore.testing.workers", *args],
+        [sys.executable, "-m", "kvharness.workers", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=child_env(),  # the harness is not installed: the child finds it there
     )
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvharness.mounts import remount_read_only
 from kvstore import BlockNotFoundError, KVStore
 from kvstore.config import DiskTierConfig, HostTierConfig
 from kvstore.layout import KVLayout
 from kvstore.testing.data import random_blocks
 from kvstore.testing.faults import FaultyFileOps
-from kvstore.testing.mounts import remount_read_only
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 

@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvharness.mounts import remount_read_only
 from kvstore import ConfigError, KVLayout, KVStore, TierError
 from kvstore.cli.servers import DUMMY_AWS_ENV, RedisServer, S3Server, free_port
 from kvstore.config import DiskTierConfig
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import FaultyFileOps
-from kvstore.testing.mounts import remount_read_only
 from kvstore.tiers.disk import DiskTier
 
 PASSWORD = "right-password-for-the-test"

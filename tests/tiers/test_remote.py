@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from kvharness.proxies.corrupting import CorruptingProxy
 from kvstore import KVStore, StoreConfig
 from kvstore.cli.kvserver import server_test_config
 from kvstore.client.tier import RemoteTier
@@ -21,7 +22,6 @@ from kvstore.layout import KVLayout
 from kvstore.server import ServerThread
 from kvstore.testing.conformance import TierConformance, make_keys
 from kvstore.testing.data import random_blocks, small_layout
-from kvstore.testing.tcpproxy import CorruptingProxy
 
 Start = Callable[..., ServerThread]
 _names = itertools.count()

@@ -18,6 +18,7 @@ import botocore.exceptions
 import pytest
 import torch
 
+from kvharness.proxies.fault import FaultProxy
 from kvstore import KVLayout, KVStore
 from kvstore.cli.servers import DUMMY_AWS_ENV, S3Server, free_port
 from kvstore.config import S3TierConfig
@@ -30,7 +31,6 @@ from kvstore.testing.data import empty_blocks as empty
 from kvstore.testing.data import random_blocks, small_layout
 from kvstore.testing.faults import DAMAGES
 from kvstore.testing.faults import wait_for_tier as wait_for
-from kvstore.testing.proxy import FaultProxy
 from kvstore.tiers.s3 import S3Tier
 
 MiB = 1024**2

@@ -1,7 +1,7 @@
-"""The cluster a chaos soak runs on (see :mod:`kvstore.testing.chaos`).
+"""The cluster a chaos soak runs on (see :mod:`kvharness.chaos.run`).
 
 :class:`SoakCluster` starts, in order, one ``redis-server``, an S3 endpoint (moto, unless
-one is given), a :class:`~kvstore.testing.proxy.FaultProxy` in front of it, the node
+one is given), a :class:`~kvharness.proxies.fault.FaultProxy` in front of it, the node
 processes (their S3 tier goes through the proxy), the in-process members and a probe
 store that reads the bucket directly. ``stop`` (or leaving the ``with``) stops all of it
 in reverse order, also after a failed start.
@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvharness.chaos.events import event_ports, node_events_config
+from kvharness.proxies.fault import FaultProxy
 from kvstore.cli import DUMMY_AWS_ENV, KVStoreServerProcess, RedisServer, S3Server
 from kvstore.client import Client, ClientOptions
 from kvstore.cluster import ClusterIndex
@@ -27,12 +29,10 @@ from kvstore.errors import KVStoreError, TierError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
-from kvstore.testing.chaos_events import event_ports, node_events_config
-from kvstore.testing.data import small_layout
-from kvstore.testing.proxy import FaultProxy
+from kvstore.testing import small_layout
 
 if TYPE_CHECKING:
-    from kvstore.testing.chaos_config import SoakConfig
+    from kvharness.chaos.config import SoakConfig
 
 __all__ = ["LAYOUT", "SoakCluster"]
 

@@ -4,7 +4,7 @@ capacity for minutes, sampled at an interval; does memory or any count grow?
 >>> result = run_soak(SoakConfig(minutes=3, warmup_minutes=1, interval_s=5), workdir)
 >>> result["rss_growth"], result["wrong_bytes"], result["errors"]
 
-What runs (:mod:`kvstore.testing.soak_work` has the operations):
+What runs (:mod:`kvharness.soak.work` has the operations):
 
 - the **store process** (a child, spawned): one :class:`~kvstore.KVStore` with a 2 MiB
   host tier over an 8 MiB disk tier, so both evict and demote all the time; worker
@@ -25,7 +25,7 @@ The server publishes KV events; ``tokens_share`` of the clients' puts (and the c
 blocks of each sample) tell it their tokens, so they are announced. A subscriber's view
 built from the events alone runs all along, restarted every ``view_restart_s`` on
 average; once the clients stop it must equal a fresh one (``events_phantom``,
-``events_missed``, ``events_wrong_medium``: :mod:`kvstore.testing.soak_events`).
+``events_missed``, ``events_wrong_medium``: :mod:`kvharness.soak.events`).
 
 **A sample** (every ``interval_s``) stops every worker between two operations, waits
 for the leases of pins, loans, reservations and abandoned writes to end, then settles
@@ -58,14 +58,10 @@ from typing import Any
 
 import torch
 
-from kvstore.cli import KVStoreServerProcess, server_test_config
-from kvstore.client import Client, ClientOptions
-from kvstore.errors import KVStoreError
-from kvstore.keys import BlockKey
-from kvstore.store import KVStore
-from kvstore.testing.chaos_events import chunk_tokens
-from kvstore.testing.soak_events import EVENT_FIELDS, SoakEvents, server_events_config
-from kvstore.testing.soak_work import (
+from kvharness import child_env
+from kvharness.chaos.events import chunk_tokens
+from kvharness.soak.events import EVENT_FIELDS, SoakEvents, server_events_config
+from kvharness.soak.work import (
     LAYOUT,
     ClientWork,
     Gate,
@@ -75,6 +71,11 @@ from kvstore.testing.soak_work import (
     block_for,
     wrong_bytes,
 )
+from kvstore.cli import KVStoreServerProcess, server_test_config
+from kvstore.client import Client, ClientOptions
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.store import KVStore
 
 __all__ = [
     "GROWTH_FIELDS",
@@ -348,9 +349,11 @@ class _ServerSide:
         """A client process killed mid-transfer (SIGKILL) once it is connected."""
         shm = n % 2 == 0
         address = self.server.unix_address if shm else self.server.address
-        code = "from kvstore.testing.soak_work import vanisher_main; vanisher_main()"
+        code = "from kvharness.soak.work import vanisher_main; vanisher_main()"
         args = [sys.executable, "-c", code, address, "1" if shm else "0", f"{self.config.seed}:{n}"]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env()
+        )
         try:
             assert proc.stdout is not None
             if proc.stdout.readline().strip() == b"ready":
@@ -516,7 +519,7 @@ def summarize(
     events: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The soak's JSON: growth fields, errors, wrong bytes, the events check
-    (:mod:`kvstore.testing.soak_events`), operation counts, samples."""
+    (:mod:`kvharness.soak.events`), operation counts, samples."""
     whole = [s for s in samples if s["store"] and s["server"]]
     measured = [s for s in whole if s["t"] >= config.warmup_minutes * 60 - 1]
     counts, examples = _merged(tallies)

@@ -1,15 +1,15 @@
 """The KV events of the memory soak's kvstore-server, and whether a subscriber's view converges.
 
-The soak's server (:mod:`kvstore.testing.soak`) publishes KV events on two free ports
+The soak's server (:mod:`kvharness.soak.run`) publishes KV events on two free ports
 (the chaos soak's node config: a small replay buffer, so a subscriber that comes back
 is sent snapshots); a share of its clients' puts tell it their chunks' tokens, so those
 chunks are announced. :class:`SoakEvents` keeps one long-lived
-:class:`~kvstore.testing.event_view.EventView` on the server for the whole run and
+:class:`~kvharness.event_view.EventView` on the server for the whole run and
 restarts it at seeded random moments (a router restarting, with the replay socket),
-through the chaos soak's :class:`~kvstore.testing.chaos_events.EventWatch`. At the
+through the chaos soak's :class:`~kvharness.chaos.events.EventWatch`. At the
 end, once the clients have stopped and one heartbeat has passed, the long-lived view
 is compared with a fresh subscriber's (a snapshot of what the server holds now): no
-phantom, missed or wrong-medium block. Apart from :mod:`kvstore.testing.soak` so the
+phantom, missed or wrong-medium block. Apart from :mod:`kvharness.soak.run` so the
 soak's memory sampling and its event check each stay readable on their own.
 """
 
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.testing.chaos_events import EventWatch, event_ports, node_events_config
-from kvstore.testing.soak_work import LAYOUT
+from kvharness.chaos.events import EventWatch, event_ports, node_events_config
+from kvharness.soak.work import LAYOUT
 
 __all__ = ["EVENT_FIELDS", "SoakEvents", "server_events_config"]
 

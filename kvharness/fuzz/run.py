@@ -7,10 +7,10 @@ mutated, sent to a live server process, every answer judged.
 It starts a real ``kvstore-server`` (:class:`~kvstore.cli.kvserver.KVStoreServerProcess`,
 with an admin token and a restricted one), stores reference blocks through the real client
 (:class:`~kvstore.client.Client`), then opens connection after connection
-(:mod:`kvstore.testing.fuzz_cases`): well-behaved ones, mutated fields, bad headers,
+(:mod:`kvharness.fuzz.cases`): well-behaved ones, mutated fields, bad headers,
 frames out of the handshake's order, missing, wrong and replayed tokens, truncated
 frames, lying lengths, noise, and -- beside them, on threads -- slow and idle
-connections. Every answer is judged by :mod:`kvstore.testing.fuzz_oracle`: a success
+connections. Every answer is judged by :mod:`kvharness.fuzz.oracle`: a success
 the protocol forbids is a *missed refusal*; any other answer it does not allow (another
 status, a malformed reply, bytes other than those stored, a connection kept open after a
 fatal refusal or closed when it should stay) is a *wrong answer*. After each batch the
@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
+from kvharness.fuzz.cases import CASES, HOME, OTHER, Cases, Pool, Step
+from kvharness.fuzz.model import Expect, Header, Peer, Phase, Truth
+from kvharness.fuzz.oracle import expect
 from kvstore.cli import HOST, KVStoreServerProcess, server_test_config
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.testing.data import small_layout
-from kvstore.testing.fuzz_cases import CASES, HOME, OTHER, Cases, Pool, Step
-from kvstore.testing.fuzz_model import Expect, Header, Peer, Phase, Truth
-from kvstore.testing.fuzz_oracle import expect
+from kvstore.testing import small_layout
 from kvstore.wire import FRAME, MAGIC, VERSION, Flag, Op, Status
 
 __all__ = ["FuzzReport", "FuzzSettings", "fuzz_server_config", "run_fuzz"]

@@ -1,4 +1,4 @@
-"""The operations of the memory soak (:mod:`kvstore.testing.soak`), and what they check.
+"""The operations of the memory soak (:mod:`kvharness.soak.run`), and what they check.
 
 Every block's bytes follow from its key (:func:`block_bytes`), so each read is checked
 without keeping the data: a block reported found must be byte-exact (``wrong_bytes``),
@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from kvharness.chaos.events import chunk_tokens
 from kvstore.client import Client, ClientOptions
 from kvstore.errors import BlockNotFoundError, CapacityError, KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
-from kvstore.testing.chaos_events import chunk_tokens
 
 __all__ = [
     "LAYOUT",

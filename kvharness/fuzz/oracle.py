@@ -1,6 +1,6 @@
 """What the wire protocol says a server must answer: the wire fuzzer's oracle.
 
-:func:`expect` takes a frame exactly as the fuzzer (:mod:`kvstore.testing.fuzz`) sends it
+:func:`expect` takes a frame exactly as the fuzzer (:mod:`kvharness.fuzz.run`) sends it
 -- header fields, meta, payload -- and the connection's state as the fuzzer models it
 (:class:`Peer`), and returns what docs/protocol.md allows in reply (:class:`Expect`):
 which statuses, whether a refusal closes the connection, and a check of a successful
@@ -8,7 +8,7 @@ reply. It decides with the protocol's own code: the header is :data:`FRAME`, the
 :class:`Op`, and a request's fields are valid exactly when the protocol's decoders
 (``decode_keys``, ``decode_get_request``, ...) accept them, so a mutated request is
 judged the way the server must judge it. The one thing written by hand is
-:data:`~kvstore.testing.fuzz_model.SPECS`: which handshake step each op needs and whether
+:data:`~kvharness.fuzz.model.SPECS`: which handshake step each op needs and whether
 it carries a payload (the docs' table).
 """
 
@@ -18,11 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import check_namespace
-from kvstore.errors import KVStoreError, ProtocolError
-from kvstore.format import header_size
-from kvstore.layout import KVLayout
-from kvstore.testing.fuzz_model import (
+from kvharness.fuzz.model import (
     SPECS,
     Check,
     Expect,
@@ -33,6 +29,10 @@ from kvstore.testing.fuzz_model import (
     judge_stored,
     wire_blocks,
 )
+from kvstore.config import check_namespace
+from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.format import header_size
+from kvstore.layout import KVLayout
 from kvstore.wire import (
     MAGIC,
     VERSION,

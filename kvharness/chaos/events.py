@@ -2,7 +2,7 @@
 
 Each node publishes KV events (``events:`` in its config: a small replay buffer, so a
 subscriber that comes back after a gap is sent a snapshot as often as the buffer).
-:class:`EventWatch` keeps one :class:`~kvstore.testing.event_view.EventView` per node
+:class:`EventWatch` keeps one :class:`~kvharness.event_view.EventView` per node
 for the whole run and restarts them at seeded random moments (a router restarting),
 while nodes are killed and restarted under them. At the end, after the faults and
 the settle, :meth:`EventWatch.check` asks each running node afresh: a new subscriber
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvharness.event_view import EventView, compare
 from kvstore.cli import free_port
 from kvstore.keys import BlockKey, ChunkTokens
-from kvstore.testing.event_view import EventView, compare
 
 __all__ = ["EventWatch", "chunk_tokens", "node_events_config"]
 

@@ -1,4 +1,4 @@
-"""The workload of a chaos soak, and what it checks (see :mod:`kvstore.testing.chaos`).
+"""The workload of a chaos soak, and what it checks (see :mod:`kvharness.chaos.run`).
 
 Every block's bytes follow from its key (:func:`block_for`), so any read is checked
 without keeping the data: a block returned as found must be byte-exact, a miss is
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvharness.chaos.cluster import LAYOUT, SoakCluster
+from kvharness.chaos.events import chunk_tokens
 from kvstore.errors import BlockNotFoundError, KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.testing.chaos_cluster import LAYOUT, SoakCluster
-from kvstore.testing.chaos_events import chunk_tokens
 
 if TYPE_CHECKING:
-    from kvstore.testing.chaos_config import SoakConfig
+    from kvharness.chaos.config import SoakConfig
 
 __all__ = [
     "OPS",

@@ -1,4 +1,4 @@
-"""The wire fuzzer's model of a server and its connections (:mod:`kvstore.testing.fuzz`).
+"""The wire fuzzer's model of a server and its connections (:mod:`kvharness.fuzz.run`).
 
 What the protocol's description says of each op (:data:`SPECS`: the handshake step it
 needs, whether it carries a payload; every op of :class:`~kvstore.wire.protocol.Op` has an

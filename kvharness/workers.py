@@ -1,4 +1,4 @@
-"""Child processes for crash and sharing tests: ``python -m kvstore.testing.workers``.
+"""Child processes for crash and sharing tests: ``python -m kvharness.workers``.
 
 ``churn DIR``   put and delete blocks on a disk tier in a tight loop, forever
                 (the parent ``kill -9``\\ s it at random moments).

@@ -1,7 +1,7 @@
-"""Mutations of valid frames for the wire fuzzer (:mod:`kvstore.testing.fuzz_cases`):
+"""Mutations of valid frames for the wire fuzzer (:mod:`kvharness.fuzz.cases`):
 fields cut, grown, flipped or replaced with lengths kept consistent, JSON metas with odd
 values, and header fields the protocol refuses. Nothing here judges: the oracle
-(:mod:`kvstore.testing.fuzz_oracle`) decides what the server must answer to each.
+(:mod:`kvharness.fuzz.oracle`) decides what the server must answer to each.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import struct
 from dataclasses import replace
 from typing import Any
 
-from kvstore.testing.fuzz_model import SPECS, Header, Peer
+from kvharness.fuzz.model import SPECS, Header, Peer
 from kvstore.wire import MAGIC, VERSION, Flag, Op
 
 __all__ = ["bad_header", "mutate_fields", "mutate_json"]

@@ -4,17 +4,17 @@
 >>> report.wrong_bytes, report.lost_blocks          # both must be 0
 (0, 0)
 
-What runs (:mod:`kvstore.testing.chaos_cluster`): ``nodes`` kvstore-server processes
+What runs (:mod:`kvharness.chaos.cluster`): ``nodes`` kvstore-server processes
 (host -> disk -> S3, written through, a shared ``cluster:`` section with a short
 heartbeat and a low ``hot_threshold``, so hot blocks get replicas that cool down again
 during the run), ``members`` in-process stores (a host tier and the cluster), one
 ``redis-server`` and one S3 endpoint (moto) that the nodes reach through a
-:class:`~kvstore.testing.proxy.FaultProxy`.
+:class:`~kvharness.proxies.fault.FaultProxy`.
 
-A workload (:mod:`kvstore.testing.chaos_work`) puts new blocks, whose bytes follow from
+A workload (:mod:`kvharness.chaos.work`) puts new blocks, whose bytes follow from
 their keys, and reads existing ones through random nodes and the members (get, prefix
 get, prefetch, lookup); a block returned as found must be byte-exact, a miss is allowed.
-A driver (:mod:`kvstore.testing.chaos_faults`) injects faults at seeded random moments:
+A driver (:mod:`kvharness.chaos.faults`) injects faults at seeded random moments:
 a node SIGKILLed and restarted on its disk, Redis killed and started empty, S3 answering
 5xx, stalling, or returning damaged bodies. A tracker asks the bucket directly (not
 through the proxy) which blocks reached S3. At the end every fault is healed, the
@@ -22,7 +22,7 @@ cluster settles, and each block that reached S3 must still be readable through s
 node: ``lost_blocks`` counts those that are not.
 
 Every node publishes KV events; a subscriber per node keeps a view built from them
-alone, restarted now and then (:mod:`kvstore.testing.chaos_events`); at the end each
+alone, restarted now and then (:mod:`kvharness.chaos.events`); at the end each
 view must equal a fresh snapshot of its node (``events_diverged`` counts the blocks
 where it does not).
 """
@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from kvharness.chaos.cluster import SoakCluster
+from kvharness.chaos.config import FAULT_KINDS, SoakConfig
+from kvharness.chaos.events import EventWatch
+from kvharness.chaos.faults import FaultDriver
+from kvharness.chaos.work import Ledger, Outcome, Tally, Tracker, Workload, final_check
 from kvstore.cli import DUMMY_AWS_ENV, S3Server
-from kvstore.testing.chaos_cluster import SoakCluster
-from kvstore.testing.chaos_config import FAULT_KINDS, SoakConfig
-from kvstore.testing.chaos_events import EventWatch
-from kvstore.testing.chaos_faults import FaultDriver
-from kvstore.testing.chaos_work import Ledger, Outcome, Tally, Tracker, Workload, final_check
 
 __all__ = ["FAULT_KINDS", "SoakConfig", "SoakReport", "run_soak"]
 

@@ -1,9 +1,9 @@
 """The wire fuzzer's connections: valid frames built from the protocol's encoders, and
-their mutations (:mod:`kvstore.testing.fuzz` sends them, :mod:`kvstore.testing.fuzz_oracle`
+their mutations (:mod:`kvharness.fuzz.run` sends them, :mod:`kvharness.fuzz.oracle`
 judges the answers).
 
 A *case* is one connection, a generator of :class:`Step` s. It reads the connection's
-model (:class:`~kvstore.testing.fuzz_oracle.Peer`) as it goes, so a step built after a
+model (:class:`~kvharness.fuzz.oracle.Peer`) as it goes, so a step built after a
 reply sees what the reply taught (the nonce, a reservation, a lease). A step whose bytes
 stay framed (``head`` set) is judged by the oracle; a step that leaves the stream mid-frame
 or out of step (``head`` None: truncated frames, lying lengths, noise) ends its case, and
@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 
+from kvharness.fuzz.model import SPECS, Header, Peer, Phase
+from kvharness.fuzz.mutate import bad_header, mutate_fields, mutate_json
 from kvstore.keys import BlockKey, ChunkTokens
 from kvstore.layout import KVLayout
-from kvstore.testing.conformance import make_keys
-from kvstore.testing.data import random_blocks
-from kvstore.testing.fuzz_model import SPECS, Header, Peer, Phase
-from kvstore.testing.fuzz_mutate import bad_header, mutate_fields, mutate_json
+from kvstore.testing import make_keys, random_blocks
 from kvstore.wire import (
     MAGIC,
     Flag,

@@ -1,6 +1,6 @@
 """What a chaos soak runs (:class:`SoakConfig`) and the faults it knows (:data:`FAULT_KINDS`).
 
-Kept apart from :mod:`kvstore.testing.chaos` so that the cluster, workload and fault
+Kept apart from :mod:`kvharness.chaos.run` so that the cluster, workload and fault
 modules it drives import their settings from here, and nothing imports back.
 """
 

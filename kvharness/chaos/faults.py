@@ -1,4 +1,4 @@
-"""The fault driver of a chaos soak (see :mod:`kvstore.testing.chaos`).
+"""The fault driver of a chaos soak (see :mod:`kvharness.chaos.run`).
 
 At seeded random moments (exponential gaps around ``fault_interval_s``) the driver
 injects one fault and schedules its end ``fault_s`` later; faults of different kinds
@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvharness.chaos.cluster import SoakCluster
+from kvharness.chaos.config import FAULT_KINDS
 from kvstore.errors import KVStoreError
-from kvstore.testing.chaos_cluster import SoakCluster
-from kvstore.testing.chaos_config import FAULT_KINDS
 
 if TYPE_CHECKING:
-    from kvstore.testing.chaos_config import SoakConfig
-    from kvstore.testing.chaos_work import Tally
+    from kvharness.chaos.config import SoakConfig
+    from kvharness.chaos.work import Tally
 
 __all__ = ["FAULT_KINDS", "FaultDriver"]
 
