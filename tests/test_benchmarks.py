@@ -306,6 +306,7 @@ def test_bench_server() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
@@ -370,6 +371,7 @@ def test_bench_events() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
