@@ -35,6 +35,16 @@ LONG_MODULES = frozenset(
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml: its hash is the set-up scripts' stamp, and a
+    # change there rebuilds the engines' venv.
+    config.addinivalue_line(
+        "markers",
+        "engine: runs an engine's virtualenv (.venv-vllm, .venv-dynamo, .venv-lmcache); "
+        "scripts/test.sh --fast leaves it out, as it does slow",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Long modules first (a stable sort keeps the order within each): with ``--dist
     # loadfile`` a module runs on one worker, and a long one handed out last leaves the

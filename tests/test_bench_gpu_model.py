@@ -105,6 +105,7 @@ def check_planned(row: dict[str, Any]) -> None:
     assert row["ttft_next_turn_ms"] > 0
 
 
+@pytest.mark.engine  # transformers >= 5: here only .venv-vllm has it
 @pytest.mark.timeout(300)
 def test_bench_gpu_model_cpu_smoke(tmp_path: Path) -> None:
     python = transformers_python()

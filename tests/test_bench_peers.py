@@ -97,6 +97,7 @@ LMCACHE_RAW = tuple(
     reason="LMCache side by side is opt-in: KVSTORE_BENCH_LMCACHE=1 (after "
     "bash benchmarks/peers/setup_lmcache.sh)",
 )
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 def test_bench_lmcache_quick_run() -> None:
     if not LMCACHE_HERE and not (LMCACHE_VENV / "bin" / "python").exists():
@@ -163,6 +164,7 @@ def test_bench_hash_vllm_real_skipped(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (bash scripts/setup-vllm.sh)")
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 def test_bench_hash_vllm_real() -> None:
     result = run_script("bench_hash.py", *HASH_TINY, timeout=300)

@@ -343,6 +343,7 @@ def test_bench_server() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
@@ -407,6 +408,7 @@ def test_bench_events() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
     not VLLM_PYTHON.exists(),

@@ -147,6 +147,7 @@ def check_quick_run(result: subprocess.CompletedProcess[str], out: Path) -> dict
     return runs
 
 
+@pytest.mark.slow  # ~40 s of benchmark scripts
 @pytest.mark.timeout(600)
 def test_quick_bench_of_the_scripts_that_failed_under_kvstore_bench_exits_0(
     tmp_path: Path,

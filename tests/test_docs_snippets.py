@@ -300,9 +300,21 @@ def _matches(expected: str, actual: str) -> bool:
 
 
 SESSIONS = sessions()
+#: Sessions that take tens of seconds (scripts/test.sh --fast leaves them out).
+SLOW_SESSIONS = {"quickstart.md:demo"}  # the whole demo: 16 sessions x 4 turns
 
 
-@pytest.mark.parametrize("name", sorted(SESSIONS))
+def session_marks(name: str) -> list[pytest.MarkDecorator]:
+    """``slow`` for a long session, ``engine`` for one that runs an engine's venv."""
+    marks = [pytest.mark.slow] if name in SLOW_SESSIONS else []
+    if any(b.opt("venv") for b in SESSIONS[name]):
+        marks.append(pytest.mark.engine)
+    return marks
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=session_marks(n), id=n) for n in sorted(SESSIONS)]
+)
 def test_docs_session_runs_as_written(name: str, tmp_path: Path) -> None:
     blocks = SESSIONS[name]
     (tmp_path / "tmp").mkdir()

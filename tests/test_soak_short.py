@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_soak.py"
 
 
+@pytest.mark.slow  # a minute of load and more
 @pytest.mark.timeout(420)
 def test_soak_short_keeps_memory_and_counts_flat() -> None:
     proc = subprocess.run(

@@ -40,6 +40,7 @@ pytestmark = [
         not VLLM_PYTHON.exists(),
         reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
     ),
+    pytest.mark.engine,
     pytest.mark.timeout(300),
 ]
 

@@ -19,13 +19,15 @@ DRIVER = EXAMPLES / "vllm_offline.py"
 
 
 def vllm_marks(timeout_s: int) -> list[pytest.MarkDecorator]:
-    """A module's ``pytestmark``: skip without the venv, slow, and a whole-module timeout."""
+    """A module's ``pytestmark``: skip without the venv, slow, engine, and a whole-module
+    timeout."""
     return [
         pytest.mark.skipif(
             not VLLM_PYTHON.exists(),
             reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
         ),
         pytest.mark.slow,
+        pytest.mark.engine,
         pytest.mark.timeout(timeout_s),
     ]
 

@@ -108,8 +108,9 @@ _LIVE: set[DynamoIndexer] = set()
 
 
 def dynamo_marks(timeout_s: int = 60) -> list[pytest.MarkDecorator]:
-    """A module's ``pytestmark``: skip without the venv, and a whole-module timeout."""
+    """A module's ``pytestmark``: skip without the venv, engine, and a whole-module timeout."""
     return [
+        pytest.mark.engine,
         pytest.mark.skipif(
             not DYNAMO_PYTHON.exists(),
             reason=(

@@ -30,6 +30,7 @@ pytestmark = [
         reason=".venv-vllm is absent: run `bash scripts/setup-vllm.sh` (scripts/test.sh does)",
     ),
     pytest.mark.slow,
+    pytest.mark.engine,
     pytest.mark.timeout(300),
 ]
 
