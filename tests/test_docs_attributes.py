@@ -154,13 +154,13 @@ def exported(name: str) -> Iterator[Any]:
     """The objects the modules exporting ``name`` give it; none from a module that needs an
     engine not installed here (the vLLM connector's, in .venv-vllm only)."""
     for module in public_names()[name]:
-        try:
+        try:  # a package's front door imports its names on first use: getattr may import
             imported = importlib.import_module(module)
+            obj = getattr(imported, name, None)
         except ImportError as exc:
             if (exc.name or "kvstore").startswith("kvstore"):
                 raise
             continue
-        obj = getattr(imported, name, None)
         if obj is not None and not inspect.ismodule(obj):
             yield obj
 

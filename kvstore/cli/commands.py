@@ -542,7 +542,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 def _run_all_script() -> Path:
     """``benchmarks/run_all.py`` of the source checkout this package was imported from."""
-    return Path(__file__).resolve().parent.parent / "benchmarks" / "run_all.py"
+    return Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
 
 
 def _cmd_bench(argv: Sequence[str]) -> int:
