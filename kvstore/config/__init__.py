@@ -530,9 +530,9 @@ class StoreConfig:
         origins: dict[str, str] = {}
         shadowed: dict[str, str] = {}
         data = apply_env(data, env, cls._ENV_PREFIX, origins, shadowed if keep_given else None)
-        for variable, key in shadowed.items():
+        for name, key in shadowed.items():
             warnings.warn(
-                f"{variable} is set but not applied: the config dict gives {key}, and "
+                f"{name} is set but not applied: the config dict gives {key}, and "
                 "environment variables override a config file, never an explicit dict",
                 UserWarning,
                 stacklevel=3,
