@@ -58,6 +58,7 @@ ENV_PREFIX = "KVSTORE_"
 EXCLUDED: dict[str, str] = {
     "Credential": "a token read at run time (server.token / server.tokens[] build it)",
     "ClusterTierConfig": "built by the store from the cluster: section; never listed in tiers",
+    "DaemonConfig": "kvstore-server's config by role: a StoreConfig and its server: section",
 }
 
 #: Tier kinds in the order the docs list them (fastest first); unknown kinds follow, sorted.

@@ -44,6 +44,7 @@ from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
+from kvstore.config.daemon import DaemonConfig
 from kvstore.config.encryption import EncryptionConfig
 from kvstore.config.environment import EnvOverlay
 from kvstore.config.events import EventsConfig
@@ -90,6 +91,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterTierConfig",
     "Credential",
+    "DaemonConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
     "EncryptionConfig",
@@ -116,6 +118,7 @@ __all__ = [
     "default_cache_dir",
     "format_size",
     "is_loopback",
+    "load_daemon_config",
     "normalize_address",
     "parse_size",
     "parse_tenant",
@@ -389,7 +392,8 @@ class StoreConfig:
     saves: SavesConfig = field(default_factory=SavesConfig)
     restore: RestoreConfig = field(default_factory=RestoreConfig)
     hints: HintsConfig = field(default_factory=HintsConfig)
-    #: ``kvstore-server``'s own settings (the library ignores them).
+    #: ``kvstore-server``'s own settings (the library ignores them; the server reads them
+    #: as :attr:`DaemonConfig.server`, and this field goes after one release).
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -562,6 +566,17 @@ class StoreConfig:
             "lease_s": self.lease_s,
             "mover_threads": self.mover_threads,
         }
+
+
+def load_daemon_config(
+    source: StoreConfig | DaemonConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+) -> DaemonConfig:
+    """``kvstore-server``'s config by role, from the same sources as :meth:`StoreConfig.load`
+    (a YAML file with store, ``server:``, ``cluster:`` and ``events:`` sections; None:
+    ``$KVSTORE_CONFIG``, else the default; environment overrides apply to a file)."""
+    if isinstance(source, DaemonConfig):
+        return source
+    return DaemonConfig.of(StoreConfig.load(source))
 
 
 def apply_env(
