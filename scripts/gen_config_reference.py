@@ -58,6 +58,7 @@ ENV_PREFIX = "KVSTORE_"
 EXCLUDED: dict[str, str] = {
     "Credential": "a token read at run time (server.token / server.tokens[] build it)",
     "ClusterTierConfig": "built by the store from the cluster: section; never listed in tiers",
+    "DaemonConfig": "kvstore-server's config by role: a StoreConfig and its server: section",
 }
 
 #: Tier kinds in the order the docs list them (fastest first); unknown kinds follow, sorted.
@@ -540,8 +541,10 @@ Every key kvstore reads, generated from the frozen dataclasses in `kvstore/confi
 
 **Where a config comes from.** `KVStore(layout, config)` takes a `StoreConfig`, a dict or a
 YAML path; with none, the file named by `KVSTORE_CONFIG`, else the embedded default (a 4 GiB
-host tier over a 32 GiB disk tier). Environment variables then override single keys (the
-*environment* column; values are read as in YAML: `16GiB`, `true`, `0.5`). Any other
+host tier over a 32 GiB disk tier). Environment variables then override single keys of a
+file or the default (the *environment* column; values are read as in YAML: `16GiB`, `true`,
+`0.5`); over an explicit dict they only fill keys it leaves unset, and each variable whose
+key the dict gives is left out with a warning naming it. Any other
 `KVSTORE_*` variable is an error, as is an unknown key or an impossible value: a
 `ConfigError` naming the key (`tiers[1].capacity`). `kvstore config [--config FILE]` prints
 the resolved configuration with secrets hidden. For `kvstore-server`, a command-line flag

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import DiskTierConfig, StoreConfig, TierConfig
+from kvstore.config import DaemonConfig, DiskTierConfig, ServerConfig, StoreConfig, TierConfig
 from kvstore.errors import CorruptBlockError, InvalidInputError
 from kvstore.format import header_size, read_header
 from kvstore.layout import KVLayout
@@ -164,11 +164,14 @@ class StoreSurvey:
 
 
 def survey(
-    config: StoreConfig, layout: KVLayout | None = None, only: str | None = None
+    config: StoreConfig | DaemonConfig, layout: KVLayout | None = None, only: str | None = None
 ) -> dict[str, Any]:
     """The report ``kvstore stats`` prints: per store found on disk (or named by
-    ``layout``), each tier's blocks and capacity; ``only``: a fingerprint (or a unique
-    prefix of one) to report alone. Reads only."""
+    ``layout``), each tier's blocks and capacity (and, for a server's config, its
+    tenants'); ``only``: a fingerprint (or a unique prefix of one) to report alone.
+    Reads only."""
+    settings = DaemonConfig.of(config)
+    config = settings.store
     disks = [t for t in config.tiers if isinstance(t, DiskTierConfig)]
     notes: list[str] = []
     dirs, disk_report = _scan_disks(disks, notes)
@@ -181,20 +184,19 @@ def survey(
         "restore": _restore(config),
         "notes": notes,
     }
-    if config.server.tenants:
-        report["tenants"] = _tenants(reports, config)
+    if settings.server.tenants:
+        report["tenants"] = _tenants(reports, settings.server)
     return report
 
 
-def _tenants(stores: list[dict[str, Any]], config: StoreConfig) -> dict[str, dict[str, Any]]:
+def _tenants(stores: list[dict[str, Any]], server: ServerConfig) -> dict[str, dict[str, Any]]:
     """Per tenant of ``server.tenants`` (and ``default``: namespaces none owns): the disk
     blocks and bytes of its namespaces, and its disk quota (share, limit)."""
-    owners = config.server.owners()
+    owners = server.owners()
     out: dict[str, dict[str, Any]] = {
-        t.name: {"namespaces": list(t.namespaces), "blocks": 0, "bytes": 0}
-        for t in config.server.tenants
+        t.name: {"namespaces": list(t.namespaces), "blocks": 0, "bytes": 0} for t in server.tenants
     }
-    for tenant in config.server.tenants:
+    for tenant in server.tenants:
         for quota in tenant.quotas:
             if quota.tier == "disk":
                 out[tenant.name].update(share=quota.share, limit=quota.limit)

@@ -16,8 +16,11 @@ Unknown keys and impossible values raise :class:`~kvstore.errors.ConfigError`
 naming the key (``tiers[1].capacity``).
 
 Environment overrides (applied by :meth:`StoreConfig.load`,
-:meth:`StoreConfig.from_dict` and :meth:`StoreConfig.from_yaml` unless
-``environ={}`` is passed; :func:`apply_env` alone shows what they set):
+:meth:`StoreConfig.default` and :meth:`StoreConfig.from_yaml` unless
+``environ={}`` is passed; :func:`apply_env` alone shows what they set). They
+override a file, never an explicit dict: :meth:`StoreConfig.from_dict` (and so
+``KVStore(layout, {...})``) lets the process's variables fill only what the dict
+leaves unset, and warns naming each variable whose key the dict gives:
 
 - ``KVSTORE_CONFIG=/path/store.yaml`` -- the base file for ``load()``.
 - ``KVSTORE_TIERS='[{"kind": "host", "capacity": "1GiB"}]'`` -- replaces the
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +44,11 @@ from kvstore.config._fields import check_positive as _check_positive
 from kvstore.config._fields import default_cache_dir
 from kvstore.config._fields import opt as _opt
 from kvstore.config.cluster import ClusterConfig
+from kvstore.config.daemon import DaemonConfig
 from kvstore.config.encryption import EncryptionConfig
+from kvstore.config.environment import EnvOverlay
 from kvstore.config.events import EventsConfig
-from kvstore.config.kinds import TIERS, build_tier, peer_tier_class, tier_config_class, tier_kinds
+from kvstore.config.kinds import TIERS, build_tier, peer_tier_class, tier_config_class
 from kvstore.config.restore import check_prefill_table, parse_prefill_table, parse_tier_speeds
 from kvstore.config.server import Credential, ServerConfig, TokenConfig, is_loopback
 from kvstore.config.tenants import (
@@ -85,6 +91,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterTierConfig",
     "Credential",
+    "DaemonConfig",
     "DeviceTierConfig",
     "DiskTierConfig",
     "EncryptionConfig",
@@ -111,6 +118,7 @@ __all__ = [
     "default_cache_dir",
     "format_size",
     "is_loopback",
+    "load_daemon_config",
     "normalize_address",
     "parse_size",
     "parse_tenant",
@@ -384,7 +392,8 @@ class StoreConfig:
     saves: SavesConfig = field(default_factory=SavesConfig)
     restore: RestoreConfig = field(default_factory=RestoreConfig)
     hints: HintsConfig = field(default_factory=HintsConfig)
-    #: ``kvstore-server``'s own settings (the library ignores them).
+    #: ``kvstore-server``'s own settings (the library ignores them; the server reads them
+    #: as :attr:`DaemonConfig.server`, and this field goes after one release).
     server: ServerConfig = field(default_factory=ServerConfig)
     #: Membership in a cluster of nodes (off unless ``redis_url`` is set).
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -439,10 +448,17 @@ class StoreConfig:
     def from_dict(
         cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None
     ) -> StoreConfig:
-        """Read a config dict; ``environ`` (default ``os.environ``) overrides it."""
+        """Read a config dict: an explicit argument, so the environment never overrides it.
+
+        ``environ`` left out: the process's ``KVSTORE_*`` variables fill only the keys
+        ``data`` leaves unset (a tier field of a tier list the dict does not give, a
+        section field it does not set); each variable whose key ``data`` gives is
+        ignored with a :class:`UserWarning` naming it. ``environ`` given: its
+        variables override ``data`` as they would a file (``{}``: none apply).
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
-        return cls._with_env(dict(data), environ)
+        return cls._with_env(dict(data), environ, keep_given=environ is None)
 
     @classmethod
     def from_yaml(
@@ -460,7 +476,9 @@ class StoreConfig:
                 "give the YAML file of the store's configuration"
             ) from None
         data = load_yaml(text, f"config file {name!r}") or {}
-        return cls.from_dict(data, environ)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
+        return cls._with_env(dict(data), environ)
 
     @classmethod
     def load(
@@ -509,10 +527,20 @@ class StoreConfig:
         return cls(**kwargs)
 
     @classmethod
-    def _with_env(cls, data: dict[str, Any], environ: Mapping[str, str] | None) -> StoreConfig:
+    def _with_env(
+        cls, data: dict[str, Any], environ: Mapping[str, str] | None, keep_given: bool = False
+    ) -> StoreConfig:
         env = os.environ if environ is None else environ
         origins: dict[str, str] = {}
-        data = apply_env(data, env, cls._ENV_PREFIX, origins)
+        shadowed: dict[str, str] = {}
+        data = apply_env(data, env, cls._ENV_PREFIX, origins, shadowed if keep_given else None)
+        for name, key in shadowed.items():
+            warnings.warn(
+                f"{name} is set but not applied: the config dict gives {key}, and "
+                "environment variables override a config file, never an explicit dict",
+                UserWarning,
+                stacklevel=3,
+            )
         try:
             return cls._from_plain(data)
         except ConfigError as exc:  # a value from a variable: name the variable too
@@ -540,62 +568,53 @@ class StoreConfig:
         }
 
 
+def load_daemon_config(
+    source: StoreConfig | DaemonConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+) -> DaemonConfig:
+    """``kvstore-server``'s config by role, from the same sources as :meth:`StoreConfig.load`
+    (a YAML file with store, ``server:``, ``cluster:`` and ``events:`` sections; None:
+    ``$KVSTORE_CONFIG``, else the default; environment overrides apply to a file)."""
+    if isinstance(source, DaemonConfig):
+        return source
+    return DaemonConfig.of(StoreConfig.load(source))
+
+
 def apply_env(
     data: dict[str, Any],
     env: Mapping[str, str],
     prefix: str = "KVSTORE_",
     origins: dict[str, str] | None = None,
+    shadowed: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Overlay the environment overrides (see the module docstring) on a plain config
-    dict, as :meth:`StoreConfig.from_dict` does before it checks anything: a new dict
+    dict, as :meth:`StoreConfig.from_yaml` does before it checks anything: a new dict
     (``data`` itself if no variable applies), values still the variables' strings.
     ``origins``, if given, gets the variable each overridden key (``tiers[0].capacity``;
-    ``tiers``) came from."""
+    ``tiers``) came from. ``shadowed``, if given, makes ``data`` an explicit dict: a
+    variable only fills a key ``data`` leaves unset, and each variable whose key ``data``
+    gives is left out and recorded there (variable -> key)."""
     if origins is None:
         origins = {}
     names = sorted(k for k in env if k.startswith(prefix) and k != prefix + "CONFIG")
     if not names:
         return data
-    data = dict(data)
+    overlay = EnvOverlay(dict(data), prefix, shadowed, _SECTIONS, _SCALARS)
     source = "tiers"
-    if prefix + "TIERS" in env:
+    if prefix + "TIERS" in env and not overlay.gives(
+        "tiers", overlay.tiers_given, prefix + "TIERS"
+    ):
         source = prefix + "TIERS"
-        data["tiers"] = load_yaml(env[prefix + "TIERS"], f"{prefix}TIERS", "is not valid YAML/JSON")
+        overlay.data["tiers"] = load_yaml(env[source], source, "is not valid YAML/JSON")
+        overlay.tiers_given = False
         origins["tiers"] = source
-    raw = data.get("tiers", [{"kind": t.kind} for t in default_tiers()])
+    raw = overlay.data.get("tiers", [{"kind": t.kind} for t in default_tiers()])
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"{source}: expected a list of tiers, got {type(raw).__name__}")
-    tiers: list[Any] = [dict(t) if isinstance(t, Mapping) else t for t in raw]
+    overlay.tiers = [dict(t) if isinstance(t, Mapping) else t for t in raw]
     for name in names:
         if name != prefix + "TIERS":
-            origins[_apply_one(data, tiers, name, env[name], prefix)] = name
-    data["tiers"] = tiers
-    return data
-
-
-def _apply_one(data: dict[str, Any], tiers: list[Any], name: str, value: str, prefix: str) -> str:
-    """Apply one variable: a top-level scalar, a section field, or a tier field; the
-    key it set (``tiers[0].capacity``)."""
-    setting = name[len(prefix) :].lower()
-    if setting in _SCALARS:
-        data[setting] = value
-        return setting
-    head, _, key = setting.partition("_")
-    if head in _SECTIONS and key:
-        section = data.get(head) or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{head}: expected a mapping, got {type(section).__name__}")
-        data[head] = {**section, key: value}
-        return f"{head}.{key}"
-    if head not in tier_kinds() or not key:
-        kinds = ", ".join(tier_kinds())
-        raise ConfigError(
-            f"{name}: unknown setting; use {prefix}<KIND>_<FIELD> with a kind of {kinds}, "
-            f"{prefix}<SECTION>_<FIELD> with a section of {', '.join(sorted(_SECTIONS))}, "
-            f"{prefix}LEASE_S, {prefix}MOVER_THREADS, or {prefix}TIERS / {prefix}CONFIG"
-        )
-    matches = [i for i, t in enumerate(tiers) if isinstance(t, dict) and t.get("kind") == head]
-    if not matches:
-        raise ConfigError(f"{name}: the config has no tier of kind {head!r} to override")
-    tiers[matches[0]][key] = value
-    return f"tiers[{matches[0]}].{key}"
+            key = overlay.apply(name, env[name])
+            if key is not None:
+                origins[key] = name
+    overlay.data["tiers"] = overlay.tiers
+    return overlay.data

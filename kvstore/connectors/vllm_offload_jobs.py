@@ -105,9 +105,9 @@ def store_config(keys: Mapping[str, Any]) -> StoreConfig:
     base = StoreConfig.load(source)
     if not inline:
         return base
-    merged = base.to_dict()
+    merged = base.to_dict()  # the environment is already in it, where it applies
     merged.update(inline)
-    return StoreConfig.from_dict(merged)
+    return StoreConfig.from_dict(merged, environ={})
 
 
 @dataclass

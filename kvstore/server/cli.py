@@ -19,7 +19,10 @@ import signal
 import sys
 import tracemalloc
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.config import DaemonConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from kvstore.config import StoreConfig
+def _config(args: argparse.Namespace) -> DaemonConfig:
+    """The server's config by role: the file (environment overrides on top), then flags."""
+    from kvstore.config import load_daemon_config
 
-    config = StoreConfig.load(args.config)
+    config = load_daemon_config(args.config)
     overrides = {
         name: getattr(args, name)
         for name in ("listen", "unix_socket", "metrics_listen", "token_file", "tls_cert", "tls_key")
@@ -60,10 +64,10 @@ def _config(args: argparse.Namespace) -> Any:
         overrides["token"] = None
     server = dataclasses.replace(config.server, **overrides)
     server.validate("server")
-    return dataclasses.replace(config, server=server)
+    return config.with_server(server)
 
 
-def _describe(config: Any, addresses: dict[str, str], cluster: Any = None) -> str:
+def _describe(config: DaemonConfig, addresses: dict[str, str], cluster: Any = None) -> str:
     """The start-up banner: where the server listens, its tiers (in bytes, with how a
     store counts them in blocks), its cluster (``cluster``: the node it runs as) and
     how a client connects."""
@@ -84,7 +88,7 @@ def _describe(config: Any, addresses: dict[str, str], cluster: Any = None) -> st
         )
     tiers = ", ".join(
         f"{t.kind} {format_size(t.capacity)}" + (f" at {t.path}" if hasattr(t, "path") else "")
-        for t in config.tiers
+        for t in config.store.tiers
     )
     lines.append(f"  tiers per namespace and layout: {tiers}")
     # /metrics and `kvstore stats` count the same capacities in blocks, per layout.
@@ -123,7 +127,7 @@ def _version() -> str:
     return __version__
 
 
-async def _serve(config: Any, args: argparse.Namespace) -> None:
+async def _serve(config: DaemonConfig, args: argparse.Namespace) -> None:
     from kvstore.server.daemon import Server
 
     server = Server(config, reloader=lambda: _config(args))

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvstore.config import DiskTierConfig, StoreConfig
+from kvstore.config import DaemonConfig, DiskTierConfig, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.runtime import trim_heap
 from kvstore.server import handlers
@@ -116,19 +116,20 @@ def _disk_locks(config: StoreConfig) -> list[DirectoryLock]:
     return [DirectoryLock(t.path) for t in config.tiers if isinstance(t, DiskTierConfig)]
 
 
-def _check_keys(config: StoreConfig, auth: Authenticator) -> None:
+def _check_keys(settings: DaemonConfig, auth: Authenticator) -> None:
     """With encryption on, each store seals with its tenant's keys: install the
     namespace-to-tenant mapping and check the keyring now (a missing tenant's keys
     are said at start, not per client)."""
+    config = settings.store
     if not config.encryption.enabled:
         return
     from kvstore.format import use_tenant_resolver
     from kvstore.tiers import store_keys
 
-    if config.server.tenants:
+    if settings.server.tenants:
         use_tenant_resolver(auth.tenant_of)
     store_keys(config.encryption, config.cluster.namespace)
-    for tenant in config.server.tenants:
+    for tenant in settings.server.tenants:
         for namespace in tenant.namespaces[:1]:
             store_keys(config.encryption, namespace)
 
@@ -136,30 +137,39 @@ def _check_keys(config: StoreConfig, auth: Authenticator) -> None:
 class Server:
     """One kvstore-server (see the module docstring). Start it with :meth:`start`.
 
+    ``config``: a :class:`DaemonConfig`, or a whole-file :class:`StoreConfig` (split by
+    role with :meth:`DaemonConfig.of`).
+
     ``reloader``: reads the config again, for SIGHUP and the ADMIN ``reload``
     (None: this server has no file to reload).
     """
 
     def __init__(
-        self, config: StoreConfig, reloader: Callable[[], StoreConfig] | None = None
+        self,
+        config: DaemonConfig | StoreConfig,
+        reloader: Callable[[], DaemonConfig | StoreConfig] | None = None,
     ) -> None:
-        config.server.check_startable()
-        _check_tiers(config)
-        self._authenticator = Authenticator(config.server.credentials(), config.server.owners())
-        _check_keys(config, self._authenticator)
+        settings = DaemonConfig.of(config)
+        cfg = settings.server
+        cfg.check_startable()
+        _check_tiers(settings.store)
+        self._authenticator = Authenticator(cfg.credentials(), cfg.owners())
+        _check_keys(settings, self._authenticator)
         #: Tenants' shares and limits in the tiers, and their figures.
-        self.quotas = TenantQuotas(config, self._authenticator.tenant_of)
-        self.admin = AdminDesk(config, self._authenticator, reloader)
+        self.quotas = TenantQuotas(settings, self._authenticator.tenant_of)
+        self.admin = AdminDesk(settings, self._authenticator, reloader)
         self.admin.on_change = self._tenants_changed
         self.admin.check = self.quotas.check
-        self.config = config
-        cfg = config.server
+        #: The config by role; ``settings.server`` follows reloads of tenants and tokens.
+        self.settings = settings
+        #: What every hosted store opens with (before its namespace is applied).
+        self.config = settings.store
         self.metrics = ServerMetrics()
         self._executor = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-server")
         self._copier = ThreadPoolExecutor(cfg.threads, thread_name_prefix="kvstore-copy")
         #: KV events of every hosted store, through one socket (None: ``events`` is off).
-        self.events = _publisher(config)
-        self.registry = StoreRegistry(config, on_open=self._on_open, events=self.events)
+        self.events = _publisher(self.config)
+        self.registry = StoreRegistry(settings, on_open=self._on_open, events=self.events)
         #: Tenants' own KV-event publishers (``events_endpoint``), by tenant.
         self.tenant_events: dict[str, EventPublisher] = {}
         self.registry.events_for = self._events_for
@@ -178,7 +188,7 @@ class Server:
         self._stop_asked = False
         self._reload_asked = False
         #: One exclusive lock per disk tier directory, held from start() to close().
-        self._disk_locks = _disk_locks(config)
+        self._disk_locks = _disk_locks(self.config)
         #: Where the server listens: ``tcp`` (HOST:PORT), ``unix`` (a path), ``metrics``,
         #: ``events`` / ``events_replay`` (ZMQ endpoints of its KV events).
         self.addresses: dict[str, str] = {}
@@ -206,10 +216,10 @@ class Server:
             lock.release()
 
     async def _start(self) -> None:
-        cfg = self.config.server
+        cfg = self.settings.server
         self._stopped = asyncio.Event()
         self._ctx = ServerContext(
-            config=self.config,
+            settings=self.settings,
             registry=self.registry,
             authenticator=self._authenticator,
             metrics=self.metrics,
@@ -259,7 +269,7 @@ class Server:
             log.warning(
                 "cluster: no cluster.advertise and listening on %s: this node fetches from "
                 "its peers but serves nothing to them",
-                self.config.server.listen,
+                self.settings.server.listen,
             )
             return
         node = ClusterNode(dataclasses.replace(cluster, advertise=advertise), self._load)
@@ -280,7 +290,7 @@ class Server:
         there, and only there."""
         from kvstore.events import EventPublisher
 
-        for tenant in self.config.server.tenants:
+        for tenant in self.settings.server.tenants:
             if tenant.events_endpoint is None:
                 continue
             where = f"server.tenants.{tenant.name}"
@@ -314,12 +324,12 @@ class Server:
         sock.bind((host, port))
         bound = sock.getsockname()
         self.addresses["tcp"] = f"{host}:{bound[1]}"
-        if self.config.server.tls_cert:
+        if self.settings.server.tls_cert:
             server = await asyncio.start_server(
                 self._tls_client,
                 sock=sock,
                 ssl=self._tls_context(),
-                ssl_handshake_timeout=self.config.server.io_timeout_s,
+                ssl_handshake_timeout=self.settings.server.io_timeout_s,
                 backlog=_BACKLOG,
             )
             self._tls_servers.append(server)
@@ -352,7 +362,7 @@ class Server:
         self.addresses["metrics"] = f"{host}:{port}"
 
     def _tls_context(self) -> ssl.SSLContext:
-        cfg = self.config.server
+        cfg = self.settings.server
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
@@ -395,7 +405,7 @@ class Server:
 
     def _admit(self) -> bool:
         ctx = self.ctx
-        if ctx.draining or len(ctx.connections) >= self.config.server.max_connections:
+        if ctx.draining or len(ctx.connections) >= self.settings.server.max_connections:
             self.metrics.add("connections_refused")
             return False
         return True
@@ -434,13 +444,13 @@ class Server:
         ctx.draining = True
         await self._close_listeners()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.server.drain_timeout_s
+        deadline = loop.time() + self.settings.server.drain_timeout_s
         while any(c.busy for c in ctx.connections) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(ctx.connections):
             conn.chan.abort()
         if self._serving:
-            await asyncio.wait(list(self._serving), timeout=self.config.server.io_timeout_s)
+            await asyncio.wait(list(self._serving), timeout=self.settings.server.io_timeout_s)
         await self._release_held(ctx)
         for server in self._tls_servers:
             with contextlib.suppress(Exception):
@@ -527,10 +537,10 @@ class Server:
         return True
 
     def _tenants_changed(self, server: Any) -> None:
-        self.config = dataclasses.replace(self.config, server=server)
+        self.settings = self.settings.with_server(server)
         self.quotas.update(server)
         if self._ctx is not None:
-            self._ctx.config = self.config
+            self._ctx.settings = self.settings
 
 
 class _RequestRate:
@@ -566,7 +576,7 @@ class ServerThread:
     ...     client = Client(server.address, layout)
     """
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: DaemonConfig | StoreConfig) -> None:
         self.server = Server(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="kvstore-server", daemon=True)

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import ServerConfig, StoreConfig
+from kvstore.config import DaemonConfig, ServerConfig, StoreConfig
 from kvstore.datapath import Quota, QuotaHook, QuotaLedger, Reclaim
 from kvstore.errors import CapacityError, ConfigError, KVStoreError
 from kvstore.server.stores import HostedStore
@@ -70,8 +70,8 @@ def _quotas(server: ServerConfig) -> dict[tuple[str, str], Quota]:
 class TenantQuotas:
     """The server's quota ledger and per-tenant figures (see the module docstring)."""
 
-    def __init__(self, config: StoreConfig, tenant_of: Callable[[str], str]) -> None:
-        self.pools = _pools(config)
+    def __init__(self, config: DaemonConfig, tenant_of: Callable[[str], str]) -> None:
+        self.pools = _pools(config.store)
         self.check(config.server)
         self.ledger = QuotaLedger(self.pools, _quotas(config.server))
         self._tenant_of = tenant_of

@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from kvstore.config import ServerConfig, StoreConfig
+from kvstore.config import DaemonConfig, ServerConfig
 from kvstore.datapath.contracts import Loan, PendingPut
 from kvstore.server.channel import Buffer, Channel
 from kvstore.server.metrics import ServerMetrics
@@ -155,7 +155,8 @@ class Session(Protocol):
 class ServerContext:
     """What every connection of one server shares."""
 
-    config: StoreConfig
+    #: The server's config by role; ``settings.server`` follows reloads.
+    settings: DaemonConfig
     registry: StoreRegistry
     authenticator: Authenticator
     metrics: ServerMetrics
@@ -174,10 +175,10 @@ class ServerContext:
 
     def tenant_names(self) -> frozenset[str]:
         """The tenants of ``server.tenants`` as they stand now."""
-        server = self.admin.server if self.admin is not None else self.config.server
+        server = self.admin.server if self.admin is not None else self.settings.server
         return frozenset(t.name for t in server.tenants)
 
     @property
     def server(self) -> ServerConfig:
         """The ``server:`` section of the config."""
-        return self.config.server
+        return self.settings.server

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config import (
+    DaemonConfig,
     DiskTierConfig,
     HostTierConfig,
     RedisTierConfig,
@@ -109,11 +110,13 @@ class StoreRegistry:
 
     def __init__(
         self,
-        config: StoreConfig,
+        config: DaemonConfig,
         on_open: Callable[[HostedStore], None] | None = None,
         events: EventPublisher | None = None,
     ) -> None:
-        self.config = config
+        #: What each hosted store opens with (before its namespace is applied).
+        self.config = config.store
+        self._limits = config.server
         self._on_open = on_open
         #: The server's KV-event publisher, shared by every store it hosts (None: off).
         self._events = events
@@ -139,7 +142,7 @@ class StoreRegistry:
             hosted = self._stores.get(key)
             if hosted is not None:
                 return hosted
-            limit = self.config.server.max_stores
+            limit = self._limits.max_stores
             if len(self._stores) >= limit:
                 self._say_over_limit(key, f"{namespace}/{layout.fingerprint_hex[:16]}")
                 raise CapacityError(
@@ -147,7 +150,7 @@ class StoreRegistry:
                     f"namespace {namespace!r} with layout {layout.fingerprint_hex} would be "
                     "one more"
                 )
-            share = self.config.server.shared_memory
+            share = self._limits.shared_memory
             config = _with_journal(namespaced_config(self.config, namespace, share), layout)
             events = self._events if self.events_for is None else self.events_for(namespace)
             store = KVStore(layout, config, events=events)

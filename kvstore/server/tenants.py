@@ -27,6 +27,7 @@ from typing import Any
 
 from kvstore.config import (
     Credential,
+    DaemonConfig,
     ServerConfig,
     StoreConfig,
     TenantConfig,
@@ -102,7 +103,7 @@ def describe(server: ServerConfig, only: str | None = None) -> dict[str, Any]:
     return {"tenants": tenants, "tokens": tokens, "operator_token": has_default}
 
 
-Reloader = Callable[[], StoreConfig]
+Reloader = Callable[[], StoreConfig | DaemonConfig]
 
 _ACTIONS = ("tenants", "put_tenant", "put_tokens", "remove_tenant", "reload")
 _ACTIONS_TEXT = ", ".join(_ACTIONS)
@@ -133,12 +134,14 @@ def _check_managed(tokens: tuple[TenantToken, ...]) -> None:
 class AdminDesk:
     """Serves ADMIN requests and reloads; holds the server section in force now.
 
-    ``config``: the server's config at start. ``auth``: the authenticator whose
+    ``config``: the server's config by role, at start. ``auth``: the authenticator whose
     tokens change. ``reloader``: reads the config file again (None: nothing to
     reload). Loop-only: no lock.
     """
 
-    def __init__(self, config: StoreConfig, auth: Authenticator, reloader: Reloader | None) -> None:
+    def __init__(
+        self, config: DaemonConfig, auth: Authenticator, reloader: Reloader | None
+    ) -> None:
         self.server = config.server
         self._auth = auth
         self._reloader = reloader
@@ -229,7 +232,7 @@ class AdminDesk:
         other settings need a restart). A bad file changes nothing (ConfigError)."""
         if self._reloader is None:
             raise InvalidInputError("admin reload: this server was not started from a config file")
-        fresh = self._reloader().server
+        fresh = DaemonConfig.of(self._reloader()).server
         fields = ("token", "token_file", "tokens", "tenants")
         changes = {name: getattr(fresh, name) for name in fields}
         self._apply(dataclasses.replace(self.server, **changes))
