@@ -48,7 +48,7 @@ from kvstore.config.daemon import DaemonConfig
 from kvstore.config.encryption import EncryptionConfig
 from kvstore.config.environment import EnvOverlay
 from kvstore.config.events import EventsConfig
-from kvstore.config.kinds import TIERS, build_tier, peer_tier_class, tier_config_class
+from kvstore.config.kinds import TIERS, build_tier, peer_tier_class, tier_config_class, tier_kinds
 from kvstore.config.restore import check_prefill_table, parse_prefill_table, parse_tier_speeds
 from kvstore.config.server import Credential, ServerConfig, TokenConfig, is_loopback
 from kvstore.config.tenants import (
@@ -125,6 +125,7 @@ __all__ = [
     "parse_token",
     "peer_tier_class",
     "tier_config_class",
+    "tier_kinds",
 ]
 
 
