@@ -374,7 +374,7 @@ def _copy_verified(
         stored,
         np.array(sizes, dtype=np.uint64),
         np.array(header.layer_checksums[first:last], dtype=np.uint64),
-        torch.get_num_threads(),
+        1,  # as the two passes were: helper threads wait for a CPU on a busy host
     )
     if bad >= 0:
         raise CorruptBlockError(
