@@ -253,10 +253,11 @@ class RedisTier(ValueTier):
             replies = self._pipeline([("GET", name) for name in names])
             for i, value in enumerate(replies or []):
                 each(i, value)
+            reached = replies is not None
         else:
-            replies = self._run(lambda client: get_pipelined(client, names, each))
+            reached = self._run(lambda client: get_pipelined(client, names, each)) is not None
         self._drop_corrupt(corrupt)
-        return None if replies is None else done
+        return done if reached else None
 
     def _decode(
         self,
