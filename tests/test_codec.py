@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 
 import lz4.block
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -13,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import CorruptBlockError, InvalidInputError, LayoutMismatchError
+from kvstore.format import codec as codec_module
 from kvstore.format.codec import (
     HEADER_ALIGN,
     MAGIC,
@@ -27,6 +30,7 @@ from kvstore.format.codec import (
     parse_header,
 )
 from kvstore.layout import KVLayout
+from kvstore.native import memcopy
 
 KEY = bytes(range(16))
 OTHER_KEY = bytes(range(1, 17))
@@ -595,3 +599,59 @@ def test_layer_pieces_alias_each_layer_of_a_chunk_view() -> None:
     assert whole is not None and len(whole) == 1 and len(whole[0][0]) == 2 * 64 * 4 * 16 * 2
     assert layer_pieces(kv.transpose(3, 4)) is None
     assert layer_pieces(kv[:, :, :, :, ::2]) is None
+
+
+# -- one pass: checksums verified while copying (csrc/memcopy.c) ----------------------
+needs_native = pytest.mark.skipif(
+    memcopy is None or not hasattr(memcopy, "copy_verified"),
+    reason="kvstore.native._memcopy is not built",
+)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_copy_verified_hashes_as_xxhash_and_names_the_first_bad_region(threads):
+    sizes = [1, 5, 65536, 65537, 300_000, 1 << 20, 0, 7]
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (sum(sizes) + 9,), dtype=torch.uint8, generator=gen).numpy()
+    starts = np.cumsum([0, *sizes])
+    sums = np.array(
+        [xxhash.xxh3_64_intdigest(src[a:b].tobytes()) for a, b in itertools.pairwise(starts)],
+        dtype=np.uint64,
+    )
+    table = np.array(sizes, dtype=np.uint64)
+    dst = np.zeros_like(src)
+    assert memcopy.copy_verified(dst, src, table, sums, threads) == -1
+    assert np.array_equal(dst[: sum(sizes)], src[: sum(sizes)])
+    assert not dst[sum(sizes) :].any()  # nothing past the regions
+    bad = sums.copy()
+    bad[[5, 7]] ^= np.uint64(1)
+    assert memcopy.copy_verified(np.zeros_like(src), src, table, bad, threads) == 5
+    with pytest.raises(ValueError, match="past the end"):
+        memcopy.copy_verified(np.zeros(3, dtype=np.uint8), src, table, sums, threads)
+    with pytest.raises(ValueError, match="one uint64 each"):
+        memcopy.copy_verified(dst, src, table, sums[:-1], threads)
+
+
+@needs_native
+def test_raw_decode_verifies_in_the_copying_pass(monkeypatch):
+    layout = MEDIUM
+    block = make_block(layout, "randn", 5)
+    encoded = bytearray(encode_block(KEY, layout, block, Codec.RAW).tobytes())
+    calls = []
+    real = codec_module._COPY_VERIFIED
+
+    def counting(*args):
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(codec_module, "_COPY_VERIFIED", counting)
+    assert same_bits(decode_block(bytes(encoded), layout, KEY), block)
+    assert len(calls) == 1  # one C call for every layer
+    monkeypatch.setattr(codec_module, "decode_layer", lambda *a: pytest.fail("a second pass"))
+    last = len(encoded) - 1  # a byte of the last layer: the earlier ones were copied
+    encoded[last] ^= 0x10
+    with pytest.raises(CorruptBlockError, match=f"layer {layout.num_layers - 1}"):
+        decode_block(
+            bytes(encoded), layout, KEY, out=torch.empty(layout.block_shape, dtype=layout.dtype)
+        )

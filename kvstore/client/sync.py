@@ -42,7 +42,7 @@ from kvstore.client._common import (
     same_length,
 )
 from kvstore.client.connection import Connection, Dead
-from kvstore.client.receive import RECV_GROUP, receive, slot_tensor
+from kvstore.client.receive import RECV_GROUP, copy_from_shm, receive, slot_tensor
 from kvstore.copies import engine_for
 from kvstore.errors import (
     AccessDeniedError,
@@ -400,7 +400,7 @@ class Client:
             conn.close()
             raise ProtocolError("GET reply payload does not match its inline blocks")
         done: list[bool | None] = [False] * len(keys)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pairs: list[tuple[torch.Tensor, int]] = []
         first, last = layers if layers is not None else (0, self.layout.num_layers)
         span = (last - first) * self.layout.layer_nbytes
         arriving: list[int] = []
@@ -408,12 +408,13 @@ class Client:
             if status == SlotStatus.INLINE:
                 arriving.append(i)
             elif status == SlotStatus.SHM:
-                if conn.shm is None:
-                    raise ProtocolError("the server answered with shared memory not asked for")
-                pairs.append((out, slot_tensor(conn.shm, self.layout, offset, out.shape, span)))
+                pairs.append((out, offset))
                 done[i] = True
+        if pairs and conn.shm is None:
+            raise ProtocolError("the server answered with shared memory not asked for")
         try:
-            engine_for("cpu").copy_all(pairs)  # first: the loan is ticking
+            if conn.shm is not None:  # first: the loan is ticking
+                copy_from_shm(conn.shm, self.layout, pairs, span)
             if pairs and not _within_loan(conn.loan_s, asked):
                 self.stats["shm_late"] += len(pairs)
                 log.warning(

@@ -56,6 +56,10 @@ from kvstore.format.header import (
     read_header,
 )
 from kvstore.layout import KVLayout
+from kvstore.native import memcopy
+
+# None without the compiled helper (or with one built before it had this function).
+_COPY_VERIFIED = getattr(memcopy, "copy_verified", None)
 
 __all__ = [
     "FLAG_SEALED",
@@ -369,12 +373,51 @@ def decode_into(
         )
     if header.sealed:
         raise DecryptError(f"block {header.key.hex()} is encrypted; open it with its key")
+    if _copy_verified(header, (first, last), view, layout, out):
+        return out
     offset = 0
     for i in range(first, last):
         n = header.layer_nbytes[i]
         decode_layer(header, i, view[offset : offset + n], layout, out[i - first])
         offset += n
     return out
+
+
+def _copy_verified(
+    header: BlockHeader,
+    layers: tuple[int, int],
+    stored: memoryview,
+    layout: KVLayout,
+    out: torch.Tensor,
+) -> bool:
+    """Raw layers into a contiguous host ``out`` in one pass over the bytes: each 64 KiB
+    piece hashed just before it is copied (csrc/memcopy.c), instead of a checksum pass
+    then a copy pass (on the Redis tier's get, the second pass over the value cost a
+    tenth of its throughput). False where this does not apply (no compiled helper, a
+    compressed codec, a GPU or strided ``out``): :func:`decode_layer` does it then."""
+    first, last = layers
+    sizes = header.layer_nbytes[first:last]
+    if (
+        _COPY_VERIFIED is None
+        or header.codec != Codec.RAW
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+        or any(n != layout.layer_nbytes for n in sizes)
+    ):
+        return False
+    target = out.view(torch.uint8).view(-1).numpy()
+    bad = _COPY_VERIFIED(
+        target,
+        stored,
+        np.array(sizes, dtype=np.uint64),
+        np.array(header.layer_checksums[first:last], dtype=np.uint64),
+        1,  # as the two passes were: helper threads wait for a CPU on a busy host
+    )
+    if bad >= 0:
+        raise CorruptBlockError(
+            f"checksum mismatch in layer {first + bad} of block {header.key.hex()}"
+        )
+    return True
 
 
 def decode_layer(

@@ -3,7 +3,9 @@
 - :data:`chain` -- ``kvstore.native._chain`` (csrc/chain.c): the chained chunk keys of
   :func:`kvstore.keys.chain_keys` in one C loop over xxHash's XXH3.
 - :data:`memcopy` -- ``kvstore.native._memcopy`` (csrc/memcopy.c): many host-memory copies
-  in one call with the GIL released once, for the copy engine (:mod:`kvstore.copies`).
+  in one call with the GIL released once, for the copy engine (:mod:`kvstore.copies`) and
+  the client's copies out of shared memory (:mod:`kvstore.client.receive`); and copies
+  that verify XXH3 checksums in the same pass, for decoding (:mod:`kvstore.format.codec`).
 
 Each is None where the install could not compile it (no C compiler, no Python headers);
 kvstore then uses its pure-Python paths, which give the same results, slower.

@@ -52,7 +52,7 @@ from kvstore.format import TAG_BYTES, BlockHeader, EncodedBlock, parse_header
 from kvstore.keys import BlockKey
 from kvstore.layout import KVLayout
 from kvstore.runtime import Backoff, mask_text, mask_url, retry_call
-from kvstore.tiers._redisresp import set_pipelined
+from kvstore.tiers._redisresp import get_pipelined, set_pipelined
 from kvstore.tiers.base import LayerRange
 from kvstore.tiers.remote_common import (
     Breaker,
@@ -241,16 +241,24 @@ class RedisTier(ValueTier):
     def _get_whole(
         self, keys: list[BlockKey], outs: list[torch.Tensor], layers: LayerRange = None
     ) -> list[bool] | None:
-        """One pipelined GET for the batch; each value verified into its ``out``."""
-        replies = self._pipeline([("GET", self.key_name(k)) for k in keys])
-        if replies is None:
-            return None
-        done: list[bool] = []
+        """One pipelined GET for the batch; each value verified into its ``out`` as it
+        arrives (a cluster's pipeline: once all have)."""
+        done = [False] * len(keys)
         corrupt: list[BlockKey] = []
-        for key, out, value in zip(keys, outs, replies, strict=True):
-            done.append(self._decode(key, out, value, layers, corrupt))
+
+        def each(i: int, value: Any) -> None:
+            done[i] = self._decode(keys[i], outs[i], value, layers, corrupt)
+
+        names = [self.key_name(k) for k in keys]
+        if self.cfg.cluster:
+            replies = self._pipeline([("GET", name) for name in names])
+            for i, value in enumerate(replies or []):
+                each(i, value)
+            reached = replies is not None
+        else:
+            reached = self._run(lambda client: get_pipelined(client, names, each)) is not None
         self._drop_corrupt(corrupt)
-        return done
+        return done if reached else None
 
     def _decode(
         self,

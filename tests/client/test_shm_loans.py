@@ -43,18 +43,28 @@ def server() -> Iterator[ServerThread]:
 
 
 class _StalledOnce:
-    """The real engine, except that this thread's first copy out of shared memory
-    waits until ``resume`` is set (after telling ``lent``): a starved client thread."""
+    """A real copy (``real``, whose argument ``pairs_at`` is its pairs), except that this
+    thread's first one waits until ``resume`` is set (after telling ``lent``): a starved
+    client thread."""
 
-    def __init__(self, real: CopyEngine, thread: threading.Thread) -> None:
-        self.real, self.thread = real, thread
+    def __init__(self, real: Callable[..., None], thread: threading.Thread, pairs_at: int) -> None:
+        self.real, self.thread, self.pairs_at = real, thread, pairs_at
         self.lent, self.resume = threading.Event(), threading.Event()
 
-    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if pairs and threading.current_thread() is self.thread and not self.lent.is_set():
+    def __call__(self, *args: Any) -> None:
+        mine = threading.current_thread() is self.thread
+        if args[self.pairs_at] and mine and not self.lent.is_set():
             self.lent.set()
             assert self.resume.wait(30)
-        self.real.copy_all(pairs)
+        self.real(*args)
+
+
+class _StalledEngine:
+    """The real copy engine, its ``copy_all`` stalled once (:class:`_StalledOnce`)."""
+
+    def __init__(self, real: CopyEngine, thread: threading.Thread) -> None:
+        self.real = real
+        self.copy_all = self.stall = _StalledOnce(real.copy_all, thread, 0)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.real, name)
@@ -69,8 +79,8 @@ def test_a_copy_out_after_the_loan_ended_is_a_miss_not_another_blocks_bytes(
     with Client(LAYOUT, options) as reader, Client(LAYOUT, options) as writer:
         assert reader.put(mine, [truth[k] for k in mine]) == [True] * 4
         assert reader.shared_memory
-        stall = _StalledOnce(client_sync.engine_for("cpu"), threading.current_thread())
-        monkeypatch.setattr(client_sync, "engine_for", lambda device: stall)
+        stall = _StalledOnce(client_sync.copy_from_shm, threading.current_thread(), 2)
+        monkeypatch.setattr(client_sync, "copy_from_shm", stall)
 
         def overwrite() -> None:
             assert stall.lent.wait(30)
@@ -151,8 +161,9 @@ def test_a_write_into_reserved_slots_after_the_connection_closed_changes_no_othe
     with Client(LAYOUT, options) as frozen, Client(LAYOUT, options) as other:
         assert frozen.put(make_keys(1, salt=9), block_list(LAYOUT, 1, seed=9)) == [True]
         assert frozen.shared_memory
-        stall = _StalledOnce(client_sync.engine_for("cpu"), threading.current_thread())
-        monkeypatch.setattr(client_sync, "engine_for", lambda device: stall)
+        engine = _StalledEngine(client_sync.engine_for("cpu"), threading.current_thread())
+        stall = engine.stall
+        monkeypatch.setattr(client_sync, "engine_for", lambda device: engine)
         stored: list[bool] = []
 
         def overwrite() -> None:

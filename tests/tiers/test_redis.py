@@ -190,6 +190,42 @@ def test_corrupt_value_is_a_counted_miss_and_is_deleted(
         assert client.exists(name) == 0
 
 
+def test_each_value_is_decoded_as_it_arrives_and_a_batch_mixes_hits_misses_and_damage(
+    make: Any, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+):
+    """A batch's GETs go in one write; each reply is verified into its tensor before the
+    next is read (Redis sends the next meanwhile), and a missing or damaged value among
+    them is a miss of its own."""
+    layout = small_layout()
+    tier = make(layout, codec="raw")
+    keys = make_keys(4, salt=31)
+    blocks = blocks_of(layout, 4)
+    assert tier.put(keys[:3], blocks[:3]) == [True] * 3
+    damaged = tier.key_name(keys[1])
+    client.set(damaged, DAMAGES["flipped"](client.get(damaged)))
+    events: list[str] = []
+    conn_cls = redis.connection.Connection  # what a redis:// url's pool makes
+    real_read, real_decode = conn_cls.read_response, RedisTier._decode
+
+    def reading(self: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append("read")
+        return real_read(self, *args, **kwargs)
+
+    def decoding(self: RedisTier, *args: Any) -> bool:
+        events.append("decode")
+        return real_decode(self, *args)
+
+    monkeypatch.setattr(conn_cls, "read_response", reading)
+    monkeypatch.setattr(RedisTier, "_decode", decoding)
+    outs = empty(layout, 4)
+    assert tier.get(keys, outs) == [True, False, True, False]
+    assert events[:8] == ["read", "decode"] * 4
+    assert torch.equal(outs[0], blocks[0]) and torch.equal(outs[2], blocks[2])
+    stats = tier.stats()
+    assert (stats["corrupt"], stats["misses"], stats["blocks_got"]) == (1, 1, 2)
+    assert client.exists(damaged) == 0
+
+
 def test_foreign_layout_values_are_ignored(make: Any, client: redis.Redis):
     ours_layout, other_layout = small_layout(), small_layout(head_dim=32)
     ours = make(ours_layout, key_prefix="shared")
