@@ -47,6 +47,24 @@ typedef struct {
 } Share;
 
 /* Copy the part of the concatenated regions that falls in [lo, hi). */
+/* Run fn over threads jobs of size bytes each (jobs[0] on the calling thread); a job
+ * whose thread cannot be had runs here too, after the others were started. */
+static void
+run_shares(void *(*fn)(void *), char *jobs, size_t size, int threads)
+{
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, fn, jobs + (size_t)t * size) == 0;
+    fn(jobs);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(ids[t], NULL);
+        else
+            fn(jobs + (size_t)t * size); /* no thread to be had: do its share here */
+    }
+}
+
 static void *
 copy_share(void *arg)
 {
@@ -71,23 +89,13 @@ static void
 copy_all(const uint64_t *table, Py_ssize_t regions, uint64_t total, int threads)
 {
     Share shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int t = 0; t < threads; t++) {
         shares[t].table = table;
         shares[t].regions = regions;
         shares[t].lo = total * (uint64_t)t / (uint64_t)threads;
         shares[t].hi = total * (uint64_t)(t + 1) / (uint64_t)threads;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, copy_share, &shares[t]) == 0;
-    copy_share(&shares[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            copy_share(&shares[t]); /* no thread to be had: do its share here */
-    }
+    run_shares(copy_share, (char *)shares, sizeof(Share), threads);
 }
 
 static PyObject *
@@ -159,8 +167,6 @@ static Py_ssize_t
 copy_checked_all(Checked *base, Py_ssize_t regions, uint64_t total, int threads)
 {
     Checked jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     Py_ssize_t next = 0;
     for (int t = 0; t < threads; t++) {
         jobs[t] = *base;
@@ -170,15 +176,7 @@ copy_checked_all(Checked *base, Py_ssize_t regions, uint64_t total, int threads)
             next++;
         jobs[t].last = next;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, copy_checked_share, &jobs[t]) == 0;
-    copy_checked_share(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            copy_checked_share(&jobs[t]);
-    }
+    run_shares(copy_checked_share, (char *)jobs, sizeof(Checked), threads);
     for (int t = 0; t < threads; t++)
         if (jobs[t].bad >= 0)
             return jobs[t].bad; /* jobs hold ascending ranges: the first found is lowest */

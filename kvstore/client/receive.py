@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.client.connection import Connection
-from kvstore.copies import engine_for
+from kvstore.copies import engine_for, plain_bytes
 from kvstore.errors import CorruptBlockError, LayoutMismatchError, ProtocolError
 from kvstore.format import layer_pieces, verify_layers
 from kvstore.keys import BlockKey
@@ -154,7 +154,7 @@ def _direct_table(
     for out, offset in pairs:
         if offset < 0 or offset + span > size:
             raise ProtocolError(f"shared-memory range {offset}+{span} outside the segment")
-        if not _plain(out) or out.numel() * out.element_size() != span:
+        if not plain_bytes(out) or out.numel() * out.element_size() != span:
             return None
         table.extend((out.data_ptr(), base + offset, span))
         ends.append((out.data_ptr(), out.data_ptr() + span))
@@ -162,20 +162,6 @@ def _direct_table(
     if any(ends[i][1] > ends[i + 1][0] for i in range(len(ends) - 1)):
         return None
     return table
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A host tensor whose elements are its bytes, in order (a memcpy writes it as
-    ``copy_`` would)."""
-    return (
-        type(t) is torch.Tensor
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        and not t.requires_grad
-        and not t.is_conj()
-        and not t.is_neg()
-    )
 
 
 def _span_nbytes(layout: KVLayout, layers: tuple[int, int] | None) -> int:

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.copies.base import CopyEngine, Event, Lane, OnDone
-from kvstore.copies.coalescing import CopyPair, coalesce, copy_pairs, needs_inference_mode
+from kvstore.copies.coalescing import (
+    CopyPair,
+    coalesce,
+    copy_pairs,
+    needs_inference_mode,
+    plain_bytes,
+)
 from kvstore.copies.threads import ThreadCopyEngine, ThreadEvent, ThreadLane
 from kvstore.runtime import load_export
 
@@ -57,6 +63,7 @@ __all__ = [
     "engine_for_pairs",
     "load_cudart",
     "needs_inference_mode",
+    "plain_bytes",
 ]
 
 #: Imported on first use: the CUDA side (its runtime, 2-D row copies) and block runs.

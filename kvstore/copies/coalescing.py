@@ -362,7 +362,7 @@ def copy_pairs(
     return len(merged)
 
 
-def _plain_bytes(t: torch.Tensor) -> bool:
+def plain_bytes(t: torch.Tensor) -> bool:
     """A host tensor whose elements are its bytes, in order: a plain memcpy reads or
     writes it exactly as ``copy_`` would."""
     return (
@@ -392,7 +392,7 @@ def _host_memcpy_safe(pairs: Sequence[CopyPair]) -> bool:
     dsts: list[tuple[int, int]] = []
     srcs: list[tuple[int, int]] = []
     for dst, src in pairs:
-        if not (_plain_bytes(dst) and _plain_bytes(src)):
+        if not (plain_bytes(dst) and plain_bytes(src)):
             return False
         if dst.dtype != src.dtype or dst.shape != src.shape:
             return False

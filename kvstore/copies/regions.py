@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.copies.rows import collapse_dims, plain_strided
+
 __all__ = ["MAX_ROWS", "RegionGroup", "Regions", "plan_regions"]
 
 #: A batch of more rows than this goes the old way (the table would cost more than it saves).
@@ -74,32 +76,6 @@ class Regions:
         return sum(g.rows for g in self.groups)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and not t.is_conj()
-        and not t.is_neg()
-        and not t.is_quantized
-        and not t.is_nested
-        and t.device.type != "meta"
-    )
-
-
-def _dims(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(size, dst stride, src stride)`` outermost first, size-1 dims dropped and dims
-    merged where both sides are contiguous across them."""
-    merged: list[tuple[int, int, int]] = []
-    for size, ds, ss in zip(dst.shape, dst.stride(), src.stride(), strict=True):
-        if size == 1:
-            continue
-        if merged and merged[-1][1] == ds * size and merged[-1][2] == ss * size:
-            merged[-1] = (merged[-1][0] * size, ds, ss)
-        else:
-            merged.append((size, ds, ss))
-    return merged
-
-
 @dataclass
 class _Rows:
     """One pair's rows: absolute byte addresses of each row on both sides, and its width."""
@@ -112,7 +88,7 @@ class _Rows:
 
 
 def _row_count(dst: torch.Tensor, src: torch.Tensor) -> int:
-    dims = _dims(dst, src)
+    dims = collapse_dims(dst, src)
     if dims and dims[-1][1] == 1 and dims[-1][2] == 1:
         dims = dims[:-1]
     return math.prod(size for size, _, _ in dims)
@@ -122,7 +98,7 @@ def _pair_rows(dst: torch.Tensor, src: torch.Tensor) -> _Rows:
     """The rows of one pair (the innermost dim where it is contiguous on both sides,
     else single elements)."""
     item = dst.element_size()
-    dims = _dims(dst, src)
+    dims = collapse_dims(dst, src)
     width = item
     if dims and dims[-1][1] == 1 and dims[-1][2] == 1:
         width = dims[-1][0] * item
@@ -138,8 +114,8 @@ def _pair_rows(dst: torch.Tensor, src: torch.Tensor) -> _Rows:
 
 def _eligible(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> bool:
     return (
-        _plain(dst)
-        and _plain(src)
+        plain_strided(dst)
+        and plain_strided(src)
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.device == device

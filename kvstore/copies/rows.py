@@ -54,7 +54,9 @@ class Rows:
 _Dim = tuple[int, int, int]  # (size, dst stride, src stride), in elements
 
 
-def _plain(t: torch.Tensor) -> bool:
+def plain_strided(t: torch.Tensor) -> bool:
+    """A plain strided CPU or CUDA tensor (no subclass, conjugate or negative view,
+    quantized or nested layout): its elements are where its strides say."""
     return (
         type(t) is torch.Tensor
         and t.layout == torch.strided
@@ -66,7 +68,7 @@ def _plain(t: torch.Tensor) -> bool:
     )
 
 
-def _collapse(dst: torch.Tensor, src: torch.Tensor) -> list[_Dim]:
+def collapse_dims(dst: torch.Tensor, src: torch.Tensor) -> list[_Dim]:
     """The pair's dimensions, outermost first, size-1 dims dropped and adjacent dims
     merged wherever both tensors are contiguous across them."""
     merged: list[_Dim] = []
@@ -123,11 +125,13 @@ def plan_rows(
     2-D copies do it. The largest outer dimension becomes the rows of each copy;
     the others are looped over.
     """
-    if not (_plain(dst) and _plain(src)) or dst.dtype != src.dtype or dst.shape != src.shape:
+    if not (plain_strided(dst) and plain_strided(src)):
+        return None
+    if dst.dtype != src.dtype or dst.shape != src.shape:
         return None
     if dst.numel() == 0:
         return None
-    dims = _collapse(dst, src)
+    dims = collapse_dims(dst, src)
     item = dst.element_size()
     if not dims:  # one element
         return None
